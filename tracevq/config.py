@@ -1,0 +1,109 @@
+"""Model configurations by name. Pure Python: no torch, so the orchestrator can plan cheaply."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+from tracevq.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a ViT (frames == 1) or a ViViT with joint space-time attention (frames > 1)."""
+
+    name: str
+    image_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    frames: int = 1
+    tubelet: int = 1  # frames per tubelet; 1 for images
+    dim: int = 768
+    depth: int = 12
+    heads: int = 12
+    mlp_ratio: float = 4.0
+    num_classes: int = 1000
+
+    @property
+    def is_video(self) -> bool:
+        return self.frames > 1
+
+    @property
+    def num_patches(self) -> int:
+        return (self.frames // self.tubelet) * (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens(self) -> int:
+        """Sequence length N, CLS included."""
+        return self.num_patches + 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_chans * self.tubelet * self.patch_size**2
+
+    def input_shape(self, batch: int = 1) -> tuple[int, ...]:
+        if self.is_video:
+            return (batch, self.in_chans, self.frames, self.image_size, self.image_size)
+        return (batch, self.in_chans, self.image_size, self.image_size)
+
+    def validate(self) -> ModelConfig:
+        checks = {
+            "image_size": self.image_size % self.patch_size == 0,
+            "frames": self.frames % self.tubelet == 0,
+            "dim": self.dim % self.heads == 0,
+        }
+        for field, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"model {self.name!r}: {field} does not divide evenly: {self}")
+        return self
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "vit-b16": ModelConfig("vit-b16"),
+    "vit-tiny": ModelConfig(
+        "vit-tiny", image_size=32, patch_size=8, dim=64, depth=4, heads=4, num_classes=10
+    ),
+    "vivit-b": ModelConfig("vivit-b", frames=32, tubelet=2, num_classes=101),
+    "vivit-tiny": ModelConfig(
+        "vivit-tiny",
+        image_size=32,
+        patch_size=8,
+        frames=4,
+        tubelet=2,
+        dim=64,
+        depth=3,
+        heads=4,
+        num_classes=10,
+    ),
+    # digits (8x8 grey, upsampled to 16x16), patch 2: 64 patches + CLS to split across devices
+    "vit-digits": ModelConfig(
+        "vit-digits", image_size=16, patch_size=2, in_chans=1, dim=64, depth=4, heads=4,
+        num_classes=10,
+    ),
+}
+
+
+def model_config(name: str, **overrides: object) -> ModelConfig:
+    """The named configuration with fields replaced by `overrides`."""
+    if name not in MODEL_CONFIGS:
+        hint = difflib.get_close_matches(name, MODEL_CONFIGS, n=1)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(
+            f"unknown model {name!r}{suggestion}; known: {', '.join(sorted(MODEL_CONFIGS))}"
+        )
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
+    for key in overrides:
+        if key not in fields:
+            hint = difflib.get_close_matches(key, fields, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"model {name!r}: unknown override {key!r}{suggestion}")
+    return dataclasses.replace(MODEL_CONFIGS[name], **overrides).validate()

@@ -1,0 +1,70 @@
+"""One device's share of a sequence-parallel inference, step by step.
+
+The caller moves the messages: the in-process simulation hands them over directly, the
+network worker sends them on sockets. Both drive a `DeviceRun` the same way, per block b:
+
+    message = run.begin_block(b)             # to peers now (Voltage, Prism, Astra; Trace at b=0)
+    message = run.attend(b, peer_messages)   # peers' messages for b in; Trace's for b + 1 out
+    run.finish_block(b)                      # local FFN, while Trace's message travels
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tracevq.methods import Method
+from tracevq.partition import partition_ranges
+
+
+class DeviceRun:
+    """Device `rank`'s state for one inference of a batch."""
+
+    def __init__(self, method: Method, rank: int, devices: int, inputs: Tensor):
+        self.method, self.rank = method, rank
+        self.model = method.model
+        self.ranges = partition_ranges(self.model.config.tokens, devices)
+        batch = inputs.shape[0]
+        start, stop = self.ranges[rank]
+        self.sender = method.sender(rank, stop - start, batch)
+        self.receivers = {
+            peer: method.receiver(peer, b - a, batch)
+            for peer, (a, b) in enumerate(self.ranges)
+            if peer != rank
+        }
+        self.x = self.model.embed(inputs, start, stop)  # (B, n, D)
+        self.z: Tensor | None = None
+
+    @property
+    def peers(self) -> list[int]:
+        return list(self.receivers)
+
+    def begin_block(self, block: int) -> bytes | None:
+        return self.sender.pre_block(block, self.x)
+
+    def attend(self, block: int, messages: dict[int, bytes]) -> bytes | None:
+        """Attention of local queries over local and remote K/V; returns the post-attention
+        message (for block + 1) if the method sends one."""
+        layer = self.model.blocks[block]
+        q, k, v = layer.attn.qkv_heads(layer.norm1(self.x))  # (B, H, n, d) each
+        keys, values, biases = [k], [v], [torch.zeros(k.shape[2])]
+        for peer in self.peers:
+            remote = self.receivers[peer].remote_kv(block, messages[peer])
+            keys.append(remote.k)
+            values.append(remote.v)
+            bias = remote.bias if remote.bias is not None else torch.zeros(remote.k.shape[2])
+            biases.append(bias)
+        any_bias = any(bool(b.any()) for b in biases)
+        bias = torch.cat(biases) if any_bias else None
+        self.z = self.x + layer.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), bias)
+        return self.sender.post_attention(block, self.x, self.z)
+
+    def finish_block(self, block: int) -> None:
+        assert self.z is not None, "finish_block before attend"
+        self.x = self.model.blocks[block].ffn(self.z)
+        self.z = None
+
+    def logits(self) -> Tensor:
+        """Class logits; only device 0 holds the CLS token."""
+        assert self.rank == 0, "only device 0 holds the CLS token"
+        return self.model.classify(self.x[:, 0])

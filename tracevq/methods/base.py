@@ -1,0 +1,84 @@
+"""The interface every exchange method implements, shared by the simulation and the worker.
+
+A method is built once per session from the model (and a bundle for codebook methods). For
+each inference a device makes one `Sender` and, per peer, one `Receiver`:
+
+- `Sender.pre_block(b, x)` is called with the block input X_p before block b's attention and
+  returns the message peers need for block b, or None.
+- `Sender.post_attention(b, x, z)` is called with the block input and the post-attention
+  residual Z_p of block b, before its FFN, and returns the message for block b + 1, or None.
+  A message returned here can travel while the FFN runs (Trace's overlap).
+- `Receiver.remote_kv(b, message)` turns the peer's message for block b into its K/V.
+
+Messages are the exact bytes that cross the link; their size follows from the method, the
+sender's token count and batch, and (for Trace) the header byte, so no length prefix is needed.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from torch import Tensor
+
+from tracevq.errors import ProtocolError
+from tracevq.models import RemoteKV, VisionTransformer
+from tracevq.payload import message_bits
+from tracevq.spec import MethodSpec
+
+
+class Sender(abc.ABC):
+    def pre_block(self, block: int, x: Tensor) -> bytes | None:
+        return None
+
+    def post_attention(self, block: int, x: Tensor, z: Tensor) -> bytes | None:
+        return None
+
+
+class Receiver(abc.ABC):
+    @abc.abstractmethod
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV: ...
+
+
+class Method(abc.ABC):
+    """A sequence-parallel exchange method bound to a model (and its codebooks)."""
+
+    header_bytes = 0  # bytes to read before the message size is known
+
+    def __init__(self, spec: MethodSpec, model: VisionTransformer):
+        self.spec = spec
+        self.model = model
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pre_block_message(self) -> bool:
+        """True when block b's message is made from block b's input (no overlap possible)."""
+        return not self.spec.is_trace
+
+    def payload_bits(self, tokens: int, batch: int = 1) -> int:
+        """Bits of one message from a device holding `tokens` tokens."""
+        return message_bits(self.spec, tokens, self.model.config.dim, batch)
+
+    def message_bytes(self, tokens: int, batch: int, header: bytes = b"") -> int:
+        """Bytes of one message (header included) from a device holding `tokens` tokens."""
+        return -(-self.payload_bits(tokens, batch) // 8)
+
+    @abc.abstractmethod
+    def sender(self, rank: int, tokens: int, batch: int) -> Sender: ...
+
+    @abc.abstractmethod
+    def receiver(self, peer: int, tokens: int, batch: int) -> Receiver: ...
+
+    def describe(self) -> dict[str, object]:
+        """Parameters and derived facts for records (level, bits, buffer memory ...)."""
+        return {"method": self.name, **self.spec.params()}
+
+
+def check_length(message: bytes, expected: int, what: str, peer: int, block: int) -> None:
+    if len(message) != expected:
+        raise ProtocolError(
+            f"{what} message from device {peer} for block {block}: "
+            f"expected {expected} bytes, got {len(message)}"
+        )

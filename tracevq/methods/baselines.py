@@ -1,0 +1,148 @@
+"""The comparison methods: Voltage (full activations), Prism (segment means), Astra (VQ of the
+block input, projection at the receiver). None of them can overlap: their message is needed
+before the block's attention."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tracevq.methods.base import Method, Receiver, Sender, check_length
+from tracevq.models import RemoteKV, VisionTransformer
+from tracevq.payload import index_bits
+from tracevq.spec import MethodSpec
+from tracevq.vq import VectorQuantizer
+
+
+def tensor_bytes(x: Tensor, dtype: np.dtype) -> bytes:
+    return x.detach().contiguous().numpy().astype(dtype, copy=False).tobytes()
+
+
+def bytes_tensor(message: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> Tensor:
+    array = np.frombuffer(message, dtype=dtype).astype(np.float32).reshape(shape)
+    return torch.from_numpy(array)
+
+
+class VoltageSender(Sender):
+    def pre_block(self, block: int, x: Tensor) -> bytes:
+        return tensor_bytes(x, np.dtype("<f4"))
+
+
+class VoltageReceiver(Receiver):
+    def __init__(self, method: Voltage, peer: int, tokens: int, batch: int):
+        self.method, self.peer, self.shape = method, peer, (batch, tokens, method.dim)
+
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV:
+        check_length(message, 4 * math.prod(self.shape), "voltage", self.peer, block)
+        x = bytes_tensor(message, np.dtype("<f4"), self.shape)  # (B, n, D)
+        return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
+
+
+class Voltage(Method):
+    """Sends the block input X_p in fp32; receivers run LN1 and the K/V projection."""
+
+    def __init__(self, spec: MethodSpec, model: VisionTransformer):
+        super().__init__(spec, model)
+        self.dim = model.config.dim
+
+    def sender(self, rank: int, tokens: int, batch: int) -> Sender:
+        return VoltageSender()
+
+    def receiver(self, peer: int, tokens: int, batch: int) -> Receiver:
+        return VoltageReceiver(self, peer, tokens, batch)
+
+
+class PrismSender(Sender):
+    def __init__(self, method: Prism):
+        self.method = method
+
+    def pre_block(self, block: int, x: Tensor) -> bytes:
+        h = self.method.model.blocks[block].norm1(x)  # (B, n, D)
+        means = torch.stack([group.mean(dim=1) for group in h.split(self.method.segment, 1)], 1)
+        return tensor_bytes(means, self.method.dtype)  # (B, groups, D)
+
+
+class PrismReceiver(Receiver):
+    def __init__(self, method: Prism, peer: int, tokens: int, batch: int):
+        self.method, self.peer = method, peer
+        self.shape = (batch, math.ceil(tokens / method.segment), method.model.config.dim)
+        counts = [len(group) for group in torch.arange(tokens).split(method.segment)]
+        # a mean key stands for `count` tokens: log(count) on its logit
+        self.bias = torch.tensor(counts, dtype=torch.float32).log()
+
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV:
+        expected = self.method.dtype.itemsize * math.prod(self.shape)
+        check_length(message, expected, "prism", self.peer, block)
+        means = bytes_tensor(message, self.method.dtype, self.shape)
+        k, v = self.method.model.blocks[block].attn.kv_heads(means)
+        return RemoteKV(k, v, self.bias)
+
+
+class Prism(Method):
+    """Sends means of LN1(X_p) over groups of `segment` consecutive tokens."""
+
+    def __init__(self, spec: MethodSpec, model: VisionTransformer):
+        super().__init__(spec, model)
+        self.segment = spec.segment
+        self.dtype = np.dtype("<f4" if spec.mean_bits == 32 else "<f2")
+
+    def sender(self, rank: int, tokens: int, batch: int) -> Sender:
+        return PrismSender(self)
+
+    def receiver(self, peer: int, tokens: int, batch: int) -> Receiver:
+        return PrismReceiver(self, peer, tokens, batch)
+
+
+class AstraSender(Sender):
+    def __init__(self, method: Astra):
+        self.method = method
+
+    def pre_block(self, block: int, x: Tensor) -> bytes:
+        indices = self.method.quantizers[block].nearest(x).reshape(-1)
+        return self.method.pack(indices)
+
+
+class AstraReceiver(Receiver):
+    def __init__(self, method: Astra, peer: int, tokens: int, batch: int):
+        self.method, self.peer, self.shape = method, peer, (batch, tokens)
+
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV:
+        rows = math.prod(self.shape)
+        check_length(message, self.method.message_bytes(rows, 1), "astra", self.peer, block)
+        indices = self.method.unpack(message, rows).reshape(self.shape)
+        x = self.method.quantizers[block].decode(indices)  # (B, n, D)
+        return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
+
+
+class Astra(Method):
+    """Sends the index of the nearest codeword of X_p; receivers project the codeword."""
+
+    def __init__(self, spec: MethodSpec, model: VisionTransformer, quantizers: list[VectorQuantizer]):
+        super().__init__(spec, model)
+        self.quantizers = quantizers
+        self.bits = index_bits(spec.K)
+
+    def pack(self, indices: Tensor) -> bytes:
+        from tracevq.codec import pack_indices
+
+        if self.spec.packed:
+            return pack_indices(indices.numpy(), self.bits)
+        return indices.numpy().astype("<u2").tobytes()
+
+    def unpack(self, message: bytes, rows: int) -> Tensor:
+        from tracevq.codec import unpack_indices
+
+        if self.spec.packed:
+            array = unpack_indices(message, rows, self.bits)
+        else:
+            array = np.frombuffer(message, dtype="<u2").astype(np.int64)
+        return torch.from_numpy(array)
+
+    def sender(self, rank: int, tokens: int, batch: int) -> Sender:
+        return AstraSender(self)
+
+    def receiver(self, peer: int, tokens: int, batch: int) -> Receiver:
+        return AstraReceiver(self, peer, tokens, batch)

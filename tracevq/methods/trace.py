@@ -1,0 +1,165 @@
+"""Trace: r-bit codebook indices on the wire.
+
+Exchange points: VQ_0 quantises the block-0 input X^(0); VQ_b (b >= 1) quantises what block
+b - 1 produced after its attention. The sender encodes right after attention and the message
+travels while its FFN runs.
+
+- trace-b codes Z^(b-1). The next block input of a codeword c is g(c) = c + FFN(LN2(c)), a
+  function of c alone, so the receiver gathers rows of precomputed K/V buffers
+  (DESIGN 3.3). `buffers=False` runs the same chain at the receiver instead.
+- trace-nb codes the attention update A = Z - X. The receiver keeps a shadow stream per remote
+  token that starts at the VQ_0 codeword and advances as Z~ = X~ + codeword,
+  X~ = Z~ + FFN(LN2(Z~)) (DESIGN 3.4); remote K/V are projected from LN1(X~).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tracevq.codec import decode_trace_message, encode_trace_message, trace_message_bytes
+from tracevq.errors import ConfigError
+from tracevq.methods.base import Method, Receiver, Sender, check_length
+from tracevq.models import RemoteKV, VisionTransformer, split_heads
+from tracevq.spec import MethodSpec
+from tracevq.tree import CodebookTree
+from tracevq.vq import VectorQuantizer
+
+
+class TraceSender(Sender):
+    def __init__(self, method: TraceMethod):
+        self.method = method
+
+    def pre_block(self, block: int, x: Tensor) -> bytes | None:
+        return self.method.encode(0, x) if block == 0 else None
+
+    def post_attention(self, block: int, x: Tensor, z: Tensor) -> bytes | None:
+        if block + 1 >= len(self.method.quantizers):
+            return None
+        coded = z - x if self.method.name == "trace-nb" else z
+        return self.method.encode(block + 1, coded)
+
+
+class TraceReceiver(Receiver):
+    def __init__(self, method: TraceMethod, peer: int, tokens: int, batch: int):
+        self.method, self.peer, self.shape = method, peer, (batch, tokens)
+        self.shadow: Tensor | None = None  # trace-nb: the peer's block input as seen here
+
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV:
+        method = self.method
+        check_length(message, method.message_bytes(*self.shape[::-1], message[:1]), method.name,
+                     self.peer, block)
+        count = self.shape[0] * self.shape[1]
+        tree = method.trees[block]
+        level, positions = decode_trace_message(message, count, tree.level_bits, block)
+        rows = tree.rows(torch.from_numpy(positions), level).reshape(self.shape)  # (B, n)
+        if method.name == "trace-nb":
+            return self._shadow_kv(block, rows)
+        if method.buffers is not None:
+            k, v = method.buffers[block][rows].chunk(2, dim=-1)  # (B, n, D) each
+            heads = method.model.config.heads
+            return RemoteKV(split_heads(k, heads), split_heads(v, heads))
+        x = method.block_input_of_codewords(block, method.quantizers[block].decode(rows))
+        return RemoteKV(*method.model.blocks[block].remote_kv(x))
+
+    def _shadow_kv(self, block: int, rows: Tensor) -> RemoteKV:
+        codewords = self.method.quantizers[block].decode(rows)  # (B, n, D)
+        blocks = self.method.model.blocks
+        if block == 0:
+            self.shadow = codewords
+        else:
+            assert self.shadow is not None, "trace-nb receiver skipped block 0"
+            self.shadow = blocks[block - 1].ffn(self.shadow + codewords)
+        return RemoteKV(*blocks[block].remote_kv(self.shadow))
+
+
+class TraceMethod(Method):
+    header_bytes = 1
+
+    def __init__(
+        self,
+        spec: MethodSpec,
+        model: VisionTransformer,
+        quantizers: list[VectorQuantizer],
+        trees: list[CodebookTree],
+    ):
+        super().__init__(spec, model)
+        if len(quantizers) != model.config.depth or len(trees) != model.config.depth:
+            raise ConfigError(
+                f"method {spec.name!r}: needs {model.config.depth} codebooks and trees "
+                f"(one per block), the bundle has {len(quantizers)} and {len(trees)}"
+            )
+        self.quantizers, self.trees = quantizers, trees
+        self.level = trees[0].level_for_size(spec.resolved_level_k)
+        use_buffers = spec.name == "trace-b" and spec.buffers
+        self.buffers = self._compute_buffers() if use_buffers else None
+
+    @property
+    def level_bits(self) -> list[int]:
+        return self.trees[0].level_bits
+
+    def set_level(self, level: int) -> None:
+        """Encode at another tree level from the next message on (no new buffers needed)."""
+        if not 0 <= level < len(self.level_bits):
+            raise ConfigError(f"level {level} not in the codebook tree (0..{len(self.level_bits) - 1})")
+        self.level = level
+
+    def payload_bits(self, tokens: int, batch: int = 1) -> int:
+        return tokens * batch * self.level_bits[self.level] + 8
+
+    def message_bytes(self, tokens: int, batch: int, header: bytes = b"") -> int:
+        level = header[0] & 0x0F if header else self.level
+        bits = self.level_bits[level] if level < len(self.level_bits) else self.level_bits[-1]
+        return trace_message_bytes(tokens * batch, bits)
+
+    def encode(self, block: int, x: Tensor) -> bytes:
+        quantizer, tree = self.quantizers[block], self.trees[block]
+        codes = quantizer.project(x).reshape(-1, quantizer.code_dim)  # (B * n, d_q)
+        positions = tree.encode(codes, self.level)
+        return encode_trace_message(positions.numpy(), self.level_bits[self.level], self.level, block)
+
+    def block_input_of_codewords(self, block: int, codewords: Tensor) -> Tensor:
+        """Block `block`'s input for tokens whose exchanged state is `codewords` (trace-b)."""
+        return codewords if block == 0 else self.model.blocks[block - 1].ffn(codewords)
+
+    @torch.no_grad()
+    def _compute_buffers(self) -> list[Tensor]:
+        """Per block, the K and V rows of every codeword side by side: (K, 2D)."""
+        buffers = []
+        dim = self.model.config.dim
+        for block, quantizer in enumerate(self.quantizers):
+            x = self.block_input_of_codewords(block, quantizer.decoded_codebook())
+            target = self.model.blocks[block]
+            qkv = target.attn.qkv
+            buffers.append(F.linear(target.norm1(x), qkv.weight[dim:], qkv.bias[dim:]))
+        return buffers
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers or [])
+
+    def sender(self, rank: int, tokens: int, batch: int) -> Sender:
+        return TraceSender(self)
+
+    def receiver(self, peer: int, tokens: int, batch: int) -> Receiver:
+        return TraceReceiver(self, peer, tokens, batch)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            **super().describe(),
+            "level": self.level,
+            "level_k": self.trees[0].level_sizes[self.level],
+            "r_bits": self.level_bits[self.level],
+            "buffer_bytes": self.buffer_bytes,
+        }
+
+
+def auto_level(level_bits: list[int], rows: int, rate_bit_s: float, budget_ms: float) -> int:
+    """Finest level whose message (rows indices + header) crosses the link within the budget
+    (the local FFN time, so that communication stays hidden); the coarsest if none fits."""
+    for level in range(len(level_bits) - 1, -1, -1):
+        transfer_ms = 1000.0 * (rows * level_bits[level] + 8) / rate_bit_s
+        if transfer_ms <= budget_ms:
+            return level
+    return 0

@@ -1,0 +1,46 @@
+"""Analytic payload per device per layer (the paper's Table II), without running anything."""
+
+from __future__ import annotations
+
+import math
+
+from tracevq.config import ModelConfig, model_config
+from tracevq.partition import partition_sizes
+from tracevq.spec import MethodSpec, method_spec
+
+HEADER_BITS = 8
+ASTRA_WORD_BITS = 16
+
+
+def index_bits(k: int) -> int:
+    """ceil(log2 k), at least one bit."""
+    return max(1, math.ceil(math.log2(k)))
+
+
+def message_bits(spec: MethodSpec, tokens: int, dim: int, batch: int = 1) -> int:
+    """Bits one device sends for one layer when it holds `tokens` tokens (x `batch` inputs)."""
+    rows = tokens * batch
+    if spec.name == "single":
+        return 0
+    if spec.name == "voltage":
+        return 32 * rows * dim
+    if spec.name == "prism":
+        return spec.mean_bits * math.ceil(tokens / spec.segment) * batch * dim
+    if spec.name == "astra":
+        return rows * (index_bits(spec.K) if spec.packed else ASTRA_WORD_BITS)
+    return rows * index_bits(spec.resolved_level_k) + HEADER_BITS
+
+
+def payload_bits(
+    model: str | ModelConfig, method: str, devices: int, batch: int = 1, **params: object
+) -> list[int]:
+    """Payload bits per layer for each device rank (one copy, as in the paper's Table II).
+
+    A single device (or the `single` method) sends nothing.
+    """
+    config = model if isinstance(model, ModelConfig) else model_config(model)
+    spec = method_spec(method, **params)
+    sizes = partition_sizes(config.tokens, devices)
+    if devices == 1:
+        return [0]
+    return [message_bits(spec, size, config.dim, batch) for size in sizes]

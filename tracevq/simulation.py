@@ -1,0 +1,67 @@
+"""P devices in one process, exchanging the exact bytes the network worker would send."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tracevq.bundle import Bundle
+from tracevq.engine import DeviceRun
+from tracevq.methods import Method, make_method
+from tracevq.models import VisionTransformer
+
+
+@dataclass
+class SimulationResult:
+    logits: Tensor  # (B, classes), from device 0
+    payload_bits: np.ndarray  # (L, P): analytic bits each device sent for each block
+    wire_bytes: np.ndarray  # (L, P): bytes of the messages each device sent for each block
+
+    @property
+    def payload_bits_per_layer(self) -> np.ndarray:
+        """(P,) bits one device sends for one layer (the paper's Table II quantity)."""
+        return self.payload_bits.max(axis=0)
+
+
+@torch.no_grad()
+def simulate(
+    model: VisionTransformer,
+    inputs: Tensor,
+    method: str | Method = "voltage",
+    devices: int = 2,
+    bundle: Bundle | None = None,
+    **method_params: object,
+) -> SimulationResult:
+    """Run `method` on `devices` simulated devices; the messages are the real wire bytes."""
+    if not isinstance(method, Method):
+        method = make_method(method, model, bundle, **method_params)
+    depth = model.config.depth
+    payload = np.zeros((depth, devices), dtype=np.int64)
+    wire = np.zeros((depth, devices), dtype=np.int64)
+    if devices == 1 or method.name == "single":
+        return SimulationResult(model(inputs), payload[:, :1], wire[:, :1])
+    runs = [DeviceRun(method, rank, devices, inputs) for rank in range(devices)]
+    inbox: dict[int, dict[int, bytes]] = defaultdict(dict)  # block -> sender -> message
+
+    def post(block: int, rank: int, message: bytes | None) -> None:
+        if message is None:
+            return
+        inbox[block][rank] = message
+        tokens = runs[rank].ranges[rank][1] - runs[rank].ranges[rank][0]
+        payload[block, rank] = method.payload_bits(tokens, inputs.shape[0])
+        wire[block, rank] = len(message)
+
+    for block in range(depth):
+        for run in runs:
+            post(block, run.rank, run.begin_block(block))
+        for run in runs:
+            messages = {peer: inbox[block][peer] for peer in run.peers}
+            post(block + 1, run.rank, run.attend(block, messages))
+        for run in runs:
+            run.finish_block(block)
+        inbox.pop(block)
+    return SimulationResult(runs[0].logits(), payload, wire)

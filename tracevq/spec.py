@@ -1,0 +1,100 @@
+"""Exchange-method names and their validated parameters. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass
+
+from tracevq.errors import ConfigError
+
+METHODS = ("single", "voltage", "prism", "astra", "trace-b", "trace-nb")
+TRACE_METHODS = ("trace-b", "trace-nb")
+CODEBOOK_METHODS = ("astra", *TRACE_METHODS)
+
+# parameters each method accepts (beyond its name)
+_ACCEPTS: dict[str, tuple[str, ...]] = {
+    "single": (),
+    "voltage": (),
+    "prism": ("segment", "mean_bits"),
+    "astra": ("K", "packed"),
+    "trace-b": ("K", "level_k", "buffers"),
+    "trace-nb": ("K", "level_k"),
+}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method and its parameters.
+
+    Attributes:
+        name: one of METHODS.
+        K: codebook size (astra, trace-*).
+        level_k: codewords at the tree level used for encoding (trace-*); None = finest (K),
+            "auto" = chosen per session from the link rate and the local FFN time.
+        segment: Prism's group size s.
+        mean_bits: width of each transmitted Prism mean element (32 = fp32, 16 = fp16).
+        packed: Astra indices packed at ceil(log2 K) bits instead of 16-bit words.
+        buffers: Trace-b gathers precomputed K/V rows (True) or recomputes the chain (False).
+    """
+
+    name: str
+    K: int = 1024
+    level_k: int | str | None = None
+    segment: int = 10
+    mean_bits: int = 32
+    packed: bool = False
+    buffers: bool = True
+
+    @property
+    def uses_codebooks(self) -> bool:
+        return self.name in CODEBOOK_METHODS
+
+    @property
+    def is_trace(self) -> bool:
+        return self.name in TRACE_METHODS
+
+    @property
+    def resolved_level_k(self) -> int:
+        """Codewords at the encoding level; 'auto' and None count as the finest level."""
+        return self.K if self.level_k in (None, "auto") else int(self.level_k)
+
+    def params(self) -> dict[str, object]:
+        """Only the parameters this method accepts, for records and handshakes."""
+        return {key: value for key, value in asdict(self).items() if key in _ACCEPTS[self.name]}
+
+
+def method_spec(name: str, **params: object) -> MethodSpec:
+    """Validate a method name and its parameters; errors name the offending field."""
+    if name not in METHODS:
+        hint = difflib.get_close_matches(name, METHODS, n=1)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(f"unknown method {name!r}{suggestion}; known: {', '.join(METHODS)}")
+    accepted = _ACCEPTS[name]
+    for key in params:
+        if key not in accepted:
+            hint = difflib.get_close_matches(key, accepted, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            allowed = ", ".join(accepted) or "no parameters"
+            raise ConfigError(
+                f"method {name!r}: unknown parameter {key!r}{suggestion}; accepts {allowed}"
+            )
+    spec = MethodSpec(name=name, **params)  # type: ignore[arg-type]
+    _check(spec)
+    return spec
+
+
+def _check(spec: MethodSpec) -> None:
+    where = f"method {spec.name!r}"
+    if not isinstance(spec.K, int) or spec.K < 2 or spec.K > 2**16:
+        raise ConfigError(f"{where}: K must be an integer in 2..65536, got {spec.K!r}")
+    if not isinstance(spec.segment, int) or spec.segment < 1:
+        raise ConfigError(f"{where}: segment must be a positive integer, got {spec.segment!r}")
+    if spec.mean_bits not in (16, 32):
+        raise ConfigError(f"{where}: mean_bits must be 16 or 32, got {spec.mean_bits!r}")
+    level = spec.level_k
+    if level is None or level == "auto":
+        return
+    if isinstance(level, bool) or not isinstance(level, int) or not 2 <= level <= spec.K:
+        raise ConfigError(
+            f"{where}: level_k must be 'auto' or an integer in 2..K={spec.K}, got {level!r}"
+        )

@@ -1,0 +1,100 @@
+"""Vector quantiser: one per exchange point. Nearest codeword by one matmul with cached norms.
+
+A quantiser may project its input to d_q dimensions before the search (`project_in`) and
+decode a codeword back to D (`project_out`). The EMA statistics (`ema_counts`, `ema_sums`) are
+kept as buffers so that training can update the codebook in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class VectorQuantizer(nn.Module):
+    def __init__(self, num_codes: int, dim: int, code_dim: int | None = None):
+        super().__init__()
+        code_dim = code_dim or dim
+        self.dim = dim
+        self.code_dim = code_dim
+        self.register_buffer("codebook", torch.zeros(num_codes, code_dim))
+        self.register_buffer("ema_counts", torch.zeros(num_codes))
+        self.register_buffer("ema_sums", torch.zeros(num_codes, code_dim))
+        self.project_in = nn.Linear(dim, code_dim) if code_dim != dim else None
+        self.project_out = nn.Linear(code_dim, dim) if code_dim != dim else None
+        self._sq_norms: Tensor | None = None
+
+    @property
+    def num_codes(self) -> int:
+        return self.codebook.shape[0]
+
+    def set_codebook(self, codebook: Tensor) -> None:
+        self.codebook.copy_(codebook)
+        self._sq_norms = None
+
+    def project(self, x: Tensor) -> Tensor:
+        """Input rows in codebook space: (..., D) -> (..., d_q)."""
+        return x if self.project_in is None else self.project_in(x)
+
+    def decode(self, indices: Tensor) -> Tensor:
+        """Codewords back in model space: (...,) -> (..., D)."""
+        codes = self.codebook[indices]
+        return codes if self.project_out is None else self.project_out(codes)
+
+    def decoded_codebook(self) -> Tensor:
+        """Every codeword in model space: (K, D)."""
+        return self.decode(torch.arange(self.num_codes, device=self.codebook.device))
+
+    def nearest(self, x: Tensor) -> Tensor:
+        """Index of the nearest codeword (squared euclidean) of each row of x: (..., D) -> (...)."""
+        flat = self.project(x).reshape(-1, self.code_dim)
+        if self._sq_norms is None or self.training:
+            self._sq_norms = self.codebook.pow(2).sum(dim=1)  # (K,)
+        scores = torch.addmm(self._sq_norms, flat, self.codebook.t(), alpha=-2.0)  # (n, K)
+        return scores.argmin(dim=1).reshape(x.shape[:-1])
+
+
+def kmeans(x: Tensor, k: int, iterations: int = 20, seed: int = 0) -> Tensor:
+    """k-means++ initialisation then Lloyd iterations on rows of x (n, dim): (k, dim) centroids.
+
+    With fewer rows than k, the remaining centroids are rows perturbed by small noise.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    x = x.detach().float().reshape(-1, x.shape[-1])
+    centroids = _kmeans_plus_plus(x, k, generator)
+    for _ in range(iterations):
+        assign = _nearest(x, centroids)
+        sums = torch.zeros_like(centroids).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=k).unsqueeze(1).float()
+        used = counts.squeeze(1) > 0
+        centroids[used] = sums[used] / counts[used]
+        empty = (~used).nonzero().squeeze(1)
+        if len(empty):  # dead centroid: restart it on a random row
+            rows = torch.randint(len(x), (len(empty),), generator=generator)
+            centroids[empty] = x[rows]
+    return centroids
+
+
+def _nearest(x: Tensor, centroids: Tensor) -> Tensor:
+    scores = torch.addmm(centroids.pow(2).sum(1), x, centroids.t(), alpha=-2.0)
+    return scores.argmin(dim=1)
+
+
+def _kmeans_plus_plus(x: Tensor, k: int, generator: torch.Generator) -> Tensor:
+    n = len(x)
+    if n <= k:
+        extra = x[torch.randint(n, (k - n,), generator=generator)]
+        noise = torch.randn(extra.shape, generator=generator) * x.std() * 1e-2
+        return torch.cat([x, extra + noise])
+    sq_norms = x.pow(2).sum(1)  # (n,)
+    uniform = torch.rand(k, generator=generator, dtype=torch.float64)
+    chosen = [int(uniform[0] * n)]
+    closest = (sq_norms + sq_norms[chosen[0]] - 2 * x @ x[chosen[0]]).clamp_min(0)
+    for step in range(1, k):
+        cumulative = closest.double().cumsum(0)
+        # sample proportionally to the squared distance to the closest chosen centroid
+        pick = int(torch.searchsorted(cumulative, uniform[step] * cumulative[-1]).clamp_max(n - 1))
+        chosen.append(pick)
+        distance = (sq_norms + sq_norms[pick] - 2 * x @ x[pick]).clamp_min(0)
+        closest = torch.minimum(closest, distance)
+    return x[chosen].clone()
