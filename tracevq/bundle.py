@@ -82,7 +82,9 @@ class Bundle:
             "model_fingerprint": self.model_fingerprint,
             "K": self.K,
             "meta": self.meta,
-            "quantizers": {f: [vq.state_dict() for vq in vqs] for f, vqs in self.quantizers.items()},
+            "quantizers": {
+                f: [vq.state_dict() for vq in vqs] for f, vqs in self.quantizers.items()
+            },
             "code_dims": {f: vqs[0].code_dim for f, vqs in self.quantizers.items()},
             "trees": {f: [t.state_dict() for t in trees] for f, trees in self.trees.items()},
         }
@@ -104,13 +106,21 @@ class Bundle:
             raise ConfigError(f"bundle {path}: not a bundle of format {FORMAT_VERSION}")
         quantizers, trees = {}, {}
         for family, states in state["quantizers"].items():
-            quantizers[family] = [_quantizer_from_state(s, state["code_dims"][family]) for s in states]
+            quantizers[family] = [
+                _quantizer_from_state(s, state["code_dims"][family]) for s in states
+            ]
             trees[family] = [
                 CodebookTree.from_state_dict(t, vq.codebook)
                 for t, vq in zip(state["trees"][family], quantizers[family], strict=True)
             ]
-        return cls(state["model_name"], state["model_fingerprint"], state["K"], quantizers, trees,
-                   state.get("meta", {}))
+        return cls(
+            state["model_name"],
+            state["model_fingerprint"],
+            state["K"],
+            quantizers,
+            trees,
+            state.get("meta", {}),
+        )
 
 
 def _quantizer_from_state(state: dict[str, Tensor], code_dim: int) -> VectorQuantizer:
@@ -126,8 +136,9 @@ def collect_activations(
     model: VisionTransformer, inputs: Tensor, batch_size: int = 16
 ) -> dict[str, list[Tensor]]:
     """Rows (n, D) of each block's input X^(b), post-attention residual Z^(b), update Z - X."""
-    out: dict[str, list[list[Tensor]]] = {k: [[] for _ in model.blocks] for k in
-                                          ("inputs", "residuals", "updates")}
+    out: dict[str, list[list[Tensor]]] = {
+        k: [[] for _ in model.blocks] for k in ("inputs", "residuals", "updates")
+    }
     for chunk in inputs.split(batch_size):
         x = model.embed(chunk)
         for b, block in enumerate(model.blocks):
@@ -197,7 +208,13 @@ def fit_bundle(
         if family != "astra":
             first = vqs[0]
         quantizers[family] = vqs
-        trees[family] = [build_tree(vq.codebook, branching, metric, vq.ema_counts, seed) for vq in vqs]
-    meta = {"metric": metric, "branching": branching, "seed": seed, "calibration_rows": len(
-        activations["inputs"][0])}
+        trees[family] = [
+            build_tree(vq.codebook, branching, metric, vq.ema_counts, seed) for vq in vqs
+        ]
+    meta = {
+        "metric": metric,
+        "branching": branching,
+        "seed": seed,
+        "calibration_rows": len(activations["inputs"][0]),
+    }
     return Bundle(model.config.name, model_fingerprint(model), K, quantizers, trees, meta)

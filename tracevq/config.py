@@ -86,7 +86,13 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     ),
     # digits (8x8 grey, upsampled to 16x16), patch 2: 64 patches + CLS to split across devices
     "vit-digits": ModelConfig(
-        "vit-digits", image_size=16, patch_size=2, in_chans=1, dim=64, depth=4, heads=4,
+        "vit-digits",
+        image_size=16,
+        patch_size=2,
+        in_chans=1,
+        dim=64,
+        depth=4,
+        heads=4,
         num_classes=10,
     ),
 }

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import math
 
+from tracevq.codec import HEADER_BYTES, index_bits
 from tracevq.config import ModelConfig, model_config
 from tracevq.partition import partition_sizes
 from tracevq.spec import MethodSpec, method_spec
 
-HEADER_BITS = 8
+HEADER_BITS = 8 * HEADER_BYTES
 ASTRA_WORD_BITS = 16
-
-
-def index_bits(k: int) -> int:
-    """ceil(log2 k), at least one bit."""
-    return max(1, math.ceil(math.log2(k)))
 
 
 def message_bits(spec: MethodSpec, tokens: int, dim: int, batch: int = 1) -> int:

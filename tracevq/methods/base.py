@@ -26,7 +26,9 @@ from tracevq.payload import message_bits
 from tracevq.spec import MethodSpec
 
 
-class Sender(abc.ABC):
+class Sender:
+    """Default: sends nothing; each method overrides the hook(s) where its messages arise."""
+
     def pre_block(self, block: int, x: Tensor) -> bytes | None:
         return None
 

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tracevq.codec import index_bits, pack_indices, unpack_indices
 from tracevq.methods.base import Method, Receiver, Sender, check_length
 from tracevq.models import RemoteKV, VisionTransformer
-from tracevq.payload import index_bits
 from tracevq.spec import MethodSpec
 from tracevq.vq import VectorQuantizer
 
@@ -108,11 +108,11 @@ class AstraSender(Sender):
 class AstraReceiver(Receiver):
     def __init__(self, method: Astra, peer: int, tokens: int, batch: int):
         self.method, self.peer, self.shape = method, peer, (batch, tokens)
+        self.expected_bytes = method.message_bytes(tokens, batch)
 
     def remote_kv(self, block: int, message: bytes) -> RemoteKV:
-        rows = math.prod(self.shape)
-        check_length(message, self.method.message_bytes(rows, 1), "astra", self.peer, block)
-        indices = self.method.unpack(message, rows).reshape(self.shape)
+        check_length(message, self.expected_bytes, "astra", self.peer, block)
+        indices = self.method.unpack(message, math.prod(self.shape)).reshape(self.shape)
         x = self.method.quantizers[block].decode(indices)  # (B, n, D)
         return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
 
@@ -120,21 +120,19 @@ class AstraReceiver(Receiver):
 class Astra(Method):
     """Sends the index of the nearest codeword of X_p; receivers project the codeword."""
 
-    def __init__(self, spec: MethodSpec, model: VisionTransformer, quantizers: list[VectorQuantizer]):
+    def __init__(
+        self, spec: MethodSpec, model: VisionTransformer, quantizers: list[VectorQuantizer]
+    ):
         super().__init__(spec, model)
         self.quantizers = quantizers
         self.bits = index_bits(spec.K)
 
     def pack(self, indices: Tensor) -> bytes:
-        from tracevq.codec import pack_indices
-
         if self.spec.packed:
             return pack_indices(indices.numpy(), self.bits)
         return indices.numpy().astype("<u2").tobytes()
 
     def unpack(self, message: bytes, rows: int) -> Tensor:
-        from tracevq.codec import unpack_indices
-
         if self.spec.packed:
             array = unpack_indices(message, rows, self.bits)
         else:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tracevq.codec import decode_trace_message, encode_trace_message, trace_message_bytes
-from tracevq.errors import ConfigError
-from tracevq.methods.base import Method, Receiver, Sender, check_length
+from tracevq.errors import ConfigError, ProtocolError
+from tracevq.methods.base import Method, Receiver, Sender
 from tracevq.models import RemoteKV, VisionTransformer, split_heads
 from tracevq.spec import MethodSpec
 from tracevq.tree import CodebookTree
@@ -43,17 +43,21 @@ class TraceSender(Sender):
 
 class TraceReceiver(Receiver):
     def __init__(self, method: TraceMethod, peer: int, tokens: int, batch: int):
-        self.method, self.peer, self.shape = method, peer, (batch, tokens)
+        self.method, self.peer = method, peer
+        self.tokens, self.batch = tokens, batch
         self.shadow: Tensor | None = None  # trace-nb: the peer's block input as seen here
 
     def remote_kv(self, block: int, message: bytes) -> RemoteKV:
         method = self.method
-        check_length(message, method.message_bytes(*self.shape[::-1], message[:1]), method.name,
-                     self.peer, block)
-        count = self.shape[0] * self.shape[1]
         tree = method.trees[block]
-        level, positions = decode_trace_message(message, count, tree.level_bits, block)
-        rows = tree.rows(torch.from_numpy(positions), level).reshape(self.shape)  # (B, n)
+        count = self.tokens * self.batch
+        try:
+            level, positions = decode_trace_message(message, count, tree.level_bits, block)
+        except ProtocolError as error:
+            raise ProtocolError(
+                f"{method.name} message from device {self.peer} for block {block}: {error}"
+            ) from error
+        rows = tree.rows(torch.from_numpy(positions), level).reshape(self.batch, self.tokens)
         if method.name == "trace-nb":
             return self._shadow_kv(block, rows)
         if method.buffers is not None:
@@ -102,7 +106,9 @@ class TraceMethod(Method):
     def set_level(self, level: int) -> None:
         """Encode at another tree level from the next message on (no new buffers needed)."""
         if not 0 <= level < len(self.level_bits):
-            raise ConfigError(f"level {level} not in the codebook tree (0..{len(self.level_bits) - 1})")
+            raise ConfigError(
+                f"level {level} not in the codebook tree (0..{len(self.level_bits) - 1})"
+            )
         self.level = level
 
     def payload_bits(self, tokens: int, batch: int = 1) -> int:
@@ -117,7 +123,9 @@ class TraceMethod(Method):
         quantizer, tree = self.quantizers[block], self.trees[block]
         codes = quantizer.project(x).reshape(-1, quantizer.code_dim)  # (B * n, d_q)
         positions = tree.encode(codes, self.level)
-        return encode_trace_message(positions.numpy(), self.level_bits[self.level], self.level, block)
+        return encode_trace_message(
+            positions.numpy(), self.level_bits[self.level], self.level, block
+        )
 
     def block_input_of_codewords(self, block: int, codewords: Tensor) -> Tensor:
         """Block `block`'s input for tokens whose exchanged state is `codewords` (trace-b)."""
