@@ -1,0 +1,197 @@
+import math
+
+import pytest
+import torch
+
+import tracevq
+from tracevq.bundle import Bundle, fit_bundle
+from tracevq.engine import DeviceRun
+from tracevq.errors import ConfigError, ProtocolError
+from tracevq.methods import make_method
+
+K = 16
+ALL = [
+    ("voltage", {}),
+    ("prism", {"segment": 3}),
+    ("astra", {"K": K}),
+    ("astra", {"K": K, "packed": True}),
+    ("trace-b", {"K": K}),
+    ("trace-b", {"K": K, "buffers": False}),
+    ("trace-nb", {"K": K}),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tracevq.build_model("vit-tiny")
+
+
+@pytest.fixture(scope="module")
+def bundle(model):
+    generator = torch.Generator().manual_seed(1)
+    calibration = torch.randn(model.config.input_shape(16), generator=generator)
+    return fit_bundle(model, calibration, K=K)
+
+
+@pytest.fixture(scope="module")
+def inputs(model):
+    return torch.randn(model.config.input_shape(3), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_voltage_reproduces_the_single_device_model(model, inputs, devices):
+    result = tracevq.simulate(model, inputs, "voltage", devices)
+    torch.testing.assert_close(result.logits, model(inputs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("video", [False, True])
+def test_voltage_on_video_reproduces_the_single_device_model(video):
+    model = tracevq.build_model("vivit-tiny" if video else "vit-tiny", seed=3)
+    x = torch.randn(model.config.input_shape(2))
+    result = tracevq.simulate(model, x, "voltage", 4)
+    torch.testing.assert_close(result.logits, model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("method", "params"), ALL)
+def test_one_device_is_the_plain_model(model, bundle, inputs, method, params):
+    result = tracevq.simulate(model, inputs, method, 1, bundle=bundle, **params)
+    torch.testing.assert_close(result.logits, model(inputs))
+    assert result.payload_bits.sum() == 0
+
+
+def test_prism_with_segments_of_one_token_is_exact(model, inputs):
+    result = tracevq.simulate(model, inputs, "prism", 2, segment=1)
+    torch.testing.assert_close(result.logits, model(inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_trace_b_buffers_give_the_same_outputs_as_the_full_chain(model, bundle, inputs):
+    on = tracevq.simulate(model, inputs, "trace-b", 3, bundle=bundle, K=K)
+    off = tracevq.simulate(model, inputs, "trace-b", 3, bundle=bundle, K=K, buffers=False)
+    torch.testing.assert_close(on.logits, off.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("method", "params"), ALL)
+@pytest.mark.parametrize("devices", [2, 3])
+def test_payload_bits_and_wire_bytes_match_the_analytic_table(
+    model, bundle, inputs, method, params, devices
+):
+    result = tracevq.simulate(model, inputs, method, devices, bundle=bundle, **params)
+    analytic = tracevq.payload_bits("vit-tiny", method, devices, batch=3, **params)
+    assert result.payload_bits.shape == (model.config.depth, devices)
+    for block_bits in result.payload_bits:
+        assert block_bits.tolist() == analytic
+    assert (result.wire_bytes == -(-result.payload_bits // 8)).all()
+
+
+def test_paper_payload_figures_for_vit_b16():
+    # Table II with N_p = 99 on device 0 of P = 2 (the paper's 998-bit Trace message)
+    bits = {
+        ("voltage", ()): 32 * 99 * 768,
+        ("prism", ()): 32 * 10 * 768,
+        ("astra", ()): 16 * 99,
+        ("astra", (("packed", True),)): 10 * 99,
+        ("trace-b", ()): 998,
+        ("trace-nb", (("level_k", 32),)): 99 * 5 + 8,
+        ("trace-b", (("level_k", 2),)): 99 + 8,
+    }
+    for (method, params), expected in bits.items():
+        assert tracevq.payload_bits("vit-b16", method, 2, **dict(params))[0] == expected
+    voltage = tracevq.payload_bits("vit-b16", "voltage", 2)[0]
+    assert round(voltage / 998) == 2438  # the paper: 2,426x, with N_p = 98.5 for Voltage
+    assert round(32 * 98.5 * 768 / 998) == 2426
+
+
+def test_coarser_levels_lose_more_accuracy(model, bundle, inputs):
+    reference = model(inputs)
+    errors = []
+    for level_k in (2, 4, 16):
+        logits = tracevq.simulate(
+            model, inputs, "trace-b", 2, bundle=bundle, K=K, level_k=level_k
+        ).logits
+        errors.append((logits - reference).pow(2).mean().item())
+    assert errors[0] > errors[2]
+    assert errors[2] > 0
+
+
+def test_level_can_change_between_inferences_without_new_buffers(model, bundle, inputs):
+    method = make_method("trace-b", model, bundle, K=K)
+    buffers = method.buffers
+    fine = tracevq.simulate(model, inputs, method, 2).logits
+    method.set_level(0)
+    coarse = tracevq.simulate(model, inputs, method, 2).logits
+    expected = tracevq.simulate(model, inputs, "trace-b", 2, bundle=bundle, K=K, level_k=2)
+    torch.testing.assert_close(coarse, expected.logits)
+    assert not torch.allclose(fine, coarse)
+    assert method.buffers is buffers
+    assert method.buffer_bytes == model.config.depth * K * 2 * model.config.dim * 4
+
+
+def test_codebook_methods_need_a_matching_bundle(model, bundle):
+    with pytest.raises(ConfigError, match="needs a bundle"):
+        make_method("trace-b", model, None, K=K)
+    with pytest.raises(ConfigError, match="asks for K=1024 but the bundle's codebooks have K=16"):
+        make_method("astra", model, bundle)
+    with pytest.raises(ConfigError, match=r"unknown parameter 'segment'.*accepts K, level_k"):
+        make_method("trace-b", model, bundle, K=K, segment=3)
+    with pytest.raises(ConfigError, match=r"level_k must be 'auto' or an integer in 2..K=16"):
+        make_method("trace-b", model, bundle, K=K, level_k=64)
+
+
+def _messages(method, model, inputs, rank=1):
+    run = DeviceRun(method, rank, 2, inputs)
+    first = run.begin_block(0)
+    return run, first
+
+
+def test_a_desynchronised_trace_message_names_peer_and_block(model, bundle, inputs):
+    method = make_method("trace-b", model, bundle, K=K)
+    _, message = _messages(method, model, inputs)
+    receiver = DeviceRun(method, 0, 2, inputs).receivers[1]
+    with pytest.raises(ProtocolError, match=r"device 1 for block 3: .*block counter"):
+        receiver.remote_kv(3, message)
+    with pytest.raises(ProtocolError, match=r"device 1 for block 0: .*byte"):
+        receiver.remote_kv(0, message[:-1])
+
+
+def test_a_truncated_voltage_message_is_refused(model, inputs):
+    method = make_method("voltage", model)
+    _, message = _messages(method, model, inputs)
+    receiver = DeviceRun(method, 0, 2, inputs).receivers[1]
+    expected = 3 * 8 * model.config.dim * 4
+    with pytest.raises(ProtocolError, match=f"expected {expected} bytes, got {expected - 4}"):
+        receiver.remote_kv(0, message[:-4])
+
+
+def test_bundle_round_trip_keeps_fingerprint_and_outputs(tmp_path, model, bundle, inputs):
+    path = bundle.save(tmp_path / "bundle.pt")
+    loaded = Bundle.load(path)
+    assert loaded.fingerprint == bundle.fingerprint
+    assert loaded.model_fingerprint == bundle.model_fingerprint
+    for method in ("astra", "trace-nb"):
+        a = tracevq.simulate(model, inputs, method, 2, bundle=bundle, K=K).logits
+        b = tracevq.simulate(model, inputs, method, 2, bundle=loaded, K=K).logits
+        torch.testing.assert_close(a, b)
+
+
+def test_bundle_fingerprint_depends_on_the_codebooks(model):
+    calibration = torch.randn(model.config.input_shape(4))
+    a = fit_bundle(model, calibration, K=8, families=("trace-b",), seed=0)
+    b = fit_bundle(model, calibration, K=8, families=("trace-b",), seed=5)
+    assert a.fingerprint != b.fingerprint
+
+
+def test_projected_codebooks_fold_into_the_buffers(model, inputs):
+    calibration = torch.randn(model.config.input_shape(16))
+    bundle = fit_bundle(model, calibration, K=K, families=("trace-b",), code_dim=8)
+    assert bundle.quantizers["trace-b"][1].codebook.shape == (K, 8)
+    on = tracevq.simulate(model, inputs, "trace-b", 2, bundle=bundle, K=K)
+    off = tracevq.simulate(model, inputs, "trace-b", 2, bundle=bundle, K=K, buffers=False)
+    torch.testing.assert_close(on.logits, off.logits, atol=1e-5, rtol=1e-5)
+    assert on.payload_bits[0, 0] == 3 * 9 * math.ceil(math.log2(K)) + 8
+
+
+def test_bad_bundle_file_is_a_config_error(tmp_path):
+    path = tmp_path / "junk.pt"
+    path.write_bytes(b"not a bundle")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        Bundle.load(path)
