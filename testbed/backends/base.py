@@ -1,0 +1,144 @@
+"""What every backend offers: start P devices, run commands on them, reach their network
+namespace for shaping, share a run directory with them, stop everything.
+
+Devices know their rank, their address on the run's network, the interface that carries
+their traffic, and their CPU allotment. A backend owns everything it creates and removes it
+in `stop()`, which is idempotent and also runs when the backend is used as a context manager.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What a run asks of each device."""
+
+    count: int
+    cpus: float = 1.0
+    memory_mb: int = 2048
+
+
+@dataclass(frozen=True)
+class Device:
+    rank: int
+    name: str  # container or network-namespace name
+    address: str  # IPv4 address on the run's network, reachable by every peer
+    interface: str  # the device's interface on that network, as the device sees it
+    cpus: float
+    threads: int  # intra-op threads for the worker: matches the CPU allotment
+    cpuset: str | None = None  # pinned cores, when the host has enough of them
+    netns_path: str | None = None  # host path of its network namespace (for pyroute2)
+
+
+@dataclass
+class ExecResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def tail(self, lines: int = 20) -> str:
+        text = (self.stderr or self.stdout).strip().splitlines()
+        return "\n".join(text[-lines:])
+
+
+class Process(abc.ABC):
+    """A command running on a device."""
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float | None = None) -> ExecResult:
+        """Wait for the end; raises TimeoutError when it is still running after timeout_s."""
+
+    @abc.abstractmethod
+    def kill(self) -> None: ...
+
+
+@dataclass
+class CpuPlan:
+    """How P devices of `cpus` each fit on the host's cores."""
+
+    cpusets: list[str | None]
+    oversubscribed: bool
+    host_cores: int
+    threads: int = field(default=1)
+
+
+def plan_cpus(count: int, cpus: float, host_cores: int | None = None) -> CpuPlan:
+    """Pin whole cores when the host has enough of them; otherwise share by quota.
+
+    Oversubscribed means the devices' allotments add up to more cores than the host has: the
+    devices then compete for cores and their compute times are inflated.
+    """
+    host_cores = host_cores or os.cpu_count() or 1
+    threads = max(1, int(cpus))
+    whole = float(cpus).is_integer()
+    if whole and count * int(cpus) <= host_cores:
+        per = int(cpus)
+        sets = [",".join(str(c) for c in range(r * per, (r + 1) * per)) for r in range(count)]
+        return CpuPlan(sets, False, host_cores, threads)
+    return CpuPlan([None] * count, count * cpus > host_cores, host_cores, threads)
+
+
+class Backend(abc.ABC):
+    """Base of the docker, local and ssh backends."""
+
+    name: str = ""
+    python: str = "python3"  # the interpreter that runs the worker on a device
+
+    def __init__(self, run_id: str, run_dir: Path):
+        self.run_id = run_id
+        self.run_dir = Path(run_dir).resolve()
+        self.devices: list[Device] = []
+        self.cpu_plan: CpuPlan | None = None
+
+    @abc.abstractmethod
+    def start(self, spec: DeviceSpec) -> list[Device]:
+        """Create the run's network and P devices; returns them in rank order."""
+
+    @abc.abstractmethod
+    def spawn(self, device: Device, argv: Sequence[str]) -> Process:
+        """Start a command on a device without waiting for it."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Remove everything this backend created (idempotent)."""
+
+    def device_path(self, host_path: Path) -> str:
+        """Path under which a device sees a file of the run directory."""
+        return str(Path(host_path).resolve())
+
+    def run(self, device: Device, argv: Sequence[str], timeout_s: float = 60.0) -> ExecResult:
+        process = self.spawn(device, argv)
+        try:
+            return process.wait(timeout_s)
+        except TimeoutError:
+            process.kill()
+            raise
+
+    @property
+    def oversubscribed(self) -> bool:
+        return bool(self.cpu_plan and self.cpu_plan.oversubscribed)
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,199 @@
+"""Devices as Docker containers on one internal bridge network per run.
+
+Every container and network is labelled `testbed.run=<run id>` so that `testbed.clean` can
+find what a crashed run left. Containers get NET_ADMIN only (never privileged), a memory
+limit, and either pinned cores (`cpuset_cpus`) or a CPU quota (`nano_cpus`). The run
+directory is bind-mounted at /run-dir: bundles go in, records come out, no copying needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from testbed.backends.base import Backend, Device, DeviceSpec, ExecResult, Process, plan_cpus
+from testbed.errors import DeviceError
+
+log = logging.getLogger(__name__)
+
+LABEL = "testbed.run"
+NAME_PREFIX = "testbed-"
+DEVICE_RUN_DIR = "/run-dir"
+WORKER_IMAGE = "trace-testbed/worker:latest"
+
+
+def _client() -> Any:
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+        return client
+    except Exception as error:  # noqa: BLE001 - the SDK raises many kinds for "no engine"
+        raise DeviceError(
+            f"no Docker engine answers ({error}); start one with `make docker-up` or use "
+            "--backend local"
+        ) from error
+
+
+class DockerProcess(Process):
+    """A `docker exec` running in a thread of ours; killed through its host pid."""
+
+    def __init__(self, api: Any, exec_id: str, label: str):
+        self.api, self.exec_id, self.label = api, exec_id, label
+        self.result: ExecResult | None = None
+        self.thread = threading.Thread(target=self._run, name=f"exec-{label}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            stdout, stderr = self.api.exec_start(self.exec_id, demux=True)
+            code = self.api.exec_inspect(self.exec_id)["ExitCode"]
+            self.result = ExecResult(
+                code,
+                (stdout or b"").decode(errors="replace"),
+                (stderr or b"").decode(errors="replace"),
+            )
+        except Exception as error:  # noqa: BLE001 - reported as the command's failure
+            self.result = ExecResult(-1, "", f"docker exec failed: {error}")
+
+    def wait(self, timeout_s: float | None = None) -> ExecResult:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"{self.label} still running after {timeout_s} s")
+        assert self.result is not None
+        return self.result
+
+    def kill(self) -> None:
+        try:
+            pid = self.api.exec_inspect(self.exec_id).get("Pid", 0)
+            if pid and self.thread.is_alive():
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, Exception):  # noqa: BLE001 - already gone
+            pass
+
+
+class DockerBackend(Backend):
+    name = "docker"
+    python = "python"  # the image's venv is first on PATH
+
+    def __init__(self, run_id: str, run_dir: Path, image: str = WORKER_IMAGE):
+        super().__init__(run_id, run_dir)
+        self.image = image
+        self.client: Any = None
+        self.network: Any = None
+        self.containers: list[Any] = []
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {LABEL: self.run_id}
+
+    def start(self, spec: DeviceSpec) -> list[Device]:
+        self.client = _client()
+        try:
+            self.client.images.get(self.image)
+        except Exception as error:  # noqa: BLE001 - ImageNotFound and API errors alike
+            raise DeviceError(
+                f"worker image {self.image} is not built: run `make image`"
+            ) from error
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{NAME_PREFIX}{self.run_id}"
+        log.debug("docker network create --internal %s", name)
+        self.network = self.client.networks.create(
+            name, driver="bridge", internal=True, labels=self.labels
+        )
+        self.cpu_plan = plan_cpus(spec.count, spec.cpus)
+        try:
+            self.devices = [self._start_device(rank, spec) for rank in range(spec.count)]
+        except Exception:
+            self.stop()
+            raise
+        return self.devices
+
+    def _start_device(self, rank: int, spec: DeviceSpec) -> Device:
+        assert self.cpu_plan is not None
+        cpuset = self.cpu_plan.cpusets[rank]
+        limits: dict[str, Any] = (
+            {"cpuset_cpus": cpuset} if cpuset else {"nano_cpus": int(spec.cpus * 1e9)}
+        )
+        name = f"{NAME_PREFIX}{self.run_id}-d{rank}"
+        log.debug("docker run %s (%s, %d MB, %s)", name, self.image, spec.memory_mb, limits)
+        container = self.client.containers.run(
+            self.image,
+            ["sleep", "infinity"],
+            name=name,
+            hostname=f"d{rank}",
+            detach=True,
+            network=self.network.name,
+            cap_add=["NET_ADMIN"],
+            labels=self.labels,
+            mem_limit=f"{spec.memory_mb}m",
+            volumes={str(self.run_dir): {"bind": DEVICE_RUN_DIR, "mode": "rw"}},
+            environment={"OMP_NUM_THREADS": str(self.cpu_plan.threads)},
+            **limits,
+        )
+        self.containers.append(container)
+        container.reload()
+        network = container.attrs["NetworkSettings"]["Networks"][self.network.name]
+        pid = container.attrs["State"]["Pid"]
+        return Device(
+            rank=rank,
+            name=name,
+            address=network["IPAddress"],
+            interface="eth0",
+            cpus=spec.cpus,
+            threads=self.cpu_plan.threads,
+            cpuset=cpuset,
+            netns_path=f"/proc/{pid}/ns/net",
+        )
+
+    def device_path(self, host_path: Path) -> str:
+        relative = Path(host_path).resolve().relative_to(self.run_dir)
+        return str(Path(DEVICE_RUN_DIR) / relative)
+
+    def spawn(self, device: Device, argv: Sequence[str]) -> Process:
+        log.debug("docker exec %s %s", device.name, list(argv))
+        exec_id = self.client.api.exec_create(device.name, list(argv))["Id"]
+        return DockerProcess(self.client.api, exec_id, device.name)
+
+    def logs(self, device: Device) -> str:
+        return self.client.containers.get(device.name).logs().decode(errors="replace")
+
+    def stop(self) -> None:
+        for container in self.containers:
+            log.debug("docker rm -f %s", container.name)
+            try:
+                container.remove(force=True)
+            except Exception as error:  # noqa: BLE001 - already gone is fine
+                log.debug("removing %s: %s", container.name, error)
+        self.containers = []
+        if self.network is not None:
+            log.debug("docker network rm %s", self.network.name)
+            try:
+                self.network.remove()
+            except Exception as error:  # noqa: BLE001
+                log.debug("removing network: %s", error)
+            self.network = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def remove_by_label(run_id: str | None = None) -> list[str]:
+    """Remove containers and networks a run (or every run) left; returns what was removed."""
+    client = _client()
+    selector = f"{LABEL}={run_id}" if run_id else LABEL
+    removed = []
+    for container in client.containers.list(all=True, filters={"label": selector}):
+        container.remove(force=True)
+        removed.append(f"container {container.name}")
+    for network in client.networks.list(filters={"label": selector}):
+        network.remove()
+        removed.append(f"network {network.name}")
+    client.close()
+    return removed
