@@ -6,7 +6,15 @@ class TraceError(Exception):
 
 
 class ConfigError(TraceError):
-    """A model, method or bundle parameter is invalid; the message names the parameter."""
+    """A model, method or bundle parameter is invalid; the message names the parameter.
+
+    `field` is the parameter's name when one parameter is at fault, so that a caller can
+    prefix its own path (e.g. `methods[2].K`).
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class CheckpointError(TraceError):

@@ -68,7 +68,9 @@ def method_spec(name: str, **params: object) -> MethodSpec:
     if name not in METHODS:
         hint = difflib.get_close_matches(name, METHODS, n=1)
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(f"unknown method {name!r}{suggestion}; known: {', '.join(METHODS)}")
+        raise ConfigError(
+            f"unknown method {name!r}{suggestion}; known: {', '.join(METHODS)}", "name"
+        )
     accepted = _ACCEPTS[name]
     for key in params:
         if key not in accepted:
@@ -76,7 +78,8 @@ def method_spec(name: str, **params: object) -> MethodSpec:
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
             allowed = ", ".join(accepted) or "no parameters"
             raise ConfigError(
-                f"method {name!r}: unknown parameter {key!r}{suggestion}; accepts {allowed}"
+                f"method {name!r}: unknown parameter {key!r}{suggestion}; accepts {allowed}",
+                field=key,
             )
     spec = MethodSpec(name=name, **params)  # type: ignore[arg-type]
     _check(spec)
@@ -86,15 +89,23 @@ def method_spec(name: str, **params: object) -> MethodSpec:
 def _check(spec: MethodSpec) -> None:
     where = f"method {spec.name!r}"
     if not isinstance(spec.K, int) or spec.K < 2 or spec.K > 2**16:
-        raise ConfigError(f"{where}: K must be an integer in 2..65536, got {spec.K!r}")
+        raise ConfigError(f"{where}: K must be an integer in 2..65536, got {spec.K!r}", "K")
     if not isinstance(spec.segment, int) or spec.segment < 1:
-        raise ConfigError(f"{where}: segment must be a positive integer, got {spec.segment!r}")
+        raise ConfigError(
+            f"{where}: segment must be a positive integer, got {spec.segment!r}", "segment"
+        )
     if spec.mean_bits not in (16, 32):
-        raise ConfigError(f"{where}: mean_bits must be 16 or 32, got {spec.mean_bits!r}")
+        raise ConfigError(
+            f"{where}: mean_bits must be 16 or 32, got {spec.mean_bits!r}", "mean_bits"
+        )
+    for flag in ("packed", "buffers"):
+        if not isinstance(getattr(spec, flag), bool):
+            raise ConfigError(f"{where}: {flag} must be true or false", flag)
     level = spec.level_k
     if level is None or level == "auto":
         return
     if isinstance(level, bool) or not isinstance(level, int) or not 2 <= level <= spec.K:
         raise ConfigError(
-            f"{where}: level_k must be 'auto' or an integer in 2..K={spec.K}, got {level!r}"
+            f"{where}: level_k must be 'auto' or an integer in 2..K={spec.K}, got {level!r}",
+            "level_k",
         )
