@@ -1,0 +1,114 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.errors import ConfigError
+from testbed.plan import plan_rows, plan_trials
+from testbed.schema import load_experiment, parse_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+MINIMAL = {"name": "x", "methods": [{"name": "voltage"}]}
+
+
+def with_(**changes):
+    return {**MINIMAL, **changes}
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "experiments").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_experiment_file_loads_and_plans(path):
+    experiment = load_experiment(path)
+    rows = plan_rows(experiment, plan_trials(experiment))
+    assert rows and all(row["payload_bits_per_layer"] >= 0 for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (with_(devices={"cout": 2}), "e.yaml: devices.cout: unknown key (did you mean 'count'?)"),
+        (with_(modle={}), "modle: unknown key (did you mean 'model'?)"),
+        (
+            with_(methods=[{"name": "voltage"}, {"name": "trace-b", "K": "a"}]),
+            "methods[1].K: method 'trace-b': K must be an integer",
+        ),
+        (
+            with_(methods=[{"name": "astra", "segment": 3}]),
+            "methods[0].segment: method 'astra': unknown parameter 'segment'",
+        ),
+        (
+            with_(methods=[{"name": "voltge"}]),
+            "methods[0].name: unknown method 'voltge' (did you mean 'voltage'?)",
+        ),
+        (with_(methods=[{"K": 3}]), "methods[0]: needs a 'name'"),
+        (
+            with_(link={"bandwidth_mbit": [10, 0]}),
+            "link.bandwidth_mbit: every bandwidth must be positive",
+        ),
+        (
+            with_(model={"name": "vit-b17"}),
+            "model.name: unknown model 'vit-b17' (did you mean 'vit-b16'?)",
+        ),
+        (with_(backend="podman"), "backend: Input should be 'auto', 'docker' or 'local'"),
+        ({"methods": [{"name": "voltage"}]}, "name: Field required"),
+        (
+            with_(methods=[{"name": "trace-b", "level_k": [1024, 4096]}]),
+            "methods[0].level_k: method 'trace-b': level_k must be 'auto' or an integer in 2..K=1024",
+        ),
+    ],
+)
+def test_bad_experiments_name_the_field_and_file(data, message):
+    with pytest.raises(ConfigError) as caught:
+        parse_experiment(data, "e.yaml")
+    assert message in str(caught.value)
+    assert str(caught.value).startswith("e.yaml: ")
+
+
+def test_lists_expand_into_a_grid_in_run_order():
+    experiment = parse_experiment(
+        with_(
+            devices={"count": [2, 3]},
+            link={"bandwidth_mbit": [1, 10]},
+            methods=[{"name": "trace-b", "K": 1024, "level_k": [1024, 2]}, {"name": "voltage"}],
+        )
+    )
+    trials = plan_trials(experiment)
+    assert len(trials) == 2 * 2 * 3
+    assert [t.devices for t in trials] == [2] * 6 + [3] * 6
+    assert [t.bandwidth_mbit for t in trials[:6]] == [1] * 3 + [10] * 3
+    assert trials[0].trial_id == "p2-trace-b-K1024-levelk1024-1mbit"
+    assert len({t.trial_id for t in trials}) == len(trials)
+
+
+def test_plan_rows_carry_the_papers_arithmetic():
+    experiment = parse_experiment(
+        with_(
+            model={"name": "vit-b16"},
+            methods=[{"name": "trace-b", "K": 1024}, {"name": "voltage"}],
+        )
+    )
+    rows = {(r["method"], r["rank"]): r for r in plan_rows(experiment, plan_trials(experiment))}
+    trace = rows[("trace-b", 0)]
+    assert trace["payload_bits_per_layer"] == 998 and trace["r_bits"] == 10
+    assert trace["analytic_comm_ms_paper"] == pytest.approx(1.14, abs=0.005)  # Table IV
+    assert rows[("voltage", 0)]["analytic_comm_ms"] == pytest.approx(32 * 99 * 768 * 12 / 1e4)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="experiment file not found"):
+        load_experiment(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_experiment(bad)
+
+
+def test_planning_does_not_import_torch():
+    code = (
+        "import sys; from testbed.schema import parse_experiment; from testbed.plan import *;"
+        "e = parse_experiment({'name': 'x', 'methods': [{'name': 'trace-b'}]});"
+        "plan_rows(e, plan_trials(e)); assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
