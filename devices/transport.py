@@ -1,0 +1,266 @@
+"""The TCP mesh between the P workers of a session, and the threads that move messages.
+
+- A `Mesh` connects every pair of devices once: rank i connects to every j < i (retrying
+  while j starts, until a deadline) and accepts from every j > i, so the set-up cannot
+  deadlock. TCP_NODELAY is on. Each new connection runs the handshake (devices.handshake)
+  on a `CountingSocket` so that its bytes are counted apart from the payload.
+- A `PeerLink` owns one connection after the handshake: a sender thread writes queued
+  `Outgoing` messages, a receiver thread reads the peer's messages as soon as they arrive
+  and queues them for the compute thread, which blocks only when a block needs them.
+- Messages carry no length prefix: the receiver reads the method's header bytes, then the
+  rest of the size that the method derives from the header (DESIGN 3.6).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from devices.errors import ConnectError, PeerLostError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+FRAME_HEADER = struct.Struct("!I")
+MAX_FRAME_BYTES = 1 << 20
+RETRY_INTERVAL_S = 0.1
+READY = b"R"
+
+
+def format_address(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class PeerClosed(Exception):
+    """The peer closed the connection; `received` bytes of the current read had arrived."""
+
+    def __init__(self, received: int):
+        super().__init__(f"connection closed after {received} bytes of a read")
+        self.received = received
+
+
+class CountingSocket:
+    """A socket with exact reads and length-prefixed JSON frames, counting bytes each way."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+        self.bytes_sent += len(data)
+
+    def recv_exact(self, size: int) -> bytes:
+        data = recv_exact(self.sock, size)
+        self.bytes_received += size
+        return data
+
+    def send_frame(self, payload: dict) -> None:
+        body = json.dumps(payload, sort_keys=True).encode()
+        self.send(FRAME_HEADER.pack(len(body)) + body)
+
+    def recv_frame(self) -> dict:
+        (size,) = FRAME_HEADER.unpack(self.recv_exact(FRAME_HEADER.size))
+        if size > MAX_FRAME_BYTES:
+            raise ProtocolError(
+                f"handshake frame of {size} bytes (limit {MAX_FRAME_BYTES}): "
+                "the peer does not speak this protocol"
+            )
+        try:
+            payload = json.loads(self.recv_exact(size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ProtocolError(f"handshake frame is not JSON: {error}") from None
+        if not isinstance(payload, dict):
+            raise ProtocolError("handshake frame is not a JSON object")
+        return payload
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    """Exactly `size` bytes; raises PeerClosed if the peer closes first."""
+    buffer = bytearray(size)
+    view, received = memoryview(buffer), 0
+    while received < size:
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            raise PeerClosed(received)
+        received += count
+    return bytes(buffer)
+
+
+def configure(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def listen(port: int) -> socket.socket:
+    """A listening socket on every interface (IPv4 and IPv6 where the host has both)."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
+
+
+def connect(address: tuple[str, int], deadline: float, what: str) -> socket.socket:
+    """Connect, retrying while the peer is not listening yet, until `deadline` (perf_counter)."""
+    last_error = "no attempt"
+    while True:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            raise ConnectError(
+                f"{what} at {format_address(address)} did not accept a connection "
+                f"in time (last error: {last_error})"
+            )
+        try:
+            return configure(socket.create_connection(address, timeout=remaining))
+        except OSError as error:
+            last_error = error.strerror or str(error)
+            time.sleep(min(RETRY_INTERVAL_S, max(deadline - time.perf_counter(), 0)))
+
+
+@dataclass
+class Outgoing:
+    """One message to every peer: when it was queued, when each peer's copy was written."""
+
+    block: int
+    message: bytes
+    peers: int
+    queued_at: float = field(default_factory=time.perf_counter)
+    written_at: dict[int, float] = field(default_factory=dict)
+    bytes_written: dict[int, int] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish(self, peer: int, written: int, error: str | None = None) -> None:
+        with self._lock:
+            self.written_at[peer] = time.perf_counter()
+            self.bytes_written[peer] = written
+            if error is not None:
+                self.errors[peer] = error
+            if len(self.written_at) == self.peers:
+                self.done.set()
+
+    @property
+    def send_end(self) -> float:
+        """When the copy to the slowest peer was written (sendall returned)."""
+        return max(self.written_at.values())
+
+
+@dataclass
+class Incoming:
+    message: bytes
+    arrived_at: float
+
+
+@dataclass
+class _Closed:
+    reason: str
+
+
+class PeerLink:
+    """One peer's connection: a sender and a receiver thread around a connected socket."""
+
+    def __init__(self, peer: int, address: tuple[str, int], sock: socket.socket):
+        self.peer, self.address, self.sock = peer, address, sock
+        self.name = f"device {peer} ({format_address(address)})"
+        self.outbox: queue.SimpleQueue[Outgoing | None] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Incoming | _Closed] = queue.SimpleQueue()
+        self.bytes_sent = self.bytes_received = 0
+        self.messages_sent = self.messages_received = 0
+        self.send_error: str | None = None
+        self._threads: list[threading.Thread] = []
+
+    def start(self, header_bytes: int, message_bytes: Callable[[bytes], int]) -> None:
+        self.sock.settimeout(None)
+        loops = ((self._send_loop, ()), (self._receive_loop, (header_bytes, message_bytes)))
+        for target, args in loops:
+            thread = threading.Thread(
+                target=target, args=args, daemon=True, name=f"{target.__name__}-{self.peer}"
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def post(self, outgoing: Outgoing) -> None:
+        self.outbox.put(outgoing)
+
+    def take(self, timeout_s: float, context: str) -> Incoming:
+        """The peer's next message; raises PeerLostError naming the peer and `context`."""
+        try:
+            item = self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise PeerLostError(
+                f"no message from {self.name} for {context} within {timeout_s:g} s"
+            ) from None
+        if isinstance(item, _Closed):
+            self.inbox.put(item)  # later takes see it too
+            raise PeerLostError(f"lost {self.name} before its message for {context}: {item.reason}")
+        return item
+
+    def _send_loop(self) -> None:
+        while (outgoing := self.outbox.get()) is not None:
+            if self.send_error is not None:
+                outgoing.finish(self.peer, 0, self.send_error)
+                continue
+            written = 0
+            view = memoryview(outgoing.message)
+            try:
+                while written < len(view):
+                    written += self.sock.send(view[written:])
+            except OSError as error:
+                self.send_error = f"sending failed: {error.strerror or error}"
+            self.bytes_sent += written
+            self.messages_sent += 1
+            outgoing.finish(self.peer, written, self.send_error)
+
+    def _receive_loop(self, header_bytes: int, message_bytes: Callable[[bytes], int]) -> None:
+        while True:
+            header = b""
+            try:
+                header = recv_exact(self.sock, header_bytes) if header_bytes else b""
+                rest = recv_exact(self.sock, message_bytes(header) - header_bytes)
+            except PeerClosed as closed:
+                received = len(header) + closed.received
+                reason = (
+                    "the connection was closed"
+                    if received == 0
+                    else (f"the connection was closed mid-message after {received} bytes")
+                )
+                self.inbox.put(_Closed(reason))
+                return
+            except OSError as error:
+                self.inbox.put(_Closed(f"receiving failed: {error.strerror or error}"))
+                return
+            self.bytes_received += len(header) + len(rest)
+            self.messages_received += 1
+            self.inbox.put(Incoming(header + rest, time.perf_counter()))
+
+    def finish_sending(self, timeout_s: float) -> None:
+        """Let the sender write what is queued, then half-close: the peer reads an EOF."""
+        self.outbox.put(None)
+        if self._threads:
+            self._threads[0].join(timeout_s)
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def wait_closed(self, timeout_s: float) -> None:
+        """Wait until the receiver has seen the peer's EOF (or failed)."""
+        if len(self._threads) > 1:
+            self._threads[1].join(max(timeout_s, 0))
+
+    def close(self) -> None:
+        """Close at once: blocked sender and receiver threads wake up with an error."""
+        self.outbox.put(None)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
