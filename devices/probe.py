@@ -1,0 +1,156 @@
+"""`python -m devices.probe`: achieved bulk TCP throughput between two hosts.
+
+    python -m devices.probe serve --port 5201 [--host ADDR] [--once]
+    python -m devices.probe send --to host:5201 (--seconds 2 | --bytes 10000000)
+
+The sender writes zeros for a bounded time or byte count, then half-closes. The receiver
+counts from its first received chunk to its last, so the figure is the rate the link
+delivered (bytes after the first chunk x 8 / (last - first)), not how fast the sender
+filled its kernel buffer; it replies with that measurement on the same connection and the
+sender prints it. Each side prints one JSON line; `mbit_per_s` is in 10^6 bit/s (tc's
+`mbit`). On an error: one line `probe: message` on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from typing import Any
+
+from devices.errors import WorkerError
+from devices.spec import parse_address
+from devices.transport import configure, connect, format_address, listen
+
+CHUNK_BYTES = 1 << 16
+IDLE_TIMEOUT_S = 30.0
+
+
+class ProbeError(Exception):
+    """The probe could not measure (no peer, connection lost, bad reply)."""
+
+
+def rate_mbit(byte_count: int, seconds: float) -> float:
+    return 8 * byte_count / seconds / 1e6 if seconds > 0 else 0.0
+
+
+def receive_all(sock: socket.socket) -> dict[str, Any]:
+    """Read until EOF; the receiver's measurement."""
+    buffer = bytearray(CHUNK_BYTES)
+    total = first_chunk = 0
+    first = last = 0.0
+    while (count := sock.recv_into(buffer)) > 0:
+        now = time.perf_counter()
+        if total == 0:
+            first, first_chunk = now, count
+        total, last = total + count, now
+    seconds = last - first
+    return {
+        "bytes": total,
+        "seconds": seconds,
+        "mbit_per_s": rate_mbit(total - first_chunk, seconds),
+    }
+
+
+def serve(port: int, once: bool, timeout_s: float | None = None) -> dict[str, Any] | None:
+    """Measure every incoming sender (one line each); with `once`, only the first."""
+    with listen(port) as server:
+        server.settimeout(timeout_s)
+        while True:
+            try:
+                sock, peer = server.accept()
+            except TimeoutError:
+                raise ProbeError(f"no sender connected within {timeout_s:g} s") from None
+            with configure(sock):
+                sock.settimeout(IDLE_TIMEOUT_S)
+                result = receive_all(sock)
+                sock.sendall(json.dumps(result).encode() + b"\n")
+            host = peer[0].removeprefix("::ffff:")  # an IPv4 peer on the dual-stack socket
+            print(json.dumps({**result, "from": format_address((host, peer[1]))}), flush=True)
+            if once:
+                return result
+
+
+def send(
+    address: tuple[str, int],
+    seconds: float | None,
+    byte_count: int | None,
+    connect_timeout_s: float = 10.0,
+) -> dict[str, Any]:
+    """Send for `seconds` or `byte_count` bytes; returns the receiver's measurement."""
+    deadline = time.perf_counter() + connect_timeout_s
+    sock = connect(address, deadline, "the probe receiver")
+    chunk = bytes(CHUNK_BYTES)
+    with sock:
+        sock.settimeout(IDLE_TIMEOUT_S + (seconds or 0))
+        began, sent = time.perf_counter(), 0
+        while True:
+            elapsed = time.perf_counter() - began
+            if (seconds is not None and elapsed >= seconds) or (
+                byte_count is not None and sent >= byte_count
+            ):
+                break
+            size = CHUNK_BYTES if byte_count is None else min(CHUNK_BYTES, byte_count - sent)
+            sock.sendall(chunk[:size])
+            sent += size
+        sender_seconds = time.perf_counter() - began
+        sock.shutdown(socket.SHUT_WR)
+        reply = sock.makefile("rb").readline()
+    try:
+        result = json.loads(reply)
+    except json.JSONDecodeError:
+        raise ProbeError(
+            f"the receiver at {format_address(address)} sent no measurement ({reply[:40]!r})"
+        ) from None
+    return {
+        **result,
+        "sender_bytes": sent,
+        "sender_seconds": sender_seconds,
+        "sender_mbit_per_s": rate_mbit(sent, sender_seconds),
+        "to": format_address(address),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m devices.probe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    server = commands.add_parser("serve", help="receive and measure")
+    server.add_argument("--port", type=int, required=True)
+    server.add_argument("--once", action="store_true", help="exit after one sender")
+    server.add_argument("--timeout-s", type=float, help="give up if no sender connects")
+    sender = commands.add_parser("send", help="send to a serving probe, print its figure")
+    sender.add_argument("--to", required=True, metavar="HOST:PORT")
+    amount = sender.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--seconds", type=float)
+    amount.add_argument("--bytes", type=int)
+    sender.add_argument("--connect-timeout-s", type=float, default=10.0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "serve":
+            serve(args.port, args.once, args.timeout_s)
+        else:
+            if (args.seconds or 0) < 0 or (args.bytes is not None and args.bytes <= 0):
+                raise ProbeError("--seconds must be >= 0 and --bytes > 0")
+            result = send(parse_address(args.to), args.seconds, args.bytes, args.connect_timeout_s)
+            print(json.dumps(result), flush=True)
+    except KeyboardInterrupt:
+        return 130
+    except (ProbeError, WorkerError, OSError, ValueError) as error:
+        message = getattr(error, "strerror", None) or str(error)
+        print(f"probe: {' '.join(str(message).split())}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
