@@ -41,6 +41,15 @@ def _client() -> Any:
         ) from error
 
 
+def engine_available() -> bool:
+    """True when a Docker engine answers (used by the `auto` backend choice)."""
+    try:
+        _client().close()
+    except DeviceError:
+        return False
+    return True
+
+
 class DockerProcess(Process):
     """A `docker exec` running in a thread of ours; killed through its host pid."""
 

@@ -1,0 +1,95 @@
+"""Codebook bundles for a run: the experiment's own file, or fitted once and cached.
+
+Fitting runs k-means on the model's activations over seeded random inputs (what runs with
+untrained weights use), one bundle per codebook size K the methods ask for. The cache key
+covers everything that changes the codebooks, so a cached bundle is never stale. torch is
+imported only when a bundle must be fitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from testbed.errors import ConfigError
+from testbed.plan import Trial
+from testbed.schema import Experiment
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "bundles"
+
+
+def codebook_sizes(trials: list[Trial]) -> list[int]:
+    return sorted({t.spec.K for t in trials if t.spec.uses_codebooks})
+
+
+def bundle_key(experiment: Experiment, K: int) -> str:
+    settings = {
+        "model": experiment.model.model_dump(),
+        "bundle": experiment.bundle.model_dump(exclude={"path", "K"}),
+        "K": K,
+        "format": 1,
+    }
+    text = json.dumps(settings, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def prepare_bundles(
+    experiment: Experiment, trials: list[Trial], run_dir: Path, cache_dir: Path = CACHE_DIR
+) -> dict[int, Path]:
+    """Bundle file per K inside the run directory (devices see the run directory)."""
+    sizes = codebook_sizes(trials)
+    if not sizes:
+        return {}
+    target_dir = run_dir / "bundles"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for K in sizes:
+        source = _given_or_cached(experiment, K, cache_dir)
+        target = target_dir / f"bundle-K{K}.pt"
+        if not target.exists():
+            shutil.copyfile(source, target)
+        paths[K] = target
+    return paths
+
+
+def _given_or_cached(experiment: Experiment, K: int, cache_dir: Path) -> Path:
+    if experiment.bundle.path:
+        path = Path(experiment.bundle.path)
+        if not path.is_file():
+            raise ConfigError(f"bundle.path: file not found: {path}")
+        return path
+    path = cache_dir / f"{experiment.model.name}-K{K}-{bundle_key(experiment, K)}.pt"
+    if not path.is_file():
+        fit_and_save(experiment, K, path)
+    return path
+
+
+def fit_and_save(experiment: Experiment, K: int, path: Path) -> Path:
+    import torch
+
+    from tracevq.bundle import fit_bundle
+    from tracevq.checkpoint import load_checkpoint
+    from tracevq.models import build_model
+
+    log.info("fitting K=%d codebooks for %s (cached in %s)", K, experiment.model.name, path)
+    model = build_model(experiment.model.name, seed=experiment.model.seed)
+    if experiment.model.checkpoint:
+        load_checkpoint(model, experiment.model.checkpoint)
+    settings = experiment.bundle
+    generator = torch.Generator().manual_seed(settings.seed)
+    shape = model.config.input_shape(settings.calibration_inputs)
+    calibration = torch.randn(shape, generator=generator)
+    bundle = fit_bundle(
+        model,
+        calibration,
+        K=K,
+        code_dim=settings.code_dim,
+        metric=settings.metric,
+        seed=settings.seed,
+    )
+    return bundle.save(path)

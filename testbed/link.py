@@ -1,0 +1,100 @@
+"""The links of a run's devices: shape every device's egress, then measure what it achieves.
+
+Each device's egress is shaped to the trial's rate, so every directed pair of devices sees
+that rate. After every change a probe measures each device's sending rate (device i to
+device i + 1, in turn, so probes never share a link) and the result is flagged when it is
+more than 5% off the target.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from testbed import shaping
+from testbed.backends.base import Backend, Device
+from testbed.errors import ShapingError
+from testbed.profiles import LinkProfile
+
+log = logging.getLogger(__name__)
+
+RATE_TOLERANCE = 0.05
+PROBE_PORT = 5201
+
+
+@dataclass
+class LinkState:
+    rate_mbit: float
+    measured_mbit: dict[int, float] = field(default_factory=dict)  # by sending rank
+    qdisc: dict[int, str] = field(default_factory=dict)  # `tc -s qdisc` text by rank
+
+    def flagged(self, rank: int) -> bool:
+        measured = self.measured_mbit.get(rank)
+        return measured is None or abs(measured / self.rate_mbit - 1) > RATE_TOLERANCE
+
+
+def shape_all(backend: Backend, profile: LinkProfile, rate_mbit: float) -> None:
+    plan = shaping.plan(profile, rate_mbit)
+    for device in backend.devices:
+        log.debug("shaping %s/%s to %g Mbit/s", device.name, device.interface, rate_mbit)
+        shaping.apply(device.netns_path, device.interface, plan)
+
+
+def qdisc_text(device: Device) -> str:
+    return shaping.qdisc_stats(device.netns_path, device.interface)
+
+
+def probe(backend: Backend, sender: Device, receiver: Device, seconds: float) -> float:
+    """Achieved rate (10^6 bit/s) from sender to receiver, measured at the receiver."""
+    python = backend.python
+    server = backend.spawn(
+        receiver, [python, "-m", "devices.probe", "serve", "--port", str(PROBE_PORT), "--once"]
+    )
+    try:
+        client = backend.run(
+            sender,
+            [
+                python,
+                "-m",
+                "devices.probe",
+                "send",
+                "--to",
+                f"{receiver.address}:{PROBE_PORT}",
+                "--seconds",
+                str(seconds),
+            ],
+            timeout_s=seconds + 60,
+        )
+        server.wait(30)
+    finally:
+        server.kill()
+    if not client.ok:
+        raise ShapingError(
+            f"rate probe from device {sender.rank} to device {receiver.rank} failed: "
+            f"{client.tail(3)}"
+        )
+    line = client.stdout.strip().splitlines()[-1]
+    return float(json.loads(line)["mbit_per_s"])
+
+
+def shape_and_probe(
+    backend: Backend, profile: LinkProfile, rate_mbit: float, probe_seconds: float
+) -> LinkState:
+    shape_all(backend, profile, rate_mbit)
+    state = LinkState(rate_mbit)
+    devices = backend.devices
+    if len(devices) > 1:
+        for device in devices:
+            peer = devices[(device.rank + 1) % len(devices)]
+            state.measured_mbit[device.rank] = probe(backend, device, peer, probe_seconds)
+    for device in devices:
+        state.qdisc[device.rank] = qdisc_text(device)
+        if len(devices) > 1 and state.flagged(device.rank):
+            log.warning(
+                "device %d achieves %.2f Mbit/s, more than 5%% off the %g Mbit/s target",
+                device.rank,
+                state.measured_mbit[device.rank],
+                rate_mbit,
+            )
+    return state
