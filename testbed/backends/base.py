@@ -77,19 +77,20 @@ class CpuPlan:
 
 
 def plan_cpus(count: int, cpus: float, host_cores: int | None = None) -> CpuPlan:
-    """Pin whole cores when the host has enough of them; otherwise share by quota.
+    """Pin whole cores (of those this process may use) when there are enough of them;
+    otherwise share by quota.
 
     Oversubscribed means the devices' allotments add up to more cores than the host has: the
     devices then compete for cores and their compute times are inflated.
     """
-    host_cores = host_cores or os.cpu_count() or 1
+    cores = sorted(os.sched_getaffinity(0)) if host_cores is None else list(range(host_cores))
     threads = max(1, int(cpus))
     whole = float(cpus).is_integer()
-    if whole and count * int(cpus) <= host_cores:
+    if whole and count * int(cpus) <= len(cores):
         per = int(cpus)
-        sets = [",".join(str(c) for c in range(r * per, (r + 1) * per)) for r in range(count)]
-        return CpuPlan(sets, False, host_cores, threads)
-    return CpuPlan([None] * count, count * cpus > host_cores, host_cores, threads)
+        sets = [",".join(str(c) for c in cores[r * per : (r + 1) * per]) for r in range(count)]
+        return CpuPlan(sets, False, len(cores), threads)
+    return CpuPlan([None] * count, count * cpus > len(cores), len(cores), threads)
 
 
 class Backend(abc.ABC):
@@ -106,7 +107,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def start(self, spec: DeviceSpec) -> list[Device]:
-        """Create the run's network and P devices; returns them in rank order."""
+        """Create the run's network and P devices; returns them in rank order.
+
+        On any BaseException (Ctrl-C included) it calls `stop()` before re-raising.
+        """
 
     @abc.abstractmethod
     def spawn(self, device: Device, argv: Sequence[str]) -> Process:

@@ -119,7 +119,7 @@ class DockerBackend(Backend):
         self.cpu_plan = plan_cpus(spec.count, spec.cpus)
         try:
             self.devices = [self._start_device(rank, spec) for rank in range(spec.count)]
-        except Exception:
+        except BaseException:
             self.stop()
             raise
         return self.devices
