@@ -1,0 +1,100 @@
+"""Requirement gating shared by all tests.
+
+A test that needs something the machine lacks is skipped, unless the matching variable asks
+for it, in which case it fails: CI sets `TESTBED_REQUIRE_DOCKER=1` and `TESTBED_REQUIRE_ROOT=1`
+so that a docker or netns test can never look like a pass by being skipped.
+
+- `docker`-marked tests, and any test using `docker_client` / `worker_image`, need an engine.
+- `netns`-marked tests, and any test using `root`, need euid 0 and iproute2's `ip`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+REQUIRE_DOCKER = "TESTBED_REQUIRE_DOCKER"
+REQUIRE_ROOT = "TESTBED_REQUIRE_ROOT"
+
+
+def require_or_skip(available: bool, why: str, env: str) -> None:
+    """Does nothing if `available`; else fails when `env` is "1", and skips otherwise."""
+    if available:
+        return
+    if os.environ.get(env) == "1":
+        pytest.fail(f"{why} (required because {env}=1)", pytrace=False)
+    pytest.skip(f"{why} (set {env}=1 to make this a failure)")
+
+
+@functools.cache
+def docker_problem() -> str | None:
+    """Why Docker cannot be used here, or None when an engine answers through the SDK."""
+    try:
+        import docker
+    except ImportError:
+        return "the docker SDK is not installed (pip install -e '.[dev]')"
+    try:
+        client = docker.from_env()
+        client.ping()
+        client.close()
+    except Exception as error:  # any failure to reach the engine means "no Docker"
+        return f"no Docker engine answers ({type(error).__name__}: {error}); run `make docker-up`"
+    return None
+
+
+@functools.cache
+def root_problem() -> str | None:
+    """Why root network tests cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (euid 0)"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip`"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Gates marked tests even when they use none of the fixtures below."""
+    if item.get_closest_marker("docker") is not None:
+        problem = docker_problem()
+        require_or_skip(problem is None, problem or "", REQUIRE_DOCKER)
+    if item.get_closest_marker("netns") is not None:
+        problem = root_problem()
+        require_or_skip(problem is None, problem or "", REQUIRE_ROOT)
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[Any]:
+    """A `docker.DockerClient` from the environment (gated by TESTBED_REQUIRE_DOCKER)."""
+    problem = docker_problem()
+    require_or_skip(problem is None, problem or "", REQUIRE_DOCKER)
+    import docker
+
+    client = docker.from_env()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def worker_image(docker_client: Any) -> str:
+    """Builds the worker image once per session (cached layers make it quick) and gives its tag.
+
+    Skipped (or failed, under TESTBED_REQUIRE_DOCKER=1) only when the local base cannot be made
+    here (no debootstrap, not root); any other build failure is a test error.
+    """
+    from testbed.image import build_image, default_base_problem
+
+    problem = default_base_problem()
+    require_or_skip(problem is None, problem or "", REQUIRE_DOCKER)
+    return build_image()
+
+
+@pytest.fixture
+def root() -> None:
+    """Gates a test on root and iproute2 (TESTBED_REQUIRE_ROOT)."""
+    problem = root_problem()
+    require_or_skip(problem is None, problem or "", REQUIRE_ROOT)

@@ -1,0 +1,145 @@
+"""Pure parts of the worker image build: apt sources, wheelhouse requirements, pip tags."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from testbed.errors import ImageError
+from testbed.image import (
+    PROJECT_ROOT,
+    AptSource,
+    choose_mirror,
+    parse_deb822_sources,
+    parse_one_line_sources,
+    pip_download_args,
+    read_host_sources,
+    runtime_requirements,
+    wheel_platforms,
+)
+
+ONE_LINE_SAMPLE = """\
+# deb http://commented.example/debian bookworm main
+deb-src http://deb.debian.org/debian bookworm main
+deb [arch=amd64 signed-by=/usr/share/keyrings/x.gpg] https://packages.example.com/apt stable main
+deb [ arch=amd64 ] http://mirror.example.org/debian bookworm-updates main
+deb http://mirror.example.org/debian bookworm main contrib   # trailing comment
+"""
+
+DEB822_SAMPLE = """\
+Types: deb
+# http://snapshot.debian.org/archive/debian/20250520T000000Z
+URIs: http://deb.debian.org/debian
+Suites: bookworm bookworm-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb-src
+URIs: http://src.example.org/debian
+Suites: bookworm
+Components: main
+
+Types: deb
+URIs: http://disabled.example.org/debian
+Suites: bookworm
+Components: main
+Enabled: no
+
+Types: deb
+URIs: http://deb.debian.org/debian-security
+Suites: bookworm-security
+Components: main
+Signed-By:
+ -----BEGIN PGP PUBLIC KEY BLOCK-----
+ .
+ -----END PGP PUBLIC KEY BLOCK-----
+"""
+
+
+def test_one_line_format_skips_comments_sources_and_options() -> None:
+    sources = parse_one_line_sources(ONE_LINE_SAMPLE)
+    assert sources == [
+        AptSource("https://packages.example.com/apt", ("stable",), ("main",)),
+        AptSource("http://mirror.example.org/debian", ("bookworm-updates",), ("main",)),
+        AptSource("http://mirror.example.org/debian", ("bookworm",), ("main", "contrib")),
+    ]
+    assert choose_mirror(sources) == "http://mirror.example.org/debian"
+
+
+def test_deb822_format_skips_disabled_and_source_stanzas() -> None:
+    sources = parse_deb822_sources(DEB822_SAMPLE)
+    assert [s.uri for s in sources] == [
+        "http://deb.debian.org/debian",
+        "http://deb.debian.org/debian-security",
+    ]
+    assert sources[0].suites == ("bookworm", "bookworm-updates")
+    assert choose_mirror(sources) == "http://deb.debian.org/debian"
+
+
+def test_mirror_needs_the_suite_itself_with_main() -> None:
+    security_only = [AptSource("http://deb.debian.org/debian-security", ("bookworm-security",),
+                               ("main",))]  # fmt: skip
+    with pytest.raises(ImageError, match="no Debian mirror for suite 'bookworm'"):
+        choose_mirror(security_only)
+    cdrom = [AptSource("cdrom:[Debian 12]/", ("bookworm",), ("main",))]
+    with pytest.raises(ImageError):
+        choose_mirror(cdrom)
+
+
+def test_host_sources_read_list_and_sources_files_only(tmp_path: Path) -> None:
+    (tmp_path / "sources.list").write_text("deb http://a.example/debian bookworm main\n")
+    parts = tmp_path / "sources.list.d"
+    parts.mkdir()
+    (parts / "debian.sources").write_text(DEB822_SAMPLE)
+    (parts / "old.list.disabled-by-admin").write_text("deb http://off.example bookworm main\n")
+    uris = [s.uri for s in read_host_sources(tmp_path)]
+    assert uris == [
+        "http://a.example/debian",
+        "http://deb.debian.org/debian",
+        "http://deb.debian.org/debian-security",
+    ]
+
+
+def test_wheelhouse_requirements_are_runtime_deps_and_build_backend(tmp_path: Path) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\n'
+        '[project]\nname = "x"\ndependencies = ["torch==2.13.0", "numpy>=1.26"]\n'
+        '[project.optional-dependencies]\ntestbed = ["pandas>=2.1", "docker>=7"]\n'
+    )
+    assert runtime_requirements(pyproject) == ["torch==2.13.0", "numpy>=1.26", "setuptools>=68"]
+
+
+def test_project_wheelhouse_holds_what_the_worker_imports() -> None:
+    requirements = runtime_requirements(PROJECT_ROOT / "pyproject.toml")
+    names = {re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0].lower() for r in requirements}
+    assert "torch==2.13.0" in requirements  # pinned CPU build: never an unpinned torch
+    assert {"torch", "numpy", "pyyaml", "pydantic", "safetensors", "tqdm"} <= names
+    assert names.isdisjoint({"pandas", "pyarrow", "matplotlib", "docker", "pyroute2"})
+
+
+def test_wheel_platforms_cover_every_glibc_up_to_bookworm() -> None:
+    tags = wheel_platforms("x86_64", glibc_minor=36)
+    assert tags[0] == "manylinux_2_36_x86_64"
+    assert {"manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+            "manylinux1_x86_64"} <= set(tags)  # fmt: skip
+    assert "manylinux_2_37_x86_64" not in tags
+    assert "manylinux1_aarch64" not in wheel_platforms("aarch64")
+
+
+def test_pip_download_targets_the_base_python(tmp_path: Path) -> None:
+    args = pip_download_args(tmp_path / "requirements.txt", tmp_path, "x86_64")
+    assert args[1:4] == ["-m", "pip", "download"]
+    assert args[args.index("--python-version") + 1] == "3.11"
+    assert "--only-binary=:all:" in args
+
+
+def test_dockerfile_installs_offline_only() -> None:
+    dockerfile = (PROJECT_ROOT / "devices" / "Dockerfile").read_text()
+    instructions = dockerfile.replace("\\\n", " ").splitlines()  # join continued lines
+    pip_installs = [line for line in instructions if "pip install" in line]
+    assert len(pip_installs) == 2
+    assert all("--no-index" in command for command in pip_installs)
+    assert re.search(r"^ARG BASE=trace-testbed/base:bookworm$", dockerfile, re.M)
