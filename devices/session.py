@@ -31,6 +31,8 @@ from tracevq.engine import DeviceRun
 from tracevq.methods import Method, TraceMethod
 from tracevq.partition import partition_sizes
 
+LOSS_GRACE_S = 0.3
+
 
 class Session:
     """Runs inferences of `method` as device `rank` of the mesh's devices."""
@@ -93,13 +95,33 @@ class Session:
         messages, wait_s, arrivals = {}, 0.0, []
         for peer, link in sorted(self.mesh.links.items()):
             began = time.perf_counter()
-            incoming = link.take(self.recv_timeout_s, context)
+            try:
+                incoming = link.take(self.recv_timeout_s, context)
+            except PeerLostError as error:
+                raise self._first_loss(context) or error from None
             wait_s += time.perf_counter() - began
             self._check(peer, block, incoming.message, context)
             messages[peer] = incoming.message
             arrivals.append(incoming.arrived_at)
         received = sum(len(m) for m in messages.values())
         return messages, wait_s, max(arrivals) if arrivals else None, received
+
+    def _first_loss(self, context: str) -> PeerLostError | None:
+        """When several peers are gone (one died, another quit because of it), name the one
+        whose connection closed first, the cause, and list the others. The others' closures
+        get LOSS_GRACE_S to be noticed first."""
+        links = self.mesh.links.values()
+        deadline = time.perf_counter() + LOSS_GRACE_S
+        while time.perf_counter() < deadline and not all(link.closed for link in links):
+            time.sleep(0.01)
+        closed = sorted((link for link in links if link.closed), key=lambda link: link.closed.at)
+        if not closed:
+            return None
+        error = closed[0].lost(context)
+        if len(closed) > 1:
+            others = ", ".join(f"device {link.peer}" for link in closed[1:])
+            error = PeerLostError(f"{error} (then lost {others})")
+        return error
 
     def _check(self, peer: int, block: int, message: bytes, context: str) -> None:
         """Trace messages carry a header: a wrong block counter or level names the peer."""

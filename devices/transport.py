@@ -162,6 +162,7 @@ class Incoming:
 @dataclass
 class _Closed:
     reason: str
+    at: float = field(default_factory=time.perf_counter)
 
 
 class PeerLink:
@@ -175,6 +176,7 @@ class PeerLink:
         self.bytes_sent = self.bytes_received = 0
         self.messages_sent = self.messages_received = 0
         self.send_error: str | None = None
+        self.closed: _Closed | None = None  # set by the receiver thread when the peer is gone
         self._threads: list[threading.Thread] = []
 
     def start(self, header_bytes: int, message_bytes: Callable[[bytes], int]) -> None:
@@ -200,8 +202,16 @@ class PeerLink:
             ) from None
         if isinstance(item, _Closed):
             self.inbox.put(item)  # later takes see it too
-            raise PeerLostError(f"lost {self.name} before its message for {context}: {item.reason}")
+            raise self.lost(context)
         return item
+
+    def lost(self, context: str) -> PeerLostError:
+        reason = self.closed.reason if self.closed is not None else self.send_error
+        return PeerLostError(f"lost {self.name} before its message for {context}: {reason}")
+
+    def _closed(self, reason: str) -> None:
+        self.closed = _Closed(reason)
+        self.inbox.put(self.closed)
 
     def _send_loop(self) -> None:
         while (outgoing := self.outbox.get()) is not None:
@@ -232,10 +242,10 @@ class PeerLink:
                     if received == 0
                     else (f"the connection was closed mid-message after {received} bytes")
                 )
-                self.inbox.put(_Closed(reason))
+                self._closed(reason)
                 return
             except OSError as error:
-                self.inbox.put(_Closed(f"receiving failed: {error.strerror or error}"))
+                self._closed(f"receiving failed: {error.strerror or error}")
                 return
             self.bytes_received += len(header) + len(rest)
             self.messages_received += 1

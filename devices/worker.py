@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -32,6 +33,15 @@ log = logging.getLogger("devices.worker")
 # Python's default 5 ms switch interval a message could wait that long behind the compute
 # thread's Python code, which would show up as comm and wait time that the link never caused.
 SWITCH_INTERVAL_S = 2e-4
+
+
+class Terminated(WorkerError):
+    """SIGTERM (docker stop, the orchestrator): unwind so that sockets close and
+    session.json records the failure."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated("terminated by SIGTERM")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -152,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     rank = "?" if args.rank is None else args.rank
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         spec = spec_from_args(args)
         rank = spec.rank
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             traceback.print_exc()
         print(f"worker {rank}: {one_line(error)}", file=sys.stderr)
-        return 1
+        return 143 if isinstance(error, Terminated) else 1
     return 0
 
 
