@@ -25,8 +25,9 @@ from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import prepare_bundles
 from testbed.link import LinkState, shape_and_probe
 from testbed.plan import Trial, plan_rows, plan_trials
+from testbed.plots import make_figures
 from testbed.profiles import load_profile
-from testbed.results import combine, finished_trials, save_trial, write_frame, write_text
+from testbed.results import combine, finished_trials, load, save_trial, write_frame, write_text
 from testbed.schema import Experiment
 from testbed.trial import run_trial
 
@@ -89,6 +90,7 @@ class Runner:
             progress.close()
             if (self.run_dir / "trials").is_dir():
                 combine(self.run_dir)
+        make_figures(load(self.run_dir))
         return outcome
 
     def _run_count(
