@@ -1,0 +1,174 @@
+"""Shaping parameters are pure functions: burst floors, queue limit, tc rendering, netem checks."""
+
+import subprocess
+import sys
+
+import pytest
+
+from testbed.errors import ShapingError
+from testbed.profiles import LinkProfile
+from testbed.shaping import (
+    ShapingPlan,
+    TbfParams,
+    check_support,
+    clear_argv,
+    gso_argv,
+    netem_params,
+    netlink_requests,
+    offload_argv,
+    plan,
+    tbf_params,
+    tc_argv,
+)
+
+NO_NETEM = {"tbf": True, "htb": True, "netem": False, "ingress": True}
+WITH_NETEM = {**NO_NETEM, "netem": True}
+IDEAL = LinkProfile(name="ideal", rate_mbit=10)
+WIFI = LinkProfile(name="wifi", rate_mbit=20, delay_ms=4, jitter_ms=2, loss_pct=0.1)
+
+
+@pytest.mark.parametrize(
+    ("rate_mbit", "burst_bytes", "floor"),
+    [
+        (1, 6056, "4 frames: 4 x 1514 B beats 1e6 / 8 / 250 = 500 B"),
+        (10, 6056, "4 frames: 6056 B beats 1e7 / 8 / 250 = 5000 B"),
+        (20, 10_000, "one tick: 2e7 / 8 / 250 = 10,000 B beats 6056 B"),
+    ],
+)
+def test_burst_floors_at_hz_250(rate_mbit: float, burst_bytes: int, floor: str) -> None:
+    assert tbf_params(rate_mbit, hz=250).burst_bytes == burst_bytes, floor
+
+
+def test_burst_tick_floor_scales_with_hz() -> None:
+    assert tbf_params(20, hz=1000).burst_bytes == 6056  # 2,500 B per tick: frames win
+    assert tbf_params(100, hz=250).burst_bytes == 50_000
+
+
+def test_explicit_burst_is_kept_above_the_floors_and_raised_below_them() -> None:
+    assert tbf_params(20, burst_bytes=32_000).burst_bytes == 32_000
+    assert tbf_params(20, burst_bytes=1_000).burst_bytes == 10_000
+
+
+def test_rate_uses_tc_mbit_convention() -> None:
+    assert tbf_params(1).rate_bit_s == 1_000_000
+    assert tbf_params(2.5).rate_bit_s == 2_500_000
+
+
+def test_limit_is_latency_bound_at_rate_plus_burst() -> None:
+    # 20 Mbit/s = 2.5 MB/s; 50 ms of it is 125,000 B, plus the 10,000 B bucket
+    assert tbf_params(20, queue_latency_ms=50).limit_bytes == 135_000
+    # 5 Mbit/s, 100 ms: 62,500 B plus the 4-frame bucket
+    assert tbf_params(5, queue_latency_ms=100).limit_bytes == 62_500 + 6056
+
+
+def test_non_positive_rate_is_refused() -> None:
+    with pytest.raises(ShapingError, match="positive"):
+        tbf_params(0)
+
+
+def test_plan_without_impairments_has_no_netem() -> None:
+    shaping = plan(IDEAL, support=NO_NETEM)
+    assert shaping.netem is None and not shaping.needs_netem
+    assert shaping.rate_mbit == 10.0  # the profile's own rate is the default
+    assert plan(IDEAL, rate_mbit=2).tbf.rate_bit_s == 2_000_000  # the sweep's rate wins
+
+
+def test_plan_with_impairments_has_netem_child() -> None:
+    shaping = plan(WIFI, rate_mbit=5)
+    assert shaping.netem is not None
+    assert (shaping.netem.delay_us, shaping.netem.jitter_us) == (4000, 2000)
+    assert shaping.netem.loss_pct == 0.1
+
+
+def test_netem_limit_keeps_the_latency_bound() -> None:
+    tbf = tbf_params(5, queue_latency_ms=50)  # 31,250 + 6,056 B
+    netem = netem_params(WIFI, tbf)
+    assert netem is not None
+    in_flight = 625_000 * 0.006  # 6 ms of delay + jitter at 5 Mbit/s
+    assert netem.limit_packets == -(-(37_306 + in_flight) // 1514)
+    assert netem_params(WIFI).limit_packets == 1000  # without tbf: the kernel default
+    assert netem_params(IDEAL) is None
+
+
+def test_plan_without_any_rate_fails() -> None:
+    with pytest.raises(ShapingError, match="no rate_mbit"):
+        plan(LinkProfile(name="bare"))
+
+
+def test_netem_needed_but_unsupported_fails_loudly() -> None:
+    expected = (
+        "profile 'wifi' needs delay/jitter/loss emulation (sch_netem), which this kernel "
+        "does not have; use a rate-only profile such as 'ideal'"
+    )
+    with pytest.raises(ShapingError) as raised:
+        plan(WIFI, rate_mbit=10, support=NO_NETEM)
+    assert str(raised.value) == expected
+    check_support(plan(WIFI, rate_mbit=10), WITH_NETEM)  # fine where netem exists
+    check_support(plan(IDEAL), NO_NETEM)  # rate-only needs tbf alone
+
+
+def test_missing_tbf_fails() -> None:
+    with pytest.raises(ShapingError, match="sch_tbf"):
+        check_support(plan(IDEAL), {**NO_NETEM, "tbf": False})
+
+
+def test_tc_argv_rate_only() -> None:
+    assert tc_argv("eth0", plan(IDEAL, rate_mbit=20)) == [
+        ["tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "tbf"]
+        + ["rate", "20000000bit", "burst", "10000", "limit", "135000"]
+    ]
+
+
+def test_tc_argv_with_netem() -> None:
+    profile = LinkProfile(name="lte", delay_ms=30, jitter_ms=7.5, loss_pct=0.5)
+    commands = tc_argv("veth0", plan(profile, rate_mbit=1))
+    assert commands[0] == (
+        ["tc", "qdisc", "replace", "dev", "veth0", "root", "handle", "1:", "tbf"]
+        + ["rate", "1000000bit", "burst", "6056", "limit", "12306"]
+    )
+    # limit: (12,306 B + 125,000 B/s x 37.5 ms) / 1514 B -> 12 packets
+    assert commands[1] == (
+        ["tc", "qdisc", "add", "dev", "veth0", "parent", "1:1", "handle", "10:", "netem"]
+        + ["limit", "12", "delay", "30ms", "7500us", "loss", "0.5%"]
+    )
+
+
+def test_tc_argv_netem_loss_only() -> None:
+    commands = tc_argv("eth0", plan(LinkProfile(name="lossy", loss_pct=1), rate_mbit=1))
+    assert commands[1][-4:] == ["limit", "9", "loss", "1%"]
+
+
+def test_clear_offload_and_gso_argv() -> None:
+    assert clear_argv("eth0") == ["tc", "qdisc", "del", "dev", "eth0", "root"]
+    assert gso_argv("eth0") == ["ip", "link", "set", "dev", "eth0", "gso_max_segs", "1"]
+    assert offload_argv("eth0") == [
+        "ethtool", "-K", "eth0", "gso", "off", "tso", "off", "gro", "off"
+    ]  # fmt: skip
+
+
+def test_netlink_requests_match_the_plan() -> None:
+    shaping = plan(WIFI, rate_mbit=20)
+    requests = netlink_requests("eth0", shaping)
+    assert [kind for _, _, kind, _ in requests] == ["tbf", "netem"]
+    _, argv, _, tbf = requests[0]
+    assert argv == tc_argv("eth0", shaping)[0]
+    assert tbf == {"handle": 0x10000, "rate": "20000000bit", "burst": 10_000, "limit": 135_000}
+    netem = requests[1][3]
+    assert (netem["parent"], netem["handle"]) == (0x10001, 0x100000)
+    assert (netem["delay"], netem["jitter"], netem["loss"]) == (4000, 2000, 0.1)
+
+
+def test_plan_as_dict_is_plain_data() -> None:
+    data = plan(IDEAL, rate_mbit=5).as_dict()
+    assert data["tbf"] == {"rate_bit_s": 5_000_000, "burst_bytes": 6056, "limit_bytes": 37_306}
+    assert data["netem"] is None
+    assert ShapingPlan("x", 5.0, TbfParams(**data["tbf"])).tbf == plan(IDEAL, 5).tbf
+
+
+def test_importing_shaping_loads_neither_pyroute2_nor_torch() -> None:
+    code = "import sys, testbed.shaping; print(sorted({'pyroute2', 'torch'} & set(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
