@@ -1,0 +1,91 @@
+"""The throughput probe between two local processes over loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 30
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def probe(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "devices.probe", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    process = probe(*args)
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return process.returncode, stdout, stderr
+
+
+@pytest.mark.parametrize(
+    "amount", [["--bytes", "20000000"], ["--seconds", "0.3"]], ids=["bytes", "seconds"]
+)
+def test_probe_reports_the_receivers_rate(amount):
+    port = free_port()
+    server = probe("serve", "--port", str(port), "--once", "--timeout-s", "20")
+    try:
+        status, stdout, stderr = run("send", "--to", f"127.0.0.1:{port}", *amount)
+        server_out, _ = server.communicate(timeout=TIMEOUT_S)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert status == 0, stderr
+    (line,) = stdout.splitlines()
+    result = json.loads(line)
+    assert {
+        "mbit_per_s",
+        "bytes",
+        "seconds",
+        "sender_bytes",
+        "sender_seconds",
+        "sender_mbit_per_s",
+        "to",
+    } <= set(result)
+    assert result["mbit_per_s"] > 0 and result["seconds"] > 0
+    assert result["bytes"] == result["sender_bytes"]
+    if amount[0] == "--bytes":
+        assert result["bytes"] == 20_000_000
+    # the sender prints the receiver's figure, which the server printed too
+    received = json.loads(server_out.splitlines()[0])
+    assert received["mbit_per_s"] == result["mbit_per_s"]
+    assert received["from"].startswith("127.0.0.1:")
+    assert result["mbit_per_s"] == pytest.approx(
+        8 * result["bytes"] / result["seconds"] / 1e6, rel=0.5
+    )
+
+
+def test_probe_without_a_receiver_fails_with_one_line():
+    status, stdout, stderr = run(
+        "send", "--to", f"127.0.0.1:{free_port()}", "--bytes", "10", "--connect-timeout-s", "0.5"
+    )
+    assert status == 1 and stdout == ""
+    assert stderr.startswith("probe: the probe receiver at 127.0.0.1:")
+    assert stderr.count("\n") == 1
