@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 RATE_TOLERANCE = 0.05
 PROBE_PORT = 5201
+# tbf meters whole Ethernet frames; the probe counts TCP payload. With a 1500-byte MTU and
+# TCP timestamps (Linux's default) a full frame of 1514 bytes carries 1448 payload bytes.
+WIRE_PER_PAYLOAD = 1514 / 1448
 
 
 @dataclass
@@ -29,9 +32,14 @@ class LinkState:
     measured_mbit: dict[int, float] = field(default_factory=dict)  # by sending rank
     qdisc: dict[int, str] = field(default_factory=dict)  # `tc -s qdisc` text by rank
 
-    def flagged(self, rank: int) -> bool:
+    def wire_mbit(self, rank: int) -> float | None:
+        """The probe's payload rate as the frame rate tbf enforces (headers included)."""
         measured = self.measured_mbit.get(rank)
-        return measured is None or abs(measured / self.rate_mbit - 1) > RATE_TOLERANCE
+        return None if measured is None else measured * WIRE_PER_PAYLOAD
+
+    def flagged(self, rank: int) -> bool:
+        wire = self.wire_mbit(rank)
+        return wire is None or abs(wire / self.rate_mbit - 1) > RATE_TOLERANCE
 
 
 def shape_all(backend: Backend, profile: LinkProfile, rate_mbit: float) -> None:

@@ -29,10 +29,11 @@ from testbed.errors import TestbedError
 
 TRIAL_COLUMNS = [
     "run_id", "trial_id", "experiment", "backend", "model", "method", "params", "devices",
-    "rank", "bandwidth_mbit", "measured_mbit", "rate_flagged", "K", "level_k", "r_bits",
-    "repeat", "compute_ms", "comm_ms", "send_ms", "wait_ms", "effective_ms", "analytic_comm_ms",
-    "analytic_comm_ms_paper", "payload_bits_per_layer", "payload_bits", "wire_bytes",
-    "received_bytes", "correct", "batch", "cpus", "threads", "oversubscribed", "status", "error",
+    "rank", "bandwidth_mbit", "measured_mbit", "measured_wire_mbit", "rate_flagged", "K",
+    "level_k", "r_bits", "repeat", "compute_ms", "comm_ms", "send_ms", "wait_ms",
+    "effective_ms", "analytic_comm_ms", "analytic_comm_ms_paper", "payload_bits_per_layer",
+    "payload_bits", "wire_bytes", "received_bytes", "qdisc_sent_bytes", "correct", "batch",
+    "cpus", "threads", "oversubscribed", "status", "error",
 ]  # fmt: skip
 TRIAL_ROWS = "trial.parquet"
 LAYER_ROWS = "layers.parquet"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -50,7 +51,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+_MAIN_PID = os.getpid()
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the backend removes what it made. Only in this
+    process: a child forked by a library (pyroute2 enters namespaces that way) inherits the
+    handler and must simply die, not run our clean-up on its copy of the stack."""
+    if os.getpid() != _MAIN_PID:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise KeyboardInterrupt
 
 
