@@ -25,8 +25,8 @@ class RunSpec(BaseModel):
 
     rank: int = Field(ge=0)
     peers: list[str] = Field(min_length=1, description="host:port of every device, rank order")
-    model: str | None = None
-    checkpoint: Path | None = None
+    model: str = Field(description="model configuration name (the architecture)")
+    checkpoint: Path | None = Field(None, description="weights for that architecture")
     model_seed: int = 0
     bundle: Path | None = None
     method: str = "voltage"
@@ -60,8 +60,6 @@ class RunSpec(BaseModel):
     def _check_consistency(self) -> RunSpec:
         if self.rank >= len(self.peers):
             raise ValueError(f"rank {self.rank} out of range for {len(self.peers)} peers")
-        if (self.model is None) == (self.checkpoint is None):
-            raise ValueError("give exactly one of 'model' and 'checkpoint'")
         return self
 
     @property

@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--rank", type=int)
     add("--peers", help="host:port of every device in rank order, own listen address included")
     add("--model", help="model configuration name (tracevq.config)")
-    add("--checkpoint", type=Path, help="model weights file")
+    add("--checkpoint", type=Path, help="timm-format weights for --model (.pth, .safetensors)")
     add("--model-seed", type=int, help="seed of the model's initial weights (default 0)")
     add("--bundle", type=Path, help="codebook bundle (astra, trace-b, trace-nb)")
     add("--method")
@@ -104,13 +104,14 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
 
 
 def load_model(spec: RunSpec) -> Any:
+    """The named architecture, with the checkpoint's weights if one is given (else the
+    weights initialised from --model-seed)."""
     import tracevq
 
+    model = tracevq.build_model(spec.model, seed=spec.model_seed)
     if spec.checkpoint is not None:
-        raise SpecError(
-            "--checkpoint is not supported yet (tracevq has no checkpoint loader); use --model"
-        )
-    return tracevq.build_model(spec.model, seed=spec.model_seed)
+        tracevq.load_checkpoint(model, spec.checkpoint)
+    return model.eval()
 
 
 def load_method(spec: RunSpec, model: Any) -> tuple[Any, Any]:

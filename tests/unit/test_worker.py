@@ -431,9 +431,12 @@ def test_corrupted_message_fails_the_worker_naming_peer_and_block(
     assert re.search(expected, stderr), stderr
 
 
-def test_single_device_with_an_inputs_file_records_accuracy(tmp_path, model):
-    """P = 1: no peers, no messages; the logits are the plain model's. Inputs from a file
-    with labels: batch i is rows 2i, 2i + 1; device 0 records predictions and hits."""
+def test_single_device_with_checkpoint_and_inputs_file_records_accuracy(tmp_path):
+    """P = 1: no peers, no messages; the logits are the plain model's, with the weights of a
+    checkpoint. Inputs from a file with labels: batch i is rows 2i, 2i + 1; device 0 records
+    predictions and hits."""
+    model = tracevq.build_model(MODEL, seed=3)
+    torch.save(model.state_dict(), tmp_path / "weights.pth")
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = model(images)
@@ -450,6 +453,8 @@ def test_single_device_with_an_inputs_file_records_accuracy(tmp_path, model):
         str(tmp_path / "inputs.pt"),
         "--inferences",
         "2",
+        "--checkpoint",
+        str(tmp_path / "weights.pth"),
     )
     assert status == 0, stderr
     logits = np.load(tmp_path / "device0" / "logits.npy")

@@ -65,6 +65,11 @@ def test_bad_values_are_named(overrides, params, message):
         resolve_spec(None, {**base, **overrides}, params)
 
 
+def test_missing_model_is_named():
+    with pytest.raises(SpecError, match="model: Field required"):
+        resolve_spec(None, {"rank": 0, "peers": "a:1", "out": "o"})
+
+
 def test_param_values_are_yaml_scalars():
     assert parse_param("K=1024") == ("K", 1024)
     assert parse_param("buffers=false") == ("buffers", False)
