@@ -157,6 +157,7 @@ def collect_rows(
             **plan[rank],
             "rank": rank,
             "measured_mbit": link.measured_mbit.get(rank),
+            "measured_wire_mbit": link.wire_mbit(rank),
             "rate_flagged": link.flagged(rank) if peers else False,
         }
         for row in rows:
@@ -199,11 +200,24 @@ def collect_rows(
 def failed_rows(
     base: dict[str, Any], plan: dict[int, dict[str, Any]], link: LinkState, error: str
 ) -> pd.DataFrame:
-    return pd.DataFrame([
-        {**base, **plan[rank], "rank": rank, "measured_mbit": link.measured_mbit.get(rank),
-         "repeat": -1, "status": "failed", "error": error}
-        for rank in plan
-    ])  # fmt: skip
+    rows = []
+    for rank in plan:
+        measured = {
+            "measured_mbit": link.measured_mbit.get(rank),
+            "measured_wire_mbit": link.wire_mbit(rank),
+        }
+        rows.append(
+            {
+                **base,
+                **plan[rank],
+                "rank": rank,
+                **measured,
+                "repeat": -1,
+                "status": "failed",
+                "error": error,
+            }
+        )
+    return pd.DataFrame(rows)
 
 
 def run_trial(

@@ -1,0 +1,169 @@
+"""`python -m testbed.run` end to end: real devices (containers or namespaces), real shaping,
+real workers over TCP. Checks the results, not just the exit code, and that nothing is left.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testbed.results import TRIAL_COLUMNS, load
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "testbed.run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def only_run_dir(out: Path) -> Path:
+    runs = [p for p in out.glob("*/*") if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def leftovers(docker_client, run_id: str) -> list[str]:
+    label = {"label": f"testbed.run={run_id}"}
+    containers = docker_client.containers.list(all=True, filters=label)
+    networks = docker_client.networks.list(filters=label)
+    return [c.name for c in containers] + [n.name for n in networks]
+
+
+def check_results(run_dir: Path, trials_expected: int) -> None:
+    results = load(run_dir)
+    trials = results.trials
+    assert list(trials.columns) == TRIAL_COLUMNS
+    assert (trials["status"] == "ok").all(), trials[["trial_id", "error"]]
+    assert trials["trial_id"].nunique() == trials_expected
+    config = results.config
+    depth = {"vit-tiny": 4}[config["model"]["name"]]
+    for row in trials.itertuples():
+        assert row.payload_bits == depth * row.payload_bits_per_layer
+        # every peer gets a copy; each message is its payload rounded up to whole bytes
+        per_message = math.ceil(row.payload_bits_per_layer / 8)
+        assert row.wire_bytes == depth * per_message * (row.devices - 1)
+        assert row.effective_ms >= row.compute_ms > 0
+        assert row.effective_ms == pytest.approx(row.compute_ms + row.wait_ms, rel=1e-3)
+    # the shaped links deliver their rate (frames on the wire) within 5%
+    wire = trials.drop_duplicates(["bandwidth_mbit", "rank"])
+    off = (wire["measured_wire_mbit"] / wire["bandwidth_mbit"] - 1).abs()
+    assert (off <= 0.05).all(), wire[["bandwidth_mbit", "rank", "measured_wire_mbit"]]
+    assert not trials["rate_flagged"].any()
+    assert len(results.layers) == len(trials) * depth
+    figures = ["latency", "compression", "measured_vs_analytic"]
+    if trials["bandwidth_mbit"].nunique() > 1:
+        figures.append("comm_vs_bandwidth")
+    for name in figures:
+        assert (run_dir / "figures" / f"{name}.png").stat().st_size > 10_000
+    environment = results.environment
+    assert environment["qdisc_support"]["tbf"] is True
+    assert environment["host_cores"] == os.cpu_count()
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_smoke_experiment_on_docker(tmp_path, docker_client, worker_image):
+    done = run_cli("experiments/smoke.yaml", "--out", str(tmp_path), "--backend", "docker")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path)
+    check_results(run_dir, trials_expected=12)
+    assert leftovers(docker_client, run_dir.name) == []
+    qdisc = (run_dir / "links" / "p2-10mbit.json").read_text()
+    assert "tbf" in qdisc and "rate 10Mbit" in qdisc
+
+
+def small_experiment(tmp_path: Path, **changes) -> Path:
+    experiment = {
+        "name": "small",
+        "model": {"name": "vit-tiny"},
+        "devices": {"count": [2], "cpus": 1, "memory_mb": 1024},
+        "link": {"profile": "ideal", "bandwidth_mbit": [5]},
+        "methods": [{"name": "voltage"}, {"name": "trace-b", "K": 16}],
+        "bundle": {"calibration_inputs": 4},
+        "repeats": 2,
+        "warmup": 1,
+        "timeout_s": 120,
+        **changes,
+    }
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    return path
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_local_backend_runs_the_same_experiment(tmp_path):
+    out = tmp_path / "out"
+    done = run_cli(str(small_experiment(tmp_path)), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    check_results(run_dir, trials_expected=2)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    from testbed.backends.local import run_tag
+
+    assert run_tag(run_dir.name) not in names
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_a_failing_trial_is_recorded_and_resume_reruns_only_it(
+    tmp_path, docker_client, worker_image
+):
+    # a 1 s deadline cannot fit model loading: every trial fails, the run goes on
+    path = small_experiment(tmp_path, timeout_s=1)
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "docker")
+    assert done.returncode == 1, done.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    trials = load(run_dir).trials
+    assert set(trials["status"]) == {"failed"} and trials["trial_id"].nunique() == 2
+    assert trials["error"].str.contains("no result within 1 s").all()
+    assert (run_dir / "trials" / "p2-voltage-5mbit" / "rank0.log").is_file()
+    assert leftovers(docker_client, run_dir.name) == []
+    # resume with a sane deadline: both run now and the tables hold only ok rows
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["timeout_s"] = 120
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    done = run_cli("--resume", str(run_dir), "--backend", "docker")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 trials ok, 0 failed, 0 already done" in done.stdout
+    done = run_cli("--resume", str(run_dir), "--backend", "docker")
+    assert "0 trials ok, 0 failed, 2 already done" in done.stdout
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_interrupt_removes_devices_and_keeps_finished_trials(tmp_path, docker_client, worker_image):
+    path = small_experiment(tmp_path, link={"profile": "ideal", "bandwidth_mbit": [5, 10]})
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "testbed.run", str(path), "--out", str(out), "--backend", "docker"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not list(out.glob("*/*/trials/*/trial.parquet")):
+        time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    run_dir = only_run_dir(out)
+    assert leftovers(docker_client, run_dir.name) == []
+    assert len(load(run_dir).trials) >= 2
