@@ -1,5 +1,7 @@
 # Set-up, tests, lint and the worker image of the Trace edge testbed.
 #
+#   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
+#   make smoke        the same pipeline on a tiny model in about two minutes
 #   make test         create .venv (once per pyproject.toml change) and run pytest
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
@@ -18,7 +20,7 @@ PYTEST_ARGS ?=
 IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: venv test lint image docker-up clean distclean
+.PHONY: venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke
 
 venv: $(VENV_STAMP)
 
@@ -28,7 +30,7 @@ $(VENV_STAMP): pyproject.toml
 	$(VENV_PY) -m pip install -e '.[dev]'
 	touch $@
 
-test: venv
+test: venv host-setup
 	$(VENV_PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
@@ -43,9 +45,21 @@ docker-up:
 	$(PYTHON) -m testbed.dockerd up
 
 # ---------------------------------------------------------------------------
-# Experiment targets (sweep-bandwidth, bench, accuracy, reproduce) belong here.
-# They are added by the experiment and benchmark code, not by this set-up part.
+# Experiments. RUN_ARGS go to testbed.run (e.g. RUN_ARGS='--backend local --out /tmp/r').
+# host-setup installs Docker, debootstrap and iproute2 when missing and starts the engine
+# (root only; without root it changes nothing). testbed.run builds or refreshes the worker
+# image itself, and takes the local backend when no Docker engine answers.
 # ---------------------------------------------------------------------------
+RUN_ARGS ?=
+
+host-setup:
+	scripts/host-setup
+
+sweep-bandwidth: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/sweep-bandwidth.yaml $(RUN_ARGS)
+
+smoke: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/smoke.yaml $(RUN_ARGS)
 
 # ---------------------------------------------------------------------------
 # Cleaning

@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 LABEL = "testbed.run"
 NAME_PREFIX = "testbed-"
 DEVICE_RUN_DIR = "/run-dir"
-WORKER_IMAGE = "trace-testbed/worker:latest"
 
 
 def _client() -> Any:
@@ -91,7 +90,7 @@ class DockerBackend(Backend):
     name = "docker"
     python = "python"  # the image's venv is first on PATH
 
-    def __init__(self, run_id: str, run_dir: Path, image: str = WORKER_IMAGE):
+    def __init__(self, run_id: str, run_dir: Path, image: str | None = None):
         super().__init__(run_id, run_dir)
         self.image = image
         self.client: Any = None
