@@ -26,7 +26,6 @@ from devices.errors import PeerLostError, ProtocolError
 from devices.mesh import Mesh
 from devices.records import InferenceRecord, LayerRecord
 from devices.transport import Outgoing
-from tracevq.codec import decode_trace_message
 from tracevq.engine import DeviceRun
 from tracevq.methods import Method, TraceMethod
 from tracevq.partition import partition_sizes
@@ -61,8 +60,8 @@ class Session:
             attn_start = time.perf_counter()
             try:
                 message = run.attend(block, messages)
-            except ProtocolError as error:
-                raise ProtocolError(f"{context}: {error}") from None
+            except ProtocolError as error:  # the receiver names the peer and the block
+                raise ProtocolError(f"{label}: {error}") from None
             self._post(outgoing, block + 1, message, context)
             ffn_start = time.perf_counter()
             run.finish_block(block)
@@ -100,7 +99,6 @@ class Session:
             except PeerLostError as error:
                 raise self._first_loss(context) or error from None
             wait_s += time.perf_counter() - began
-            self._check(peer, block, incoming.message, context)
             messages[peer] = incoming.message
             arrivals.append(incoming.arrived_at)
         received = sum(len(m) for m in messages.values())
@@ -122,19 +120,6 @@ class Session:
             others = ", ".join(f"device {link.peer}" for link in closed[1:])
             error = PeerLostError(f"{error} (then lost {others})")
         return error
-
-    def _check(self, peer: int, block: int, message: bytes, context: str) -> None:
-        """Trace messages carry a header: a wrong block counter or level names the peer."""
-        if not isinstance(self.method, TraceMethod):
-            return
-        try:
-            decode_trace_message(
-                message, self.sizes[peer] * self.batch, self.method.level_bits, block
-            )
-        except ProtocolError as error:
-            raise ProtocolError(
-                f"message from {self.mesh.name(peer)} for {context}: {error}"
-            ) from None
 
     def _await_sends(self, outgoing: dict[int, Outgoing], label: str) -> None:
         for block, message in sorted(outgoing.items()):

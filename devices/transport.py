@@ -247,6 +247,12 @@ class PeerLink:
             except OSError as error:
                 self._closed(f"receiving failed: {error.strerror or error}")
                 return
+            except ProtocolError as error:
+                # the header cannot be delimited (unknown level): hand it on as it is, so the
+                # method's decoder names peer and block, and stop reading this stream
+                self.inbox.put(Incoming(header, time.perf_counter()))
+                self._closed(f"unreadable message header: {error}")
+                return
             self.bytes_received += len(header) + len(rest)
             self.messages_received += 1
             self.inbox.put(Incoming(header + rest, time.perf_counter()))

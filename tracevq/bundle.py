@@ -94,7 +94,7 @@ class Bundle:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, dim: int | None = None) -> Bundle:
+    def load(cls, path: str | Path) -> Bundle:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"bundle file not found: {path}")

@@ -47,16 +47,15 @@ class DeviceRun:
         message (for block + 1) if the method sends one."""
         layer = self.model.blocks[block]
         q, k, v = layer.attn.qkv_heads(layer.norm1(self.x))  # (B, H, n, d) each
-        keys, values, biases = [k], [v], [torch.zeros(k.shape[2])]
-        for peer in self.peers:
-            remote = self.receivers[peer].remote_kv(block, messages[peer])
-            keys.append(remote.k)
-            values.append(remote.v)
-            bias = remote.bias if remote.bias is not None else torch.zeros(remote.k.shape[2])
-            biases.append(bias)
-        any_bias = any(bool(b.any()) for b in biases)
-        bias = torch.cat(biases) if any_bias else None
-        self.z = self.x + layer.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), bias)
+        remotes = [self.receivers[peer].remote_kv(block, messages[peer]) for peer in self.peers]
+        keys = torch.cat([k, *(r.k for r in remotes)], dim=2)  # (B, H, N, d)
+        values = torch.cat([v, *(r.v for r in remotes)], dim=2)
+        bias = None
+        if any(r.bias is not None for r in remotes):  # Prism: log(count) per mean key
+            parts = [torch.zeros(k.shape[2])]
+            parts += [r.bias if r.bias is not None else torch.zeros(r.k.shape[2]) for r in remotes]
+            bias = torch.cat(parts)
+        self.z = self.x + layer.attn.attend(q, keys, values, bias)
         return self.sender.post_attention(block, self.x, self.z)
 
     def finish_block(self, block: int) -> None:

@@ -373,6 +373,8 @@ def corrupted(case: str) -> bytes:
         return encode_trace_message(np.zeros(16, dtype=np.int64), 4, 3, 5)
     if case == "too-long":
         return valid + bytes(16)  # the extra bytes become block 1's "message"
+    if case == "unknown-level":
+        return bytes([0x0F]) + valid[1:]  # level 15: the tree has levels 0..3
     return valid[:-1]  # too short: the worker waits for the last byte until its timeout
 
 
@@ -381,17 +383,22 @@ def corrupted(case: str) -> bytes:
     [
         (
             "block-counter",
-            r"message from device 1 .* for block 0 of inference 0: block counter "
+            r"inference 0: trace-b message from device 1 for block 0: block counter "
             r"mismatch: expected 0 .* received 5",
         ),
         (
             "too-long",
-            r"message from device 1 .* for block 1 of inference 0: block counter "
+            r"inference 0: trace-b message from device 1 for block 1: block counter "
             r"mismatch: expected 1",
+        ),
+        (
+            "unknown-level",
+            r"inference 0: trace-b message from device 1 for block 0: level 15 not in the "
+            r"codebook tree",
         ),
         ("too-short", r"no message from device 1 .* for block 0 of inference 0 within 3 s"),
     ],
-    ids=["block-counter", "too-long", "too-short"],
+    ids=["block-counter", "too-long", "unknown-level", "too-short"],
 )
 def test_corrupted_message_fails_the_worker_naming_peer_and_block(
     tmp_path, bundle_path, case, expected

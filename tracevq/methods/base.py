@@ -55,9 +55,10 @@ class Method(abc.ABC):
         return self.spec.name
 
     @property
-    def pre_block_message(self) -> bool:
-        """True when block b's message is made from block b's input (no overlap possible)."""
-        return not self.spec.is_trace
+    def overlaps(self) -> bool:
+        """True when messages for block b + 1 leave during block b's FFN (Trace); the other
+        methods make block b's message from block b's input, needed before attention."""
+        return self.spec.is_trace
 
     def payload_bits(self, tokens: int, batch: int = 1) -> int:
         """Bits of one message from a device holding `tokens` tokens."""

@@ -115,9 +115,18 @@ class TraceMethod(Method):
         return tokens * batch * self.level_bits[self.level] + 8
 
     def message_bytes(self, tokens: int, batch: int, header: bytes = b"") -> int:
+        """Size of a message whose first byte is `header` (the current level without one).
+
+        Raises ProtocolError for a level the tree does not have: the rest of the message
+        cannot be delimited, so the stream must not be read on.
+        """
         level = header[0] & 0x0F if header else self.level
-        bits = self.level_bits[level] if level < len(self.level_bits) else self.level_bits[-1]
-        return trace_message_bytes(tokens * batch, bits)
+        if level >= len(self.level_bits):
+            raise ProtocolError(
+                f"header names level {level}, the codebook tree has levels "
+                f"0..{len(self.level_bits) - 1}: the stream cannot be delimited"
+            )
+        return trace_message_bytes(tokens * batch, self.level_bits[level])
 
     def encode(self, block: int, x: Tensor) -> bytes:
         quantizer, tree = self.quantizers[block], self.trees[block]
