@@ -103,12 +103,15 @@ class DockerBackend(Backend):
 
     def start(self, spec: DeviceSpec) -> list[Device]:
         self.client = _client()
+        if self.image is None:
+            # the worker image must run this checkout's code: (re)build it, seconds when cached
+            from testbed.image import build_image
+
+            self.image = build_image()
         try:
             self.client.images.get(self.image)
         except Exception as error:  # noqa: BLE001 - ImageNotFound and API errors alike
-            raise DeviceError(
-                f"worker image {self.image} is not built: run `make image`"
-            ) from error
+            raise DeviceError(f"worker image {self.image} is not present") from error
         self.run_dir.mkdir(parents=True, exist_ok=True)
         name = f"{NAME_PREFIX}{self.run_id}"
         log.debug("docker network create --internal %s", name)
