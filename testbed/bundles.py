@@ -27,11 +27,17 @@ def codebook_sizes(trials: list[Trial]) -> list[int]:
     return sorted({t.spec.K for t in trials if t.spec.uses_codebooks})
 
 
-def bundle_key(experiment: Experiment, K: int) -> str:
+def codebook_families(trials: list[Trial], K: int) -> tuple[str, ...]:
+    """The codebook families (astra, trace-b, trace-nb) the trials with this K use."""
+    return tuple(sorted({t.method for t in trials if t.spec.uses_codebooks and t.spec.K == K}))
+
+
+def bundle_key(experiment: Experiment, K: int, families: tuple[str, ...]) -> str:
     settings = {
         "model": experiment.model.model_dump(),
         "bundle": experiment.bundle.model_dump(exclude={"path", "K"}),
         "K": K,
+        "families": families,
         "format": 1,
     }
     text = json.dumps(settings, sort_keys=True)
@@ -49,7 +55,7 @@ def prepare_bundles(
     target_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for K in sizes:
-        source = _given_or_cached(experiment, K, cache_dir)
+        source = _given_or_cached(experiment, K, codebook_families(trials, K), cache_dir)
         target = target_dir / f"bundle-K{K}.pt"
         if not target.exists():
             shutil.copyfile(source, target)
@@ -57,26 +63,35 @@ def prepare_bundles(
     return paths
 
 
-def _given_or_cached(experiment: Experiment, K: int, cache_dir: Path) -> Path:
+def _given_or_cached(
+    experiment: Experiment, K: int, families: tuple[str, ...], cache_dir: Path
+) -> Path:
     if experiment.bundle.path:
         path = Path(experiment.bundle.path)
         if not path.is_file():
             raise ConfigError(f"bundle.path: file not found: {path}")
         return path
-    path = cache_dir / f"{experiment.model.name}-K{K}-{bundle_key(experiment, K)}.pt"
+    key = bundle_key(experiment, K, families)
+    path = cache_dir / f"{experiment.model.name}-K{K}-{key}.pt"
     if not path.is_file():
-        fit_and_save(experiment, K, path)
+        fit_and_save(experiment, K, families, path)
     return path
 
 
-def fit_and_save(experiment: Experiment, K: int, path: Path) -> Path:
+def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path: Path) -> Path:
     import torch
 
     from tracevq.bundle import fit_bundle
     from tracevq.checkpoint import load_checkpoint
     from tracevq.models import build_model
 
-    log.info("fitting K=%d codebooks for %s (cached in %s)", K, experiment.model.name, path)
+    log.info(
+        "fitting K=%d %s codebooks for %s (cached in %s)",
+        K,
+        ",".join(families),
+        experiment.model.name,
+        path,
+    )
     model = build_model(experiment.model.name, seed=experiment.model.seed)
     if experiment.model.checkpoint:
         load_checkpoint(model, experiment.model.checkpoint)
@@ -88,6 +103,7 @@ def fit_and_save(experiment: Experiment, K: int, path: Path) -> Path:
         model,
         calibration,
         K=K,
+        families=families,
         code_dim=settings.code_dim,
         metric=settings.metric,
         seed=settings.seed,
