@@ -84,6 +84,30 @@ def test_smoke_experiment_on_docker(tmp_path, docker_client, worker_image):
     assert leftovers(docker_client, run_dir.name) == []
     qdisc = (run_dir / "links" / "p2-10mbit.json").read_text()
     assert "tbf" in qdisc and "rate 10Mbit" in qdisc
+    execute_notebook(run_dir)
+
+
+def execute_notebook(run_dir: Path) -> None:
+    """results/analysis.ipynb runs headless on this run without an error cell."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(ROOT / "results" / "analysis.ipynb", as_version=4)
+    os.environ["RUN_DIR"] = str(run_dir)
+    try:
+        NotebookClient(
+            notebook,
+            timeout=300,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(ROOT)}},
+        ).execute()
+    finally:
+        del os.environ["RUN_DIR"]
+    outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any(str(run_dir) in o.get("text", "") for o in outputs)
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 4
 
 
 def small_experiment(tmp_path: Path, **changes) -> Path:
