@@ -20,7 +20,8 @@ PYTEST_ARGS ?=
 IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke
+.PHONY: venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
+	reproduce reproduce-quick bench
 
 venv: $(VENV_STAMP)
 
@@ -60,6 +61,18 @@ sweep-bandwidth: venv host-setup
 
 smoke: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/smoke.yaml $(RUN_ARGS)
+
+# The paper's latency tables re-measured, next to its numbers: results/reproduce/REPORT.md.
+reproduce: venv host-setup
+	$(VENV_PY) -m testbed.reproduce
+
+reproduce-quick: venv host-setup
+	$(VENV_PY) -m testbed.reproduce --quick
+
+# Speed targets as ratios measured side by side in one run (BENCH_ARGS='--quick' to check it runs).
+BENCH_ARGS ?=
+bench: venv host-setup
+	$(VENV_PY) -m bench.bench_trace $(BENCH_ARGS)
 
 # ---------------------------------------------------------------------------
 # Cleaning

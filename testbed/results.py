@@ -33,7 +33,7 @@ TRIAL_COLUMNS = [
     "level_k", "r_bits", "repeat", "compute_ms", "comm_ms", "send_ms", "wait_ms",
     "effective_ms", "analytic_comm_ms", "analytic_comm_ms_paper", "payload_bits_per_layer",
     "payload_bits", "wire_bytes", "received_bytes", "qdisc_sent_bytes", "correct", "batch",
-    "cpus", "threads", "oversubscribed", "status", "error",
+    "cpus", "threads", "oversubscribed", "trial_s", "status", "error",
 ]  # fmt: skip
 TRIAL_ROWS = "trial.parquet"
 LAYER_ROWS = "layers.parquet"

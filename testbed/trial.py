@@ -241,7 +241,9 @@ def run_trial(
         for d in backend.devices
     ]
     write_text(directory / "commands.json", json.dumps(argvs, indent=1))
+    started = time.monotonic()
     results = run_workers(backend, argvs, experiment.timeout_s)
+    base = {**base, "trial_s": round(time.monotonic() - started, 3)}
     for rank, result in enumerate(results):
         write_text(
             directory / f"rank{rank}.log",

@@ -191,3 +191,29 @@ def test_interrupt_removes_devices_and_keeps_finished_trials(tmp_path, docker_cl
     run_dir = only_run_dir(out)
     assert leftovers(docker_client, run_dir.name) == []
     assert len(load(run_dir).trials) >= 2
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_reproduce_quick_fills_every_table(tmp_path, docker_client, worker_image):
+    done = subprocess.run([sys.executable, "-m", "testbed.reproduce", "--quick", "--out",
+                           str(tmp_path), "--backend", "docker"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (tmp_path / "reproduce" / "REPORT.md").read_text()
+    sections = report.split("\n## ")[1:]
+    titles = [s.splitlines()[0] for s in sections]
+    assert [t.split(":")[0] for t in titles] == [
+        "Table II",
+        "Table IV",
+        "Fig. 6",
+        "Fig. 7 and 8",
+        "Table V",
+    ]
+    for section in sections:
+        rows = [line for line in section.splitlines() if line.startswith("| ")][2:]
+        assert rows, section
+        assert all(" - |" not in r and "nan" not in r for r in rows[:1]), section
+    table_iv = sections[1]
+    for method in ("voltage", "prism", "astra", "trace-nb", "trace-b K=1024", "trace-b K=32"):
+        assert f"| {method} |" in table_iv

@@ -17,7 +17,7 @@ def with_(**changes):
 
 
 @pytest.mark.parametrize(
-    "path", sorted((ROOT / "experiments").glob("*.yaml")), ids=lambda p: p.name
+    "path", sorted((ROOT / "experiments").rglob("*.yaml")), ids=lambda p: p.name
 )
 def test_every_experiment_file_loads_and_plans(path):
     experiment = load_experiment(path)

@@ -1,0 +1,74 @@
+"""Device 0's compute per inference, in process, methods measured side by side.
+
+All P devices run in lockstep as in `tracevq.simulate`, with the real wire bytes; only device
+0's calls are timed (embedding, its blocks, the head). Methods alternate within each round so
+that the machine's background load falls on all of them alike; the median per method is kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from tracevq.bundle import Bundle, fit_bundle
+from tracevq.engine import DeviceRun
+from tracevq.methods import Method, make_method
+from tracevq.models import VisionTransformer
+
+
+@torch.no_grad()
+def device0_compute_ms(method: Method, inputs: torch.Tensor, devices: int) -> float:
+    runs = [DeviceRun(method, rank, devices, inputs) for rank in range(devices)]
+    inbox: dict[int, dict[int, bytes]] = defaultdict(dict)
+    spent = 0.0
+
+    def step(run: DeviceRun, call, *args):
+        nonlocal spent
+        began = time.perf_counter()
+        out = call(*args)
+        if run.rank == 0:
+            spent += time.perf_counter() - began
+        return out
+
+    for block in range(method.model.config.depth):
+        for run in runs:
+            message = step(run, run.begin_block, block)
+            if message is not None:
+                inbox[block][run.rank] = message
+        for run in runs:
+            messages = {peer: inbox[block][peer] for peer in run.peers}
+            message = step(run, run.attend, block, messages)
+            if message is not None:
+                inbox[block + 1][run.rank] = message
+        for run in runs:
+            step(run, run.finish_block, block)
+    step(runs[0], runs[0].logits)
+    return 1000 * spent
+
+
+def compare(
+    model: VisionTransformer,
+    bundle: Bundle | None,
+    variants: dict[str, dict],
+    devices: int = 2,
+    rounds: int = 5,
+) -> dict[str, float]:
+    """Median device-0 compute (ms) per variant name; variants map to make_method kwargs."""
+    methods = {name: make_method(model=model, bundle=bundle, **kw) for name, kw in variants.items()}
+    inputs = torch.randn(model.config.input_shape(1), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = defaultdict(list)
+    for method in methods.values():  # warm-up
+        device0_compute_ms(method, inputs, devices)
+    for _ in range(rounds):
+        for name, method in methods.items():
+            times[name].append(device0_compute_ms(method, inputs, devices))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def bundle_for(model: VisionTransformer, K: int, calibration: int) -> Bundle:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(model.config.input_shape(calibration), generator=generator)
+    return fit_bundle(model, inputs, K=K, families=("trace-b",))

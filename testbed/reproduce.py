@@ -1,0 +1,66 @@
+"""`python -m testbed.reproduce [--quick]`: run the paper's latency study and write REPORT.md.
+
+Runs `experiments/reproduce/latency.yaml` (Table IV, Fig. 6; Table II and Figs. 7-8 follow
+from the payload arithmetic) and `experiments/reproduce/buffers.yaml` (Table V), then
+`testbed.report` into `results/reproduce/REPORT.md`. About an hour on a 2-core host. `--quick`
+runs the same pipeline on tiny stand-in models (vit-tiny, vivit-tiny) in a few minutes: the
+tables are filled, the numbers are not the paper's scale (CI runs this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from testbed.errors import ConfigError, TestbedError
+from testbed.report import build
+from testbed.results import write_text
+from testbed.runner import Runner, new_run_id
+from testbed.schema import load_experiment
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments" / "reproduce"
+
+
+def run(name: str, out: Path, backend: str) -> tuple[Path, int]:
+    experiment = load_experiment(EXPERIMENTS / f"{name}.yaml")
+    run_id = new_run_id()
+    run_dir = (out / experiment.name / run_id).resolve()
+    outcome = Runner(experiment, run_dir, backend, run_id).run()
+    print(f"{experiment.name}: {outcome.ok} trials ok, {outcome.failed} failed -> {run_dir}")
+    return run_dir, outcome.failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.reproduce",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny models, for CI")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--backend", choices=("auto", "docker", "local"), default="auto")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    prefix = "quick-" if args.quick else ""
+    try:
+        latency, failed_latency = run(f"{prefix}latency", args.out, args.backend)
+        buffers, failed_buffers = run(f"{prefix}buffers", args.out, args.backend)
+        report = args.out / "reproduce" / "REPORT.md"
+        write_text(report, build(latency, buffers))
+    except ConfigError as error:
+        print(f"testbed.reproduce: {error}", file=sys.stderr)
+        return 2
+    except TestbedError as error:
+        print(f"testbed.reproduce: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("testbed.reproduce: interrupted", file=sys.stderr)
+        return 130
+    print(f"wrote {report}")
+    return 1 if failed_latency or failed_buffers else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
