@@ -51,7 +51,7 @@ def test_every_experiment_file_loads_and_plans(path):
             with_(model={"name": "vit-b17"}),
             "model.name: unknown model 'vit-b17' (did you mean 'vit-b16'?)",
         ),
-        (with_(backend="podman"), "backend: Input should be 'auto', 'docker' or 'local'"),
+        (with_(backend="podman"), "backend: Input should be 'auto', 'docker'"),
         ({"methods": [{"name": "voltage"}]}, "name: Field required"),
         (
             with_(methods=[{"name": "trace-b", "level_k": [1024, 4096]}]),
