@@ -47,7 +47,7 @@ def paper_bits(method: str, tokens: int, devices: int, dim: int, level_k: int = 
     if method == "voltage":
         return 32 * exact * dim
     if method == "prism":
-        return 16 * exact * dim / 10
+        return 16 * math.ceil(exact / 10) * dim
     if method == "astra":
         return 16 * rounded
     return rounded * math.ceil(math.log2(level_k)) + 8
