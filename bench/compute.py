@@ -38,6 +38,7 @@ def device0_compute_ms(method: Method, inputs: torch.Tensor, devices: int) -> fl
             message = step(run, run.begin_block, block)
             if message is not None:
                 inbox[block][run.rank] = message
+            step(run, run.project_local, block)
         for run in runs:
             messages = {peer: inbox[block][peer] for peer in run.peers}
             message = step(run, run.attend, block, messages)

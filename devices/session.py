@@ -1,8 +1,8 @@
 """The inference loop of one device: drives `tracevq.engine.DeviceRun` over the mesh.
 
 Per block b the compute thread calls begin_block (its message goes to the sender threads at
-once), takes the peers' messages for b from the receiver threads (blocking only if they have
-not arrived: that time is `wait`), runs attention (Trace's message for b + 1 is queued right
+once), projects its own tokens' Q/K/V, takes the peers' messages for b from the receiver
+threads (blocking only if they have not arrived: that time is `wait`), runs attention (Trace's message for b + 1 is queued right
 away) and the FFN, during which the sender threads write the queued message.
 
 Timing definitions (DESIGN 4), all from time.perf_counter:
@@ -56,6 +56,7 @@ class Session:
             context = f"block {block} of {label}"
             block_start = time.perf_counter()
             self._post(outgoing, block, run.begin_block(block), context)
+            run.project_local(block)  # while the peers' messages for this block travel
             messages, wait_s, recv_end, received = self._collect(block, context)
             attn_start = time.perf_counter()
             try:

@@ -4,6 +4,7 @@ The caller moves the messages: the in-process simulation hands them over directl
 network worker sends them on sockets. Both drive a `DeviceRun` the same way, per block b:
 
     message = run.begin_block(b)             # to peers now (Voltage, Prism, Astra; Trace at b=0)
+    run.project_local(b)                     # local Q/K/V while peers' messages travel
     message = run.attend(b, peer_messages)   # peers' messages for b in; Trace's for b + 1 out
     run.finish_block(b)                      # local FFN, while Trace's message travels
 """
@@ -34,6 +35,7 @@ class DeviceRun:
         }
         self.x = self.model.embed(inputs, start, stop)  # (B, n, D)
         self.z: Tensor | None = None
+        self.local: tuple[Tensor, Tensor, Tensor] | None = None  # this block's own Q, K, V
 
     @property
     def peers(self) -> list[int]:
@@ -42,11 +44,19 @@ class DeviceRun:
     def begin_block(self, block: int) -> bytes | None:
         return self.sender.pre_block(block, self.x)
 
+    def project_local(self, block: int) -> None:
+        """The block's Q/K/V of the local tokens: needs nothing from peers."""
+        layer = self.model.blocks[block]
+        self.local = layer.attn.qkv_heads(layer.norm1(self.x))  # (B, H, n, d) each
+
     def attend(self, block: int, messages: dict[int, bytes]) -> bytes | None:
         """Attention of local queries over local and remote K/V; returns the post-attention
         message (for block + 1) if the method sends one."""
+        if self.local is None:
+            self.project_local(block)
+        assert self.local is not None
+        (q, k, v), self.local = self.local, None
         layer = self.model.blocks[block]
-        q, k, v = layer.attn.qkv_heads(layer.norm1(self.x))  # (B, H, n, d) each
         remotes = [self.receivers[peer].remote_kv(block, messages[peer]) for peer in self.peers]
         keys = torch.cat([k, *(r.k for r in remotes)], dim=2)  # (B, H, N, d)
         values = torch.cat([v, *(r.v for r in remotes)], dim=2)

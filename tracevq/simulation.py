@@ -58,6 +58,7 @@ def simulate(
     for block in range(depth):
         for run in runs:
             post(block, run.rank, run.begin_block(block))
+            run.project_local(block)
         for run in runs:
             messages = {peer: inbox[block][peer] for peer in run.peers}
             post(block + 1, run.rank, run.attend(block, messages))
