@@ -23,6 +23,7 @@ from tqdm import tqdm
 from testbed import environment
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import prepare_bundles
+from testbed.inventory import Inventory
 from testbed.link import LinkState, shape_and_probe
 from testbed.plan import Trial, plan_rows, plan_trials
 from testbed.plots import make_figures
@@ -40,8 +41,15 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def make_backend(name: str, run_id: str, run_dir: Path) -> Backend:
-    """The backend by name; `auto` takes Docker when an engine answers, else local."""
+def make_backend(
+    name: str, run_id: str, run_dir: Path, inventory: Inventory | None = None
+) -> Backend:
+    """The backend by name; `auto` takes Docker when an engine answers, else local. `ssh`
+    runs on the inventory's boards."""
+    if name == "ssh":
+        from testbed.backends.ssh import SshBackend
+
+        return SshBackend(run_id, run_dir, inventory)
     from testbed.backends.docker import DockerBackend, engine_available
 
     if name == "docker" or (name == "auto" and engine_available()):
@@ -103,7 +111,8 @@ class Runner:
         progress: tqdm,
     ) -> None:
         devices = self.experiment.devices
-        with make_backend(self.backend_name, self.run_id, self.run_dir) as backend:
+        inventory = self.experiment.inventory
+        with make_backend(self.backend_name, self.run_id, self.run_dir, inventory) as backend:
             backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
             self._write_environment(backend)
             for rate, group in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):

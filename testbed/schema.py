@@ -18,8 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from testbed.errors import ConfigError
+from testbed.inventory import Inventory, inventory_input
 
-BACKENDS = ("auto", "docker", "local")
+BACKENDS = ("auto", "docker", "local", "ssh")
 
 
 class Strict(BaseModel):
@@ -98,7 +99,8 @@ class Experiment(Strict):
     description: str = ""
     model: ModelSection = ModelSection()
     devices: DevicesSection = DevicesSection()
-    backend: Literal["auto", "docker", "local"] = "auto"
+    backend: Literal["auto", "docker", "local", "ssh"] = "auto"
+    inventory: Inventory | None = None  # the ssh backend's boards: a YAML file's path, or inline
     link: LinkSection = LinkSection()
     methods: list[dict[str, Any]]
     bundle: BundleSection = BundleSection()
@@ -107,6 +109,8 @@ class Experiment(Strict):
     warmup: int = Field(1, ge=0)
     evaluation: EvaluationSection | None = None
     timeout_s: float = Field(600.0, gt=0)
+
+    _inventory = field_validator("inventory", mode="before")(inventory_input)
 
     @model_validator(mode="after")
     def _methods_valid(self) -> Experiment:

@@ -1,5 +1,5 @@
-"""What every backend offers: start P devices, run commands on them, reach their network
-namespace for shaping, share a run directory with them, stop everything.
+"""What every backend offers: start P devices, run commands on them, shape their links, share
+a run directory with them (or copy to and from it), stop everything.
 
 Devices know their rank, their address on the run's network, the interface that carries
 their traffic, and their CPU allotment. A backend owns everything it creates and removes it
@@ -15,6 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from testbed.shaping import ShapingPlan
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,28 @@ class Backend(abc.ABC):
     def device_path(self, host_path: Path) -> str:
         """Path under which a device sees a file of the run directory."""
         return str(Path(host_path).resolve())
+
+    def collect(self, device: Device, host_path: Path) -> None:  # noqa: B027 - optional hook
+        """Brings the device's copy of a run-directory folder (its `device_path`) back into
+        `host_path`. A no-op where devices write straight into the shared run directory."""
+
+    def shape(self, device: Device, plan: ShapingPlan) -> None:
+        """Shapes the device's egress as planned (replacing any earlier plan)."""
+        from testbed import shaping
+
+        shaping.apply(device.netns_path, device.interface, plan, self.qdisc_support())
+
+    def qdisc_stats(self, device: Device) -> str:
+        """`tc -s qdisc show` of the device's interface, as text."""
+        from testbed import shaping
+
+        return shaping.qdisc_stats(device.netns_path, device.interface)
+
+    def qdisc_support(self) -> dict[str, bool]:
+        """Which qdiscs the devices' kernel can attach (see `testbed.shaping.qdisc_support`)."""
+        from testbed import shaping
+
+        return shaping.qdisc_support()
 
     def run(self, device: Device, argv: Sequence[str], timeout_s: float = 60.0) -> ExecResult:
         process = self.spawn(device, argv)
