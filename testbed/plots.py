@@ -55,8 +55,7 @@ def latency_breakdown(
         color="#9cc3e6",
         label="waiting for peers (communication not hidden)",
     )
-    ax.set_xscale("log")
-    ax.set_xlabel("effective latency per inference (ms, log)")
+    ax.set_xlabel("effective latency per inference (ms)")
     ax.set_title(f"Per-device latency at {bandwidth_mbit:g} Mbit/s")
     ax.legend(loc="lower right")
     return _save(fig, path)
