@@ -300,7 +300,8 @@ class SshProcess(Process):
                     err += channel.recv_stderr(CHUNK_BYTES)
                 if not self.pid_known.is_set() and b"\n" in out:
                     line, _, rest = bytes(out).partition(b"\n")
-                    self.pid, out = int(line), bytearray(rest)
+                    self.pid = int(line) if line.strip().isdigit() else None
+                    out = bytearray(rest)
                     self.pid_known.set()
             while channel.recv_stderr_ready():
                 err += channel.recv_stderr(CHUNK_BYTES)
@@ -563,6 +564,7 @@ class SshBackend(Backend):
                 f"{len(boards)} boards ({', '.join(b.name for b in boards)})"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        log.info("ssh backend: boards keep their own memory (%d MB not enforced)", spec.memory_mb)
         self.sessions = [BoardSession(rank, boards[rank]) for rank in range(spec.count)]
         try:
             self._each(lambda session: _connect(session, self.inventory))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -156,6 +157,20 @@ def _wait_for_port(address: str, port: int = 22, timeout_s: float = 15.0) -> Non
             time.sleep(0.1)
 
 
+def board_command(lab: Lab, argv: list[str]) -> list[str]:
+    """`argv` in a mount namespace of its own where root's ~/.bashrc is empty: a board has its
+    own home, and this machine's may start tools (pyenv) in every shell that sshd runs, with
+    locks that a test killing a board's processes would leave behind."""
+    bashrc = Path.home() / ".bashrc"
+    if not bashrc.exists():
+        return argv
+    empty = lab.directory / "bashrc"
+    empty.write_text("")
+    mount = f"mount --bind {shlex.quote(str(empty))} {shlex.quote(str(bashrc))}"
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'{mount} && exec "$@"', "board", *argv]  # fmt: skip
+
+
 def _build(lab: Lab) -> None:
     subnet = choose_subnet(f"ssh-{lab.tag}", host_networks())
     switch = f"tbssh-{lab.tag}-sw"
@@ -189,9 +204,10 @@ def _build(lab: Lab) -> None:
                                host_key=_keygen(lab.directory / f"host-{rank}"))
         )  # fmt: skip
         log = open(lab.directory / f"sshd-{rank}.log", "w")  # noqa: SIM115 - closed with sshd
+        sshd = ["ip", "netns", "exec", name, SSHD, "-D", "-e", "-f", str(config)]
         lab.sshd.append(
             subprocess.Popen(
-                ["ip", "netns", "exec", name, SSHD, "-D", "-e", "-f", str(config)],
+                board_command(lab, sshd),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         )  # fmt: skip
@@ -265,6 +281,7 @@ def remote_run_dirs(lab: Lab) -> list[Path]:
 # start, deploy, run, stop ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends, tmp_path):
     # first use: board 1's host key is not known yet, and the inventory opts in to adding it
     known = known_hosts_with(lab, tmp_path / "known_hosts", [0])
@@ -315,6 +332,7 @@ def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends,
     assert lab.wait_until_clean() == {} and remote_run_dirs(lab) == []
 
 
+@pytest.mark.slow
 def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     from testbed import shaping
     from testbed.link import WIRE_PER_PAYLOAD, probe
@@ -524,3 +542,71 @@ def test_the_experiment_runs_on_the_boards_through_testbed_run(lab: Lab, tmp_pat
     for name in lab.namespaces[1:]:
         qdiscs = sh("ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", BOARD_INTERFACE)
         assert "tbf" not in qdiscs.stdout
+
+
+# interrupted controllers ----------------------------------------------------------------------
+
+CONTROLLER = """
+import json, sys, time
+from pathlib import Path
+from testbed import shaping
+from testbed.backends.base import DeviceSpec
+from testbed.backends.ssh import SshBackend
+from testbed.inventory import Inventory
+from testbed.profiles import load_profile
+
+inventory = Inventory.model_validate(json.loads(sys.argv[1]))
+with SshBackend("interrupted", Path(sys.argv[2]), inventory) as backend:
+    plan = shaping.plan(load_profile("ideal"), 5.0)
+    for device in backend.start(DeviceSpec(count=2)):
+        backend.shape(device, plan)
+        backend.spawn(device, ["sleep", "300"])
+    print("ready", flush=True)
+    time.sleep(300)
+"""
+
+
+def sleeping_on_every_board(lab: Lab) -> bool:
+    running = lab.leftovers()
+    return all("sleep 300" in " ".join(running.get(f"b{r}", [])) for r in range(BOARDS))
+
+
+def board_qdiscs(lab: Lab) -> list[str]:
+    return [
+        sh("ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", BOARD_INTERFACE).stdout
+        for name in lab.namespaces[1:]
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+def test_an_interrupted_controller_leaves_no_worker_on_the_boards(lab: Lab, tmp_path, signum):
+    controller = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, json.dumps(lab.inventory()), str(tmp_path / "run")],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert controller.stdout.readline() == "ready\n", controller.stderr.read()[-2000:]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not sleeping_on_every_board(lab):
+            time.sleep(0.1)
+        assert sleeping_on_every_board(lab), lab.leftovers()
+        assert all("tbf" in text for text in board_qdiscs(lab))
+        controller.send_signal(signum)
+        controller.wait(60)
+        assert lab.wait_until_clean() == {}  # Ctrl-C: stop(); SIGKILL: the launchers' watch
+        if signum == signal.SIGINT:
+            assert not any("tbf" in text for text in board_qdiscs(lab))
+            assert remote_run_dirs(lab) == []
+    finally:
+        controller.kill()
+        controller.wait(10)
+        for name in lab.namespaces[1:]:  # what only a teardown could have undone
+            sh("ip", "netns", "exec", name, "tc", "qdisc", "del", "dev", BOARD_INTERFACE, "root",
+               check=False)  # fmt: skip
+            sh("ip", "-n", name, "link", "set", BOARD_INTERFACE, "gso_max_segs", "65535")
+            sh("ip", "netns", "exec", name, "ethtool", "-K", BOARD_INTERFACE, "gso", "on", "tso",
+               "on", check=False)  # fmt: skip
+        for path in remote_run_dirs(lab):
+            shutil.rmtree(path)
