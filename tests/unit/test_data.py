@@ -1,0 +1,178 @@
+"""Data loaders: digits and digit pairs, CIFAR-format batches and image folders generated here."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from tracevq.data import (
+    DataError,
+    cifar_splits,
+    digit_pairs_splits,
+    digits_splits,
+    folder_dataset,
+    folder_splits,
+    pair_dataset,
+    read_cifar_batch,
+)
+
+
+def test_digits_split_is_fixed_stratified_and_upsampled():
+    splits = digits_splits(image_size=16, test_size=400, val_size=200)
+    assert splits.train.images.shape[1:] == (1, 16, 16)
+    assert len(splits.train) + len(splits.val) + len(splits.test) == 1797
+    assert len(splits.test) == 400 and len(splits.val) == 200
+    assert 0.0 <= float(splits.test.images.min()) and float(splits.test.images.max()) <= 1.0
+    counts = torch.bincount(splits.test.labels, minlength=10)
+    assert counts.min() >= 35 and counts.max() <= 45  # about 40 of each digit
+    again = digits_splits(image_size=16, test_size=400, val_size=200)
+    assert torch.equal(again.test.images, splits.test.images)
+
+
+def test_digit_pairs_label_is_the_sum_of_the_two_digits():
+    digits = digits_splits(image_size=4, test_size=100, val_size=50).train
+    pairs = pair_dataset(digits, 64, seed=3)
+    assert pairs.images.shape == (64, 1, 8, 8)
+    assert len(pairs.classes) == 19
+    for image, label in zip(pairs.images[:8], pairs.labels[:8], strict=True):
+        top = (digits.images == image[:, :4, :4]).flatten(1).all(1).nonzero()[0]
+        bottom = (digits.images == image[:, 4:, 4:]).flatten(1).all(1).nonzero()[0]
+        assert int(digits.labels[top[0]] + digits.labels[bottom[0]]) == int(label)
+    assert torch.equal(pair_dataset(digits, 64, seed=3).images, pairs.images)
+    assert not torch.equal(pair_dataset(digits, 64, seed=4).images, pairs.images)
+
+
+def test_digit_pairs_splits_sizes():
+    splits = digit_pairs_splits(24, train_size=100, val_size=20, test_size=30)
+    assert [len(s) for s in (splits.train, splits.val, splits.test)] == [100, 20, 30]
+    assert splits.test.images.shape[1:] == (1, 24, 24)
+    with pytest.raises(DataError, match="even image size"):
+        digit_pairs_splits(25)
+
+
+def _write_batch(path, count, label_key=b"labels", seed=0):
+    rng = np.random.default_rng(seed)
+    batch = {
+        b"batch_label": b"generated",
+        b"data": rng.integers(0, 256, size=(count, 3072), dtype=np.uint8),
+        label_key: rng.integers(0, 10, size=count).tolist(),
+    }
+    path.write_bytes(pickle.dumps(batch))
+    return batch
+
+
+def test_cifar10_batches_are_parsed(tmp_path):
+    first = _write_batch(tmp_path / "data_batch_1", 30)
+    _write_batch(tmp_path / "data_batch_2", 30, seed=1)
+    _write_batch(tmp_path / "test_batch", 20, seed=2)
+    images, labels = read_cifar_batch(tmp_path / "data_batch_1")
+    assert images.shape == (30, 3, 32, 32) and labels.tolist() == first[b"labels"]
+    assert images[0, 1, 0, 0] == first[b"data"][0, 1024]  # channel-major rows
+    splits = cifar_splits(tmp_path, image_size=16, channels=3, val_size=10)
+    assert len(splits.train) == 50 and len(splits.val) == 10 and len(splits.test) == 20
+    assert splits.test.images.shape[1:] == (3, 16, 16)
+    grey = cifar_splits(tmp_path, image_size=32, channels=1, val_size=10)
+    assert grey.test.images.shape[1:] == (1, 32, 32)
+
+
+def test_cifar100_fine_labels(tmp_path):
+    _write_batch(tmp_path / "train", 20, label_key=b"fine_labels")
+    _write_batch(tmp_path / "test", 10, label_key=b"fine_labels", seed=1)
+    splits = cifar_splits(tmp_path, val_size=4)
+    assert len(splits.test) == 10 and splits.test.images.shape[1:] == (3, 32, 32)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"not a pickle at all", "cannot be read"),
+        (pickle.dumps({b"data": np.zeros((2, 3072), np.uint8)}), "needs keys"),
+        (pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}), r"\(n, 3072\)"),
+        (pickle.dumps([1, 2, 3]), "expected a dict"),
+    ],
+)
+def test_bad_cifar_batches_name_the_file(tmp_path, content, message):
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message) as error:
+        read_cifar_batch(path)
+    assert str(path) in str(error.value)
+
+
+class _Exploit:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo owned",))
+
+
+def test_cifar_loader_refuses_arbitrary_objects(tmp_path):
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps({b"data": _Exploit(), b"labels": [0]}))
+    with pytest.raises(DataError, match="refusing to load") as error:
+        read_cifar_batch(path)
+    assert str(path) in str(error.value)
+
+
+def test_missing_cifar_files_are_named(tmp_path):
+    with pytest.raises(DataError, match="no CIFAR batches"):
+        cifar_splits(tmp_path)
+    with pytest.raises(DataError, match="not found"):
+        read_cifar_batch(tmp_path / "data_batch_9")
+
+
+def _write_folder(root, per_class=4, png=True):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name in ("cat", "ant", "bee"):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, size=(10, 12, 3), dtype=np.uint8)
+            if png and i % 2:
+                Image.fromarray(pixels).save(root / name / f"{i}.png")
+            else:
+                np.save(root / name / f"{i}.npy", pixels.astype(np.float32) / 255)
+
+
+def test_image_folder_reads_npy_and_png(tmp_path):
+    _write_folder(tmp_path)
+    data = folder_dataset(tmp_path, image_size=8, channels=3)
+    assert data.classes == ["ant", "bee", "cat"]
+    assert data.images.shape == (12, 3, 8, 8)
+    assert torch.bincount(data.labels).tolist() == [4, 4, 4]
+    grey = folder_dataset(tmp_path, image_size=8, channels=1)
+    assert grey.images.shape == (12, 1, 8, 8)
+    splits = folder_splits(tmp_path, image_size=8, val_fraction=0.25, test_fraction=0.25)
+    assert len(splits.train) + len(splits.val) + len(splits.test) == 12
+
+
+def test_image_folder_with_train_and_test(tmp_path):
+    _write_folder(tmp_path / "train")
+    _write_folder(tmp_path / "test", per_class=2)
+    splits = folder_splits(tmp_path, image_size=8, val_fraction=0.25)
+    assert len(splits.test) == 6 and len(splits.train) + len(splits.val) == 12
+
+
+def test_bad_images_name_the_file(tmp_path):
+    _write_folder(tmp_path, png=False)
+    bad = tmp_path / "bee" / "broken.png"
+    bad.write_bytes(b"not an image")
+    with pytest.raises(DataError, match="cannot be read") as error:
+        folder_dataset(tmp_path, image_size=8)
+    assert str(bad) in str(error.value)
+    bad.unlink()
+    np.save(tmp_path / "ant" / "wide.npy", np.full((4, 4, 3), 2.0, dtype=np.float32))
+    with pytest.raises(DataError, match=r"wide\.npy: float values must lie in \[0, 1\]"):
+        folder_dataset(tmp_path, image_size=8)
+
+
+def test_empty_folders_are_refused(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        folder_dataset(tmp_path / "missing", 8)
+    with pytest.raises(DataError, match="no class subfolders"):
+        folder_dataset(tmp_path, 8)
+    (tmp_path / "a").mkdir()
+    with pytest.raises(DataError, match="no images"):
+        folder_dataset(tmp_path, 8)
