@@ -46,11 +46,11 @@ def shape_all(backend: Backend, profile: LinkProfile, rate_mbit: float) -> None:
     plan = shaping.plan(profile, rate_mbit)
     for device in backend.devices:
         log.debug("shaping %s/%s to %g Mbit/s", device.name, device.interface, rate_mbit)
-        shaping.apply(device.netns_path, device.interface, plan)
+        backend.shape(device, plan)
 
 
-def qdisc_text(device: Device) -> str:
-    return shaping.qdisc_stats(device.netns_path, device.interface)
+def qdisc_text(backend: Backend, device: Device) -> str:
+    return backend.qdisc_stats(device)
 
 
 def probe(backend: Backend, sender: Device, receiver: Device, seconds: float) -> float:
@@ -97,7 +97,7 @@ def shape_and_probe(
             peer = devices[(device.rank + 1) % len(devices)]
             state.measured_mbit[device.rank] = probe(backend, device, peer, probe_seconds)
     for device in devices:
-        state.qdisc[device.rank] = qdisc_text(device)
+        state.qdisc[device.rank] = qdisc_text(backend, device)
         if len(devices) > 1 and state.flagged(device.rank):
             log.warning(
                 "device %d achieves %.2f Mbit/s, more than 5%% off the %g Mbit/s target",

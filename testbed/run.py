@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("experiment", nargs="?", type=Path, help="experiment YAML file")
     parser.add_argument("--out", type=Path, default=Path("results"), help="results root")
     parser.add_argument(
-        "--backend", choices=("auto", "docker", "local"), help="overrides the experiment's backend"
+        "--backend",
+        choices=("auto", "docker", "local", "ssh"),
+        help="overrides the experiment's backend",
     )
     parser.add_argument(
         "--dry-run",

@@ -156,11 +156,9 @@ class Runner:
             log.warning("trial %s failed: %s", trial.trial_id, result.error)
 
     def _write_environment(self, backend: Backend) -> None:
-        from testbed.shaping import qdisc_support
-
         plan = backend.cpu_plan
         extra = {
-            "qdisc_support": qdisc_support(),
+            "qdisc_support": backend.qdisc_support(),
             "cpusets": plan.cpusets if plan else None,
             "oversubscribed": backend.oversubscribed,
             "devices": [d.__dict__ for d in backend.devices],
@@ -176,9 +174,7 @@ class Runner:
 
 
 def _qdisc_sent(backend: Backend, device) -> int:
-    from testbed.shaping import qdisc_stats
-
-    text = qdisc_stats(device.netns_path, device.interface)
+    text = backend.qdisc_stats(device)
     for line in text.splitlines():
         parts = line.split()
         if parts[:1] == ["Sent"] and len(parts) > 1 and parts[1].isdigit():

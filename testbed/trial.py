@@ -243,6 +243,8 @@ def run_trial(
     write_text(directory / "commands.json", json.dumps(argvs, indent=1))
     started = time.monotonic()
     results = run_workers(backend, argvs, experiment.timeout_s)
+    for device in backend.devices:
+        backend.collect(device, outs[device.rank])
     base = {**base, "trial_s": round(time.monotonic() - started, 3)}
     for rank, result in enumerate(results):
         write_text(

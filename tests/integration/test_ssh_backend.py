@@ -489,24 +489,8 @@ def test_a_refusing_board_is_named_and_nothing_is_left(lab: Lab, backends, tmp_p
 # the whole experiment through testbed.run ---------------------------------------------------
 
 
-def runner_uses_backend_hooks() -> bool:
-    """Whether links are shaped, read and collected through the backend (Backend.shape,
-    qdisc_stats, qdisc_support, collect), which boards need: their kernels are not ours."""
-    import inspect
-
-    import testbed.link
-    import testbed.runner
-    import testbed.trial
-
-    link, trial = inspect.getsource(testbed.link), inspect.getsource(testbed.trial)
-    runner = inspect.getsource(testbed.runner)
-    return ".shape(" in link and ".collect(" in trial and ".qdisc_stats(" in runner
-
-
 @pytest.mark.slow
 def test_the_experiment_runs_on_the_boards_through_testbed_run(lab: Lab, tmp_path):
-    if not runner_uses_backend_hooks():
-        pytest.xfail("testbed.link/runner/trial do not shape and collect through the backend yet")
     from testbed.plan import plan_trials
     from testbed.results import load
     from testbed.schema import load_experiment
