@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,11 +61,28 @@ class ExecResult:
 
 
 class Process(abc.ABC):
-    """A command running on a device."""
+    """A command running on a device; a thread of ours waits for it and keeps its result.
+
+    Subclasses set what `_collect` needs, then call this constructor, which starts the thread.
+    """
+
+    def __init__(self, label: str):
+        self.label = label
+        self.result: ExecResult | None = None
+        self.thread = threading.Thread(target=self._collect, name=f"proc-{label}", daemon=True)
+        self.thread.start()
 
     @abc.abstractmethod
+    def _collect(self) -> None:
+        """Wait for the command's end and set `self.result`."""
+
     def wait(self, timeout_s: float | None = None) -> ExecResult:
         """Wait for the end; raises TimeoutError when it is still running after timeout_s."""
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"{self.label} still running after {timeout_s} s")
+        assert self.result is not None
+        return self.result
 
     @abc.abstractmethod
     def kill(self) -> None: ...

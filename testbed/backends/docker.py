@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,12 +52,10 @@ class DockerProcess(Process):
     """A `docker exec` running in a thread of ours; killed through its host pid."""
 
     def __init__(self, api: Any, exec_id: str, label: str):
-        self.api, self.exec_id, self.label = api, exec_id, label
-        self.result: ExecResult | None = None
-        self.thread = threading.Thread(target=self._run, name=f"exec-{label}", daemon=True)
-        self.thread.start()
+        self.api, self.exec_id = api, exec_id
+        super().__init__(label)
 
-    def _run(self) -> None:
+    def _collect(self) -> None:
         try:
             stdout, stderr = self.api.exec_start(self.exec_id, demux=True)
             code = self.api.exec_inspect(self.exec_id)["ExitCode"]
@@ -69,13 +66,6 @@ class DockerProcess(Process):
             )
         except Exception as error:  # noqa: BLE001 - reported as the command's failure
             self.result = ExecResult(-1, "", f"docker exec failed: {error}")
-
-    def wait(self, timeout_s: float | None = None) -> ExecResult:
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            raise TimeoutError(f"{self.label} still running after {timeout_s} s")
-        assert self.result is not None
-        return self.result
 
     def kill(self) -> None:
         try:

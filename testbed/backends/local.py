@@ -32,7 +32,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,10 +178,8 @@ class LocalProcess(Process):
     """A command in its own process group; its output is read by a thread of ours."""
 
     def __init__(self, popen: subprocess.Popen[bytes], label: str):
-        self.popen, self.label = popen, label
-        self.result: ExecResult | None = None
-        self.thread = threading.Thread(target=self._collect, name=f"proc-{label}", daemon=True)
-        self.thread.start()
+        self.popen = popen
+        super().__init__(label)
 
     @property
     def pid(self) -> int:
@@ -193,13 +190,6 @@ class LocalProcess(Process):
         self.result = ExecResult(
             self.popen.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")
         )
-
-    def wait(self, timeout_s: float | None = None) -> ExecResult:
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            raise TimeoutError(f"{self.label} still running after {timeout_s} s")
-        assert self.result is not None
-        return self.result
 
     def kill(self) -> None:
         """SIGKILL to the whole group, also when its leader has already ended."""

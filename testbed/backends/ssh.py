@@ -280,14 +280,12 @@ class SshProcess(Process):
     """
 
     def __init__(self, session: BoardSession, channel: Any, label: str, launched: bool):
-        self.session, self.channel, self.label = session, channel, label
+        self.session, self.channel = session, channel
         self.pid: int | None = None
         self.pid_known = threading.Event()
         if not launched:
             self.pid_known.set()
-        self.result: ExecResult | None = None
-        self.thread = threading.Thread(target=self._collect, name=f"ssh-{label}", daemon=True)
-        self.thread.start()
+        super().__init__(label)
 
     def _collect(self) -> None:
         out, err, channel = bytearray(), bytearray(), self.channel
@@ -310,13 +308,6 @@ class SshProcess(Process):
         self.pid_known.set()
         self.result = ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"))
         channel.close()
-
-    def wait(self, timeout_s: float | None = None) -> ExecResult:
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            raise TimeoutError(f"{self.label} still running after {timeout_s} s")
-        assert self.result is not None
-        return self.result
 
     def kill(self) -> None:
         """SIGKILL to the command's process group on the board; closes the channel."""
