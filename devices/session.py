@@ -2,8 +2,9 @@
 
 Per block b the compute thread calls begin_block (its message goes to the sender threads at
 once), projects its own tokens' Q/K/V, takes the peers' messages for b from the receiver
-threads (blocking only if they have not arrived: that time is `wait`), runs attention (Trace's message for b + 1 is queued right
-away) and the FFN, during which the sender threads write the queued message.
+threads (blocking only if they have not arrived: that time is `wait`), runs attention
+(Trace's message for b + 1 is queued right away) and the FFN, during which the sender
+threads write the queued message.
 
 Timing definitions (DESIGN 4), all from time.perf_counter:
 - compute: time the compute thread is not blocked waiting for peers' messages.
