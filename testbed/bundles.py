@@ -1,4 +1,7 @@
-"""Codebook bundles for a run: the experiment's own file, or fitted once and cached.
+"""The files devices load besides the code: codebook bundles, the model checkpoint and the
+evaluation inputs, all placed in the run directory (which the devices see).
+
+Bundles: the experiment's own file, or fitted once and cached.
 
 Fitting runs k-means on the model's activations over seeded random inputs (what runs with
 untrained weights use), one bundle per codebook size K the methods ask for. The cache key
@@ -11,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from testbed.errors import ConfigError
@@ -21,6 +26,56 @@ from testbed.schema import Experiment
 log = logging.getLogger(__name__)
 
 CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "bundles"
+
+
+@dataclass
+class RunFiles:
+    bundles: dict[int, Path] = field(default_factory=dict)  # by codebook size K
+    checkpoint: Path | None = None
+    inputs: Path | None = None  # labelled evaluation inputs
+    batches: int | None = None  # inferences that cover the evaluation inputs
+
+    def bundle_for(self, trial: Trial) -> Path | None:
+        return self.bundles.get(trial.spec.K) if trial.spec.uses_codebooks else None
+
+
+def prepare_run_files(experiment: Experiment, trials: list[Trial], run_dir: Path) -> RunFiles:
+    files = RunFiles(bundles=prepare_bundles(experiment, trials, run_dir))
+    if experiment.model.checkpoint:
+        source = Path(experiment.model.checkpoint)
+        if not source.is_file():
+            raise ConfigError(f"model.checkpoint: file not found: {source}")
+        files.checkpoint = run_dir / f"checkpoint{''.join(source.suffixes)}"
+        shutil.copyfile(source, files.checkpoint)
+    if experiment.evaluation is not None:
+        files.inputs, files.batches = prepare_inputs(experiment, run_dir)
+    return files
+
+
+def prepare_inputs(experiment: Experiment, run_dir: Path) -> tuple[Path, int]:
+    """The evaluation inputs cut to `limit` and to whole batches, as the worker reads them."""
+    import torch
+
+    settings = experiment.evaluation
+    assert settings is not None
+    source = Path(settings.inputs)
+    if not source.is_file():
+        raise ConfigError(f"evaluation.inputs: file not found: {source}")
+    try:
+        data = torch.load(source, map_location="cpu", weights_only=True)
+        inputs, labels = data["inputs"], data["labels"]
+    except Exception as error:  # noqa: BLE001 - any unreadable or malformed file
+        raise ConfigError(
+            f"evaluation.inputs: {source} is not a {{'inputs', 'labels'}} tensor file ({error})"
+        ) from None
+    count = min(len(inputs), settings.limit or len(inputs))
+    batches = math.floor(count / experiment.batch)
+    if batches == 0:
+        raise ConfigError(f"evaluation: {count} inputs make no whole batch of {experiment.batch}")
+    rows = batches * experiment.batch
+    target = run_dir / "evaluation-inputs.pt"
+    torch.save({"inputs": inputs[:rows].contiguous(), "labels": labels[:rows].contiguous()}, target)
+    return target, batches
 
 
 def codebook_sizes(trials: list[Trial]) -> list[int]:

@@ -109,19 +109,18 @@ class Results:
     environment: dict[str, Any]
 
     def summary(self) -> pd.DataFrame:
-        """Mean latency per trial over devices and repetitions of successful rows."""
+        """Mean latency per trial over devices and repetitions of successful rows, and the
+        top-1 accuracy (device 0's correct predictions) where the inputs had labels."""
         ok = self.trials[self.trials["status"] == "ok"]
         keys = ["method", "params", "devices", "bandwidth_mbit"]
-        values = [
-            "compute_ms",
-            "comm_ms",
-            "wait_ms",
-            "effective_ms",
-            "analytic_comm_ms",
-            "payload_bits_per_layer",
-            "measured_mbit",
-        ]
-        return ok.groupby(keys, dropna=False)[values].mean().reset_index()
+        values = ["compute_ms", "comm_ms", "wait_ms", "effective_ms", "analytic_comm_ms",
+                  "payload_bits_per_layer", "measured_mbit"]  # fmt: skip
+        table = ok.groupby(keys, dropna=False)[values].mean()
+        labelled = ok[(ok["rank"] == 0) & ok["correct"].notna()]
+        if len(labelled):
+            sums = labelled.groupby(keys, dropna=False)[["correct", "batch"]].sum()
+            table["accuracy"] = sums["correct"] / sums["batch"]
+        return table.reset_index()
 
 
 def load(run_dir: str | Path) -> Results:

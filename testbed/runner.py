@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from testbed import environment
 from testbed.backends.base import Backend, DeviceSpec
-from testbed.bundles import prepare_bundles
+from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
 from testbed.link import LinkState, shape_and_probe
 from testbed.plan import Trial, plan_rows, plan_trials
@@ -88,12 +88,12 @@ class Runner:
         plan = prepare_run_dir(self.experiment, self.run_dir, self.trials)
         done = finished_trials(self.run_dir) if resume else set()
         outcome = RunOutcome(self.run_dir, skipped=len(done & {t.trial_id for t in self.trials}))
-        bundles = prepare_bundles(self.experiment, self.trials, self.run_dir)
+        files = prepare_run_files(self.experiment, self.trials, self.run_dir)
         todo = [t for t in self.trials if t.trial_id not in done]
         progress = tqdm(total=len(todo), unit="trial", desc=self.experiment.name)
         try:
             for count, group in itertools.groupby(todo, key=lambda t: t.devices):
-                self._run_count(count, list(group), plan, bundles, outcome, progress)
+                self._run_count(count, list(group), plan, files, outcome, progress)
         finally:
             progress.close()
             if (self.run_dir / "trials").is_dir():
@@ -106,7 +106,7 @@ class Runner:
         count: int,
         trials: list[Trial],
         plan: pd.DataFrame,
-        bundles: dict[int, Path],
+        files: RunFiles,
         outcome: RunOutcome,
         progress: tqdm,
     ) -> None:
@@ -121,7 +121,7 @@ class Runner:
                 self._save_link(link, count)
                 for trial in group:
                     progress.set_postfix_str(f"{trial.trial_id}")
-                    self._run_one(backend, trial, plan, bundles, link, outcome)
+                    self._run_one(backend, trial, plan, files, link, outcome)
                     progress.update()
 
     def _run_one(
@@ -129,7 +129,7 @@ class Runner:
         backend: Backend,
         trial: Trial,
         plan: pd.DataFrame,
-        bundles: dict[int, Path],
+        files: RunFiles,
         link: LinkState,
         outcome: RunOutcome,
     ) -> None:
@@ -141,9 +141,8 @@ class Runner:
             "cpus": self.experiment.devices.cpus, "threads": backend.devices[0].threads,
             "oversubscribed": backend.oversubscribed,
         }  # fmt: skip
-        bundle = bundles.get(trial.spec.K) if trial.spec.uses_codebooks else None
         before = {d.rank: _qdisc_sent(backend, d) for d in backend.devices}
-        result = run_trial(backend, self.experiment, trial, index, base, per_rank, link, bundle)
+        result = run_trial(backend, self.experiment, trial, index, base, per_rank, link, files)
         sent = {d.rank: _qdisc_sent(backend, d) - before[d.rank] for d in backend.devices}
         result.trials["qdisc_sent_bytes"] = result.trials["rank"].map(sent)
         save_trial(self.run_dir, trial.trial_id, result.trials, result.layers)

@@ -90,7 +90,13 @@ class BundleSection(Strict):
 
 
 class EvaluationSection(Strict):
-    dataset: str
+    """Labelled inputs to run through the distributed workers: a .pt file holding
+    {"inputs": (N, C, [T,] H, W), "labels": (N,)} already normalised as the model expects
+    (`python -m tracevq.train` writes one next to its checkpoint and bundle). The trials then
+    run the first `limit` inputs (all by default), cut to whole batches, instead of
+    `repeats` generated inputs, and record the correct predictions."""
+
+    inputs: str
     limit: int | None = Field(None, ge=1)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from testbed.backends.base import Backend, Device, ExecResult
+from testbed.bundles import RunFiles
 from testbed.link import LinkState
 from testbed.plan import Trial
 from testbed.results import trial_dir, write_text
@@ -45,7 +46,7 @@ def worker_argv(
     device: Device,
     peers: str,
     out: Path,
-    bundle: Path | None,
+    files: RunFiles,
     link: LinkState,
 ) -> list[str]:
     argv = [
@@ -57,7 +58,7 @@ def worker_argv(
         "--method", trial.method,
         "--batch", str(experiment.batch),
         "--warmup", str(experiment.warmup),
-        "--inferences", str(experiment.repeats),
+        "--inferences", str(files.batches or experiment.repeats),
         "--threads", str(device.threads),
         "--out", backend.device_path(out),
         "--connect-timeout-s", "60",
@@ -66,8 +67,11 @@ def worker_argv(
     ]  # fmt: skip
     for key, value in trial.params:
         argv += ["--param", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
-    if bundle is not None:
-        argv += ["--bundle", backend.device_path(bundle)]
+    optional = {"--bundle": files.bundle_for(trial), "--checkpoint": files.checkpoint,
+                "--inputs": files.inputs}  # fmt: skip
+    for flag, path in optional.items():
+        if path is not None:
+            argv += [flag, backend.device_path(path)]
     return argv
 
 
@@ -228,7 +232,7 @@ def run_trial(
     base: dict[str, Any],
     plan: dict[int, dict[str, Any]],
     link: LinkState,
-    bundle: Path | None,
+    files: RunFiles,
 ) -> TrialOutcome:
     directory = trial_dir(backend.run_dir, trial.trial_id)
     port = WORKER_PORT + index % 1000
@@ -237,7 +241,7 @@ def run_trial(
     for out in outs.values():
         out.mkdir(parents=True, exist_ok=True)
     argvs = [
-        worker_argv(backend, experiment, trial, d, peers, outs[d.rank], bundle, link)
+        worker_argv(backend, experiment, trial, d, peers, outs[d.rank], files, link)
         for d in backend.devices
     ]
     write_text(directory / "commands.json", json.dumps(argvs, indent=1))

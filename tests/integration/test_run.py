@@ -207,3 +207,38 @@ def check_report(report: str) -> None:
         assert rows and not any("nan" in r for r in rows), section
     for method in ("voltage", "prism", "astra", "trace-nb", "trace-b K=1024", "trace-b K=32"):
         assert f"| {method} |" in sections[1]
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_evaluation_inputs_give_the_in_process_accuracy(tmp_path):
+    """Labelled inputs through real workers: device 0's correct counts equal what
+    tracevq.simulate predicts in process with the run's own bundle."""
+    import torch
+
+    import tracevq
+    from tracevq.bundle import Bundle
+
+    model = tracevq.build_model("vit-tiny")
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.randn(model.config.input_shape(18), generator=generator)
+    labels = torch.randint(0, 10, (18,), generator=generator)
+    torch.save({"inputs": inputs, "labels": labels}, tmp_path / "eval.pt")
+    path = small_experiment(
+        tmp_path, batch=4, methods=[{"name": "voltage"}, {"name": "trace-b", "K": 16}],
+        evaluation={"inputs": str(tmp_path / "eval.pt"), "limit": 17},
+    )  # fmt: skip
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    results = load(run_dir)
+    summary = results.summary().set_index("method")
+    bundle = Bundle.load(run_dir / "bundles" / "bundle-K16.pt")
+    used = slice(0, 16)  # 17 inputs cut to whole batches of 4
+    for method, params in (("voltage", {}), ("trace-b", {"K": 16})):
+        logits = tracevq.simulate(model, inputs[used], method, 2, bundle=bundle, **params).logits
+        expected = (logits.argmax(1) == labels[used]).float().mean().item()
+        assert summary.loc[method, "accuracy"] == pytest.approx(expected)
+    rows = results.trials[(results.trials["rank"] == 0)]
+    assert len(rows) == 2 * 4  # two methods x four batches
