@@ -3,13 +3,13 @@
 Four sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64 labels:
 
 - `digits`: scikit-learn's 8x8 handwritten digits (1,797 images, shipped with the package),
-  upsampled bilinearly to the model's image size. Bilinear, not nearest: with nearest
-  upsampling every patch is one repeated grey level (17 values), so a block-0 codebook of
-  about 1,100 codewords would quantise the embedding exactly.
-- `shapes`: a harder task the project generates itself, deterministic from a seed: a textured
-  shape (disk, square, triangle, cross) on a noisy background, the class being the pair
-  (shape, stripe orientation), 16 classes by default. The shape needs many tokens to agree
-  and the texture lives in the fine detail of each token, which a coarse codebook loses.
+  upsampled bilinearly to the model's image size (smooth patches rather than blocks of
+  repeated pixels, whose few distinct values a large codebook would quantise exactly).
+- `pairs`: a harder task the project generates itself, deterministic from a seed: two digits
+  on a canvas twice their size (top-left a, bottom-right b), label a + b (19 classes). The
+  tokens in row-major order put b on another device than the CLS token, so the class depends
+  on how exactly the peers' tokens cross the link. Each split of pairs is drawn only from the
+  same split of the digits.
 - `cifar`: CIFAR-format python batches (`data_batch_*`, `test_batch`, or CIFAR-100's
   `train`/`test`): pickled dicts with `data` (n, 3072) uint8 and `labels` or `fine_labels`.
   They are read with an unpickler that only builds numpy arrays and plain containers.
@@ -47,16 +47,25 @@ class DataError(TraceError):
 
 @dataclass
 class Dataset:
-    images: Tensor  # (n, C, H, W) float32 in [0, 1]
+    """Images with labels. `size`: images are resized to size x size when taken (CIFAR at
+    224 px would not fit in memory resized all at once)."""
+
+    images: Tensor  # (n, C, H, W) float32, in [0, 1] until normalised
     labels: Tensor  # (n,) int64
     classes: list[str]
+    size: int | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    def take(self, index: Tensor | slice) -> Tensor:
+        """The images at `index`, at the model's size: (n, C, size, size)."""
+        images = self.images[index]
+        return images if self.size is None else resize(images, self.size, clamp=False)
+
     def subset(self, index: Tensor | np.ndarray) -> Dataset:
         index = torch.as_tensor(index, dtype=torch.long)
-        return Dataset(self.images[index], self.labels[index], self.classes)
+        return Dataset(self.images[index], self.labels[index], self.classes, self.size)
 
 
 @dataclass
@@ -66,12 +75,13 @@ class Splits:
     test: Dataset
 
 
-def resize(images: Tensor, size: int) -> Tensor:
-    """Bilinear resize of (n, C, H, W) to (n, C, size, size); unchanged if already that size."""
+def resize(images: Tensor, size: int, clamp: bool = True) -> Tensor:
+    """Bilinear resize of (n, C, H, W) to (n, C, size, size); unchanged if already that size.
+    `clamp` keeps [0, 1] images in range (normalised images are not clamped)."""
     if images.shape[-2:] == (size, size):
         return images
     resized = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
-    return resized.clamp(0.0, 1.0)
+    return resized.clamp(0.0, 1.0) if clamp else resized
 
 
 def match_channels(images: Tensor, channels: int, source: str) -> Tensor:
@@ -226,7 +236,8 @@ def cifar_splits(
     val_size: int = 1000,
     split_seed: int = 0,
 ) -> Splits:
-    """CIFAR-10 (`data_batch_*`, `test_batch`) or CIFAR-100 (`train`, `test`) from `root`."""
+    """CIFAR-10 (`data_batch_*`, `test_batch`) or CIFAR-100 (`train`, `test`) from `root`.
+    Images stay at 32 px in memory and are resized to image_size when taken."""
     root = Path(root)
     train_files = sorted(root.glob("data_batch_*")) or sorted(root.glob("train"))
     test_files = sorted(root.glob("test_batch")) or sorted(root.glob("test"))
@@ -239,8 +250,9 @@ def cifar_splits(
         parts = [read_cifar_batch(f) for f in files]
         images = torch.from_numpy(np.concatenate([p[0] for p in parts])).float() / 255.0
         labels = torch.from_numpy(np.concatenate([p[1] for p in parts]))
-        images = resize(match_channels(images, channels, str(files[0])), image_size)
-        return Dataset(images, labels, [str(c) for c in range(int(labels.max()) + 1)])
+        images = match_channels(images, channels, str(files[0]))
+        classes = [str(c) for c in range(int(labels.max()) + 1)]
+        return Dataset(images, labels, classes, size=image_size if image_size != 32 else None)
 
     train, test = load(train_files), load(test_files)
     rest, val = split_off(train, min(val_size, len(train) // 5) or 1, split_seed)

@@ -71,9 +71,11 @@ def test_cifar10_batches_are_parsed(tmp_path):
     assert images[0, 1, 0, 0] == first[b"data"][0, 1024]  # channel-major rows
     splits = cifar_splits(tmp_path, image_size=16, channels=3, val_size=10)
     assert len(splits.train) == 50 and len(splits.val) == 10 and len(splits.test) == 20
-    assert splits.test.images.shape[1:] == (3, 16, 16)
+    assert splits.test.images.shape[1:] == (3, 32, 32)  # resized when taken
+    assert splits.test.take(slice(0, 4)).shape == (4, 3, 16, 16)
+    assert splits.train.subset(torch.arange(3)).take(slice(None)).shape == (3, 3, 16, 16)
     grey = cifar_splits(tmp_path, image_size=32, channels=1, val_size=10)
-    assert grey.test.images.shape[1:] == (1, 32, 32)
+    assert grey.test.take(slice(None)).shape == (20, 1, 32, 32)
 
 
 def test_cifar100_fine_labels(tmp_path):
