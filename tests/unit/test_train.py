@@ -11,7 +11,12 @@ import tracevq
 from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
 from tracevq.checkpoint import load_checkpoint
 from tracevq.errors import ConfigError
-from tracevq.train.distributed import ExactCodec, TrainingCodec, distributed_logits
+from tracevq.train.distributed import (
+    ExactCodec,
+    TrainingCodec,
+    distributed_logits,
+    remote_kv_error,
+)
 from tracevq.train.quantizer import CodebookRule, TrainableQuantizer
 from tracevq.tree import build_tree
 from tracevq.vq import VectorQuantizer
@@ -234,3 +239,15 @@ def test_finetuning_steps_reduce_the_loss(model):
         codec.update()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_remote_kv_error_is_zero_for_voltage_and_falls_with_the_level(model, inputs):
+    exact = remote_kv_error(model, inputs, 2, "voltage", ExactCodec("voltage", []))
+    assert max(exact) < 1e-5 and len(exact) == model.config.depth
+    seen = inputs[:2]  # 34 token rows, fewer than K: the full codebook holds them all
+    quantizers, trees = fit_bundle(model, seen, K=64, families=("trace-b",)).family("trace-b")
+    coarse, fine = (
+        sum(remote_kv_error(model, seen, 2, "trace-b", ExactCodec("trace-b", quantizers, trees, m)))
+        for m in (0, trees[0].finest)
+    )
+    assert fine < 0.1 * coarse

@@ -93,8 +93,12 @@ def distributed_logits(
     devices: int,
     family: str,
     codec: nn.Module | None = None,
+    probe: list[tuple[Tensor, Tensor]] | None = None,
 ) -> Tensor:
-    """Device 0's logits (B, classes) when `devices` devices run `family` with `codec`."""
+    """Device 0's logits (B, classes) when `devices` devices run `family` with `codec`.
+
+    `probe`, if given, receives per block the pair (exact [K; V], remote view of [K; V]) of
+    every token, each (B, H, N, 2d), for diagnostics."""
     if family not in FAMILIES:
         raise ConfigError(f"no differentiable forward for {family!r}; choose from {FAMILIES}")
     if family != "voltage" and codec is None:
@@ -117,6 +121,8 @@ def distributed_logits(
             seen = shadow = model.blocks[b - 1].ffn(shadow + codec(b, z - previous))
         remote_k, remote_v = block.remote_kv(seen)  # (B, H, N, d) each
         q, k, v = block.attn.qkv_heads(block.norm1(x))  # (B, H, N, d) each
+        if probe is not None:
+            probe.append((torch.cat([k, v], -1), torch.cat([remote_k, remote_v], -1)))
         outputs = []
         for start, stop in ranges:
             own = slice(start, stop)
@@ -126,3 +132,14 @@ def distributed_logits(
         previous, z = x, x + torch.cat(outputs, dim=1)
         x = block.ffn(z)
     return model.classify(x[:, 0])
+
+
+@torch.no_grad()
+def remote_kv_error(
+    model: VisionTransformer, images: Tensor, devices: int, family: str, codec: nn.Module
+) -> list[float]:
+    """Per block, ||remote [K; V] - exact [K; V]|| / ||exact [K; V]|| over every token: how
+    far the receivers' view of a token is from what its own device computes in that run."""
+    probe: list[tuple[Tensor, Tensor]] = []
+    distributed_logits(model, images, devices, family, codec, probe)
+    return [float((seen - exact).norm() / exact.norm()) for exact, seen in probe]

@@ -1,0 +1,98 @@
+"""Top-1 accuracy of every method through `tracevq.simulate`: the same bytes the network
+workers would exchange, so these figures are the deployed accuracy, not a training proxy.
+
+One row per (method, devices, K, tree level, tree metric). Trace methods are evaluated at every
+level of the codebook tree (the level changes nothing but the encoder's search set, DESIGN
+3.5), with each hierarchy metric for trace-b (Table VII); the finest level is the full
+codebook and does not depend on the metric. Each row also carries the payload bits one
+device (device 0) sends per layer for one image, to set accuracy against communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+import tracevq
+from tracevq.bundle import Bundle
+from tracevq.data import Dataset
+from tracevq.methods import Method, make_method
+from tracevq.models import VisionTransformer
+from tracevq.partition import partition_sizes
+from tracevq.train.loops import accuracy
+from tracevq.train.settings import Settings
+
+
+def simulated_accuracy(
+    model: VisionTransformer, method: Method, devices: int, test: Dataset, batch_size: int
+) -> float:
+    def predict(images: torch.Tensor) -> torch.Tensor:
+        return tracevq.simulate(model, images, method, devices).logits
+
+    return accuracy(predict, test, batch_size)
+
+
+def _row(method: Method, devices: int, value: float, **extra: object) -> dict[str, object]:
+    tokens = partition_sizes(method.model.config.tokens, devices)[0]
+    bits = method.payload_bits(tokens, 1) if devices > 1 and method.name != "single" else 0
+    return {
+        "method": method.name,
+        "devices": devices,
+        "accuracy": value,
+        "payload_bits": bits,
+        **extra,
+    }
+
+
+def evaluate_baselines(
+    model: VisionTransformer, test: Dataset, settings: Settings
+) -> list[dict[str, object]]:
+    """single (P = 1), voltage and prism (each segment size) on the base model."""
+    evaluation, size = settings.evaluation, settings.evaluation.batch_size
+    single = make_method("single", model)
+    rows = [_row(single, 1, simulated_accuracy(model, single, 1, test, size))]
+    for devices in evaluation.devices:
+        voltage = make_method("voltage", model)
+        rows.append(_row(voltage, devices, simulated_accuracy(model, voltage, devices, test, size)))
+        for segment in evaluation.prism_segments:
+            prism = make_method("prism", model, segment=segment)
+            value = simulated_accuracy(model, prism, devices, test, size)
+            rows.append(_row(prism, devices, value, segment=segment))
+    for row in rows:
+        row.update(variant="base", seed=-1)
+    return rows
+
+
+def evaluate_family(
+    model: VisionTransformer,
+    bundles: dict[str, Bundle],
+    family: str,
+    test: Dataset,
+    settings: Settings,
+    all_levels: bool = True,
+) -> list[dict[str, object]]:
+    """A codebook family with each given metric's bundle, at each device count and tree level.
+
+    Args:
+        bundles: metric -> bundle holding `family`'s codebooks and trees.
+        all_levels: every tree level for the families in `evaluation.all_levels` (else, and
+            always for astra, the finest level only).
+    """
+    evaluation = settings.evaluation
+    rows = []
+    for metric, bundle in bundles.items():
+        method = make_method(family, model, bundle, K=bundle.K)
+        tree = bundle.trees[family][0]
+        sweep = all_levels and family in evaluation.all_levels
+        levels: Iterable[int] = range(tree.num_levels) if sweep else [tree.finest]
+        for devices in evaluation.devices:
+            for level in levels:
+                if family != "astra":
+                    method.set_level(level)
+                value = simulated_accuracy(model, method, devices, test, evaluation.batch_size)
+                extra = {"level": level, "level_k": tree.level_sizes[level], "metric": metric}
+                rows.append(
+                    _row(method, devices, value, K=bundle.K, finest=level == tree.finest, **extra)
+                )
+    return rows

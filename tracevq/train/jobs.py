@@ -1,0 +1,178 @@
+"""The two kinds of work in a study, each independent of the others once the base model exists.
+
+- `Fit` (seed, K, d_q): k-means codebooks on the base model's activations for every family
+  at once (trace-b and trace-nb share VQ_0), with euclidean trees, saved as
+  `seed<s>/K<K>/kmeans[-dq<d>].pt`. With the base model this is a bundle a worker loads.
+- `Job` (seed, K, family, variant): the variant is `kmeans` (evaluate the fitted codebooks as
+  they are) or a codebook update rule (fine-tune model and codebooks from the fit, then
+  rebuild the trees). Saves `model.pth` (timm names, fine-tuned only) and `bundle.pt`
+  (euclidean trees; `bundle-<metric>.pt` for the other metrics) in
+  `seed<s>/K<K>/<family>-<variant>/`, evaluates, and returns result rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
+from tracevq.data import Splits
+from tracevq.models import VisionTransformer
+from tracevq.train.distributed import (
+    ExactCodec,
+    TrainingCodec,
+    distributed_logits,
+    remote_kv_error,
+)
+from tracevq.train.evaluate import evaluate_family
+from tracevq.train.loops import accuracy, finetune
+from tracevq.train.quantizer import CodebookRule
+from tracevq.train.settings import Settings
+from tracevq.tree import build_tree
+from tracevq.vq import VectorQuantizer
+
+
+@dataclass(frozen=True)
+class Fit:
+    seed: int
+    K: int
+    code_dim: int | None = None
+
+    @property
+    def path(self) -> str:
+        suffix = "" if self.code_dim is None else f"-dq{self.code_dim}"
+        return f"seed{self.seed}/K{self.K}/kmeans{suffix}.pt"
+
+
+@dataclass(frozen=True)
+class Job:
+    seed: int
+    K: int
+    family: str
+    variant: str  # "kmeans" or a rule name
+
+    @property
+    def directory(self) -> str:
+        return f"seed{self.seed}/K{self.K}/{self.family}-{self.variant}"
+
+
+def rule_of(settings: Settings, name: str) -> tuple[CodebookRule, int | None]:
+    section = settings.finetune.rules[name]
+    return CodebookRule(**section.model_dump(exclude={"code_dim"})), section.code_dim
+
+
+def fit_of(job: Job, settings: Settings) -> Fit:
+    code_dim = None if job.variant == "kmeans" else rule_of(settings, job.variant)[1]
+    return Fit(job.seed, job.K, code_dim)
+
+
+def run_fit(
+    fit: Fit, settings: Settings, model: VisionTransformer, splits: Splits
+) -> dict[str, object]:
+    started = time.perf_counter()
+    codebooks = settings.codebooks
+    families = tuple(codebooks.families)
+    if fit.code_dim is not None:  # only the families that try every rule use d_q
+        families = tuple(f for f in families if f in settings.finetune.rule_families)
+    calibration = splits.train.take(slice(0, codebooks.calibration_images))
+    bundle = fit_bundle(
+        model, calibration, fit.K, families, fit.code_dim, codebooks.metrics[0],
+        codebooks.branching, fit.seed,
+    )  # fmt: skip
+    bundle.meta.update(task=settings.data.task, study=settings.name)
+    bundle.save(settings.run_dir / fit.path)
+    return {**asdict(fit), "seconds": time.perf_counter() - started}
+
+
+def run_job(
+    job: Job, settings: Settings, model: VisionTransformer, splits: Splits
+) -> tuple[list[dict[str, object]], dict[str, object]]:
+    """Evaluate (or fine-tune, then evaluate) one family's codebooks; save what a worker loads.
+
+    Returns the result rows and the job's record (validation accuracy, final training loss,
+    relative error of the remote K/V per block on validation images, seconds)."""
+    started = time.perf_counter()
+    fitted = Bundle.load(settings.run_dir / fit_of(job, settings).path)
+    quantizers = fitted.quantizers[job.family]
+    info: dict[str, object] = {}
+    default_rule = next(iter(settings.finetune.rules))
+    if job.variant == "kmeans":
+        metrics = settings.codebooks.metrics[:1]
+    else:
+        model = copy.deepcopy(model)
+        rule, _ = rule_of(settings, job.variant)
+        codec = TrainingCodec(quantizers, rule, seed=job.seed)
+        losses = finetune(
+            model, codec, job.family, splits.train, settings.finetune, settings.base, job.seed
+        )
+        info["final_loss"] = sum(losses[-10:]) / max(1, len(losses[-10:]))
+        every = job.variant == default_rule and job.family == "trace-b"
+        metrics = settings.codebooks.metrics if every else settings.codebooks.metrics[:1]
+    info["val_accuracy"] = validation_accuracy(model, job.family, quantizers, splits, settings)
+    info["kv_error"] = remote_kv_error(
+        model, splits.val.take(slice(0, 200)), settings.evaluation.devices[0], job.family,
+        ExactCodec(job.family, quantizers),
+    )  # fmt: skip
+    bundles = {
+        metric: with_trees(model, job.family, quantizers, metric, settings, fitted.meta)
+        for metric in metrics
+    }
+    directory = settings.run_dir / job.directory
+    directory.mkdir(parents=True, exist_ok=True)
+    if job.variant != "kmeans":
+        torch.save(model.state_dict(), directory / "model.pth")
+    for metric, bundle in bundles.items():
+        bundle.save(directory / _bundle_name(metric, settings))
+    sweep = job.variant in ("kmeans", default_rule)
+    rows = evaluate_family(model, bundles, job.family, splits.test, settings, sweep)
+    info.update(asdict(job), seconds=time.perf_counter() - started)
+    (directory / "job.json").write_text(json.dumps(info, indent=1))
+    for row in rows:
+        row.update(asdict(job), val_accuracy=info["val_accuracy"])
+    return rows, info
+
+
+def _bundle_name(metric: str, settings: Settings) -> str:
+    return "bundle.pt" if metric == settings.codebooks.metrics[0] else f"bundle-{metric}.pt"
+
+
+def validation_accuracy(
+    model: VisionTransformer,
+    family: str,
+    quantizers: list[VectorQuantizer],
+    splits: Splits,
+    settings: Settings,
+) -> float:
+    """Accuracy on the validation split at the first device count, full codebook: the figure
+    for choices (steps, learning rate), so that the test split is never tuned on."""
+    codec = ExactCodec(family, quantizers)
+    devices = settings.evaluation.devices[0]
+    return accuracy(lambda x: distributed_logits(model, x, devices, family, codec), splits.val)
+
+
+def with_trees(
+    model: VisionTransformer,
+    family: str,
+    quantizers: list[VectorQuantizer],
+    metric: str,
+    settings: Settings,
+    meta: dict[str, object],
+) -> Bundle:
+    """A bundle of one family for `model`, with trees built over its codebooks by `metric`.
+
+    The frequency metric weighs each codeword by its EMA usage count (the k-means count when
+    the codebook was not fine-tuned)."""
+    branching, seed = settings.codebooks.branching, int(meta.get("seed", 0))
+    trees = [build_tree(vq.codebook, branching, metric, vq.ema_counts, seed) for vq in quantizers]
+    return Bundle(
+        model.config.name,
+        model_fingerprint(model),
+        quantizers[0].num_codes,
+        {family: quantizers},
+        {family: trees},
+        {**meta, "metric": metric},
+    )

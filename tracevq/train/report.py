@@ -1,0 +1,232 @@
+"""Tables and figures of an accuracy study, mirroring the paper's Tables III, VII and VIII,
+plus the comparison across codebook sizes that digits needs (DESIGN 6, issue 6).
+
+Every table aggregates over seeds: mean, sample standard deviation (the spread quoted as
+mean ± std), min, max and the number of seeds. Baselines without codebooks (single, voltage,
+prism) are deterministic and appear with n = 1. Written next to `results.csv`:
+
+- `table3_methods.csv` / `fig_methods.png`: each method at each P, finest level, at the main K
+  (the largest fine-tuned K) with the default update rule, and the k-means-only codebooks.
+- `table_codebook_sizes.csv` / `fig_codebook_sizes.png`: VQ methods across K, both variants.
+- `table7_levels.csv` / `fig_levels.png`: Trace at every tree level, per hierarchy metric.
+- `table8_rules.csv` / `fig_rules.png`: the codebook update rules.
+- `table_kv_error.csv`: per block, the relative error of the K/V receivers reconstruct for a
+  peer's tokens (||seen - exact|| / ||exact||), the mechanism behind the accuracy differences.
+- `summary.md`: the same tables as Markdown (mean ± std).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from tracevq.train.settings import Settings  # noqa: E402
+
+VQ_METHODS = ("astra", "trace-b", "trace-nb")
+
+
+def aggregate(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    grouped = frame.groupby(keys, dropna=False)["accuracy"]
+    table = grouped.agg(["mean", "std", "min", "max", "count"]).reset_index()
+    table["std"] = table["std"].fillna(0.0)
+    return table.rename(columns={"count": "n"})
+
+
+def label(row: pd.Series) -> str:
+    if row["method"] == "prism":
+        return f"prism (s={int(row['segment'])})"
+    if row["method"] in VQ_METHODS:
+        variant = "k-means" if row["variant"] == "kmeans" else f"fine-tuned, {row['variant']}"
+        return f"{row['method']} (K={int(row['K'])}, {variant})"
+    return str(row["method"])
+
+
+def _pm(table: pd.DataFrame) -> pd.Series:
+    return table.apply(lambda r: f"{r['mean']:.2f} ± {r['std']:.2f}", axis=1)
+
+
+def method_table(frame: pd.DataFrame, main_K: int, default_rule: str) -> pd.DataFrame:
+    baseline = frame[frame["variant"] == "base"]
+    vq = frame[
+        frame["method"].isin(VQ_METHODS)
+        & (frame["K"] == main_K)
+        & (frame["finest"] == True)  # noqa: E712 - pandas element-wise comparison
+        & (frame["metric"] == frame["metric"].dropna().iloc[0])
+        & frame["variant"].isin(["kmeans", default_rule])
+    ]
+    table = pd.concat([baseline, vq])
+    table = table.assign(label=table.apply(label, axis=1))
+    order = {name: i for i, name in enumerate(table["label"].drop_duplicates())}
+    result = aggregate(table, ["label", "devices"])
+    return result.sort_values(["label", "devices"], key=lambda c: c.map(order).fillna(c))
+
+
+def write_report(rows: list[dict[str, object]], settings: Settings, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(rows)
+    for column in ("K", "level", "level_k", "segment", "seed"):
+        if column in frame:
+            frame[column] = frame[column].astype("Int64")
+    frame.to_csv(directory / "results.csv", index=False)
+    rules = list(settings.finetune.rules)
+    main_K = max(settings.finetune.K) if settings.finetune.K else max(settings.codebooks.K)
+    metric = settings.codebooks.metrics[0]
+    vq = frame[frame["method"].isin(VQ_METHODS)]
+    finest = vq[(vq["finest"] == True) & (vq["metric"] == metric)]  # noqa: E712
+    tables: dict[str, pd.DataFrame] = {}
+    tables["table3_methods"] = method_table(frame, main_K, rules[0])
+    tables["table_codebook_sizes"] = aggregate(
+        finest[finest["variant"].isin(["kmeans", rules[0]])], ["method", "variant", "K", "devices"]
+    )
+    levels = vq[(vq["K"] == main_K) & vq["variant"].isin(["kmeans", rules[0]])]
+    levels = levels[levels["method"].isin(settings.evaluation.all_levels)]
+    tables["table7_levels"] = aggregate(
+        levels, ["method", "variant", "metric", "devices", "level", "level_k"]
+    )
+    tables["table8_rules"] = aggregate(
+        finest[(finest["K"] == main_K) & finest["variant"].isin(rules)],
+        ["method", "variant", "devices"],
+    )
+    for name, table in tables.items():
+        table.to_csv(directory / f"{name}.csv", index=False)
+    kv_error = kv_error_table(directory / "jobs.json")
+    if kv_error is not None:
+        kv_error.to_csv(directory / "table_kv_error.csv", index=False)
+    _write_markdown(tables, kv_error, directory / "summary.md")
+    single = float(frame.loc[frame["method"] == "single", "accuracy"].iloc[0])
+    _plot_methods(tables["table3_methods"], single, directory / "fig_methods.png")
+    _plot_sizes(tables["table_codebook_sizes"], single, directory / "fig_codebook_sizes.png")
+    _plot_levels(tables["table7_levels"], single, directory / "fig_levels.png")
+    _plot_rules(tables["table8_rules"], single, directory / "fig_rules.png")
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """A pipe table (pandas' own needs the optional `tabulate`)."""
+    cells = [[str(c) for c in table.columns]]
+    cells += [["" if pd.isna(v) else str(v) for v in row] for row in table.itertuples(index=False)]
+    lines = ["| " + " | ".join(row) + " |" for row in cells]
+    lines.insert(1, "|" + "---|" * len(table.columns))
+    return "\n".join(lines)
+
+
+def kv_error_table(records_path: Path) -> pd.DataFrame | None:
+    """Relative error of the remote K/V per block (mean ± std over seeds), from jobs.json."""
+    if not records_path.is_file():
+        return None
+    records = pd.read_json(records_path)
+    if records.empty or "kv_error" not in records:
+        return None
+    long = records.explode("kv_error").assign(
+        block=lambda r: r.groupby(level=0).cumcount(), error=lambda r: r["kv_error"].astype(float)
+    )
+    grouped = long.groupby(["family", "variant", "K", "block"])["error"]
+    table = grouped.agg(["mean", "std"]).reset_index()
+    return table.assign(std=table["std"].fillna(0.0))
+
+
+def _write_markdown(
+    tables: dict[str, pd.DataFrame], kv_error: pd.DataFrame | None, path: Path
+) -> None:
+    lines = []
+    for name, table in tables.items():
+        if table.empty:
+            continue
+        shown = table.assign(accuracy=_pm(table)).drop(columns=["mean", "std", "min", "max"])
+        pivot_keys = [c for c in shown.columns if c not in ("devices", "accuracy", "n")]
+        wide = shown.pivot_table(
+            index=pivot_keys, columns="devices", values="accuracy", aggfunc="first", sort=False
+        )
+        wide.columns = [f"P={p}" for p in wide.columns]
+        lines += [f"## {name}", "", markdown(wide.reset_index()), ""]
+    if kv_error is not None:
+        shown = kv_error.assign(error=kv_error.apply(lambda r: f"{r['mean']:.3f}", axis=1))
+        wide = shown.pivot_table(
+            index=["family", "variant", "K"], columns="block", values="error", aggfunc="first"
+        )
+        wide.columns = [f"block {b}" for b in wide.columns]
+        lines += ["## remote K/V relative error (validation, first P)", ""]
+        lines += [markdown(wide.reset_index()), ""]
+    path.write_text("\n".join(lines))
+
+
+def _finish(figure: plt.Figure, axes, single: float, path: Path, ylabel: str = "top-1 (%)"):
+    for axis in axes:
+        axis.axhline(single, color="k", linestyle="--", linewidth=1, label="single device")
+        axis.set_ylabel(ylabel)
+        axis.grid(alpha=0.3)
+    axes[-1].legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _by_devices(table: pd.DataFrame):
+    devices = sorted(d for d in table["devices"].unique() if d > 1)
+    figure, axes = plt.subplots(1, len(devices), figsize=(5.5 * len(devices), 4), squeeze=False)
+    return figure, list(axes[0]), devices
+
+
+def _plot_methods(table: pd.DataFrame, single: float, path: Path) -> None:
+    figure, axes, devices = _by_devices(table)
+    for axis, p in zip(axes, devices, strict=True):
+        part = table[table["devices"] == p]
+        axis.barh(part["label"], part["mean"], xerr=part["std"], color="tab:blue", alpha=0.8)
+        axis.axvline(single, color="k", linestyle="--", linewidth=1)
+        low = max(0.0, part["min"].min() - 5)
+        axis.set_xlim(low, 100)
+        axis.set_title(f"P = {p}")
+        axis.set_xlabel("top-1 (%)")
+        axis.tick_params(axis="y", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _plot_sizes(table: pd.DataFrame, single: float, path: Path) -> None:
+    figure, axes, devices = _by_devices(table)
+    for axis, p in zip(axes, devices, strict=True):
+        for (method, variant), part in table[table["devices"] == p].groupby(["method", "variant"]):
+            style = "--" if variant == "kmeans" else "-"
+            axis.errorbar(
+                part["K"], part["mean"], part["std"], linestyle=style, marker="o",
+                capsize=3, label=f"{method} ({variant})",
+            )  # fmt: skip
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("codebook size K")
+        axis.set_title(f"P = {p}")
+    _finish(figure, axes, single, path)
+
+
+def _plot_levels(table: pd.DataFrame, single: float, path: Path) -> None:
+    figure, axes, devices = _by_devices(table)
+    for axis, p in zip(axes, devices, strict=True):
+        part = table[table["devices"] == p]
+        for (method, variant, metric), line in part.groupby(["method", "variant", "metric"]):
+            style = "--" if variant == "kmeans" else "-"
+            axis.errorbar(
+                line["level_k"], line["mean"], line["std"], linestyle=style, marker=".",
+                capsize=2, label=f"{method} {variant} {metric}",
+            )  # fmt: skip
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("codewords at the level, K_m (r = log2 K_m bits)")
+        axis.set_title(f"P = {p}")
+    _finish(figure, axes, single, path)
+
+
+def _plot_rules(table: pd.DataFrame, single: float, path: Path) -> None:
+    if table.empty:
+        return
+    figure, axes, devices = _by_devices(table)
+    for axis, p in zip(axes, devices, strict=True):
+        part = table[table["devices"] == p]
+        names = part["method"] + " " + part["variant"]
+        axis.bar(names, part["mean"], yerr=part["std"], capsize=4, color="tab:green", alpha=0.8)
+        axis.set_ylim(max(0.0, part["min"].min() - 5), min(100.0, single + 3))
+        axis.set_title(f"P = {p}")
+        axis.tick_params(axis="x", labelsize=7, rotation=20)
+    _finish(figure, axes, single, path)

@@ -1,0 +1,209 @@
+"""The study configuration: typed, unknown keys rejected with a hint, errors naming the field
+path and the file. Loaded in one place (`load_settings`); the resolved form is saved with the
+results (`settings.yaml` in the output directory).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tracevq.errors import ConfigError
+
+TASKS = ("digits", "pairs", "cifar", "folder")
+VQ_FAMILIES = ("astra", "trace-b", "trace-nb")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataSection(Strict):
+    """Which images. `path` is required for cifar (the batch folder) and folder (the root)."""
+
+    task: Literal["digits", "pairs", "cifar", "folder"] = "digits"
+    path: str | None = None
+    train_size: int = Field(4000, ge=1)  # pairs only: generated training pairs
+    val_size: int = Field(200, ge=1)
+    test_size: int = Field(400, ge=1)
+    split_seed: int = 0
+    mean: float = 0.5  # model input = (image - mean) / std, image in [0, 1]
+    std: float = Field(0.5, gt=0)
+
+
+class ModelSection(Strict):
+    name: str = "vit-digits"
+    checkpoint: str | None = None  # timm-format weights: used as the base model, no training
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from tracevq.config import model_config
+
+        try:
+            model_config(name)
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+        return name
+
+
+class BaseSection(Strict):
+    """Training the single-device model from scratch (skipped with model.checkpoint)."""
+
+    epochs: int = Field(40, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.05, ge=0)
+    warmup_epochs: int = Field(3, ge=0)
+    shift_px: int = Field(1, ge=0)  # random translation augmentation
+    label_smoothing: float = Field(0.1, ge=0, lt=1)
+    seed: int = 0
+
+
+class RuleSection(Strict):
+    """A codebook update rule (Table VIII); `code_dim` is the d_q projection (None: off)."""
+
+    update: Literal["ema", "gradient"] = "ema"
+    decay: float = Field(0.99, gt=0, lt=1)
+    epsilon: float = Field(1e-5, gt=0)
+    dead_fraction: float = Field(0.03, ge=0, lt=1)
+    commitment: float = Field(0.25, ge=0)
+    code_dim: int | None = Field(None, ge=1)
+
+
+class CodebookSection(Strict):
+    K: list[int] = Field(default_factory=lambda: [64, 1024])
+    families: list[Literal["astra", "trace-b", "trace-nb"]] = Field(
+        default_factory=lambda: list(VQ_FAMILIES)
+    )
+    calibration_images: int = Field(256, ge=1)  # k-means initialisation rows come from these
+    branching: int = Field(2, ge=2)
+    metrics: list[Literal["euclidean", "cosine", "frequency"]] = Field(
+        default_factory=lambda: ["euclidean", "cosine", "frequency"]
+    )
+
+    @field_validator("K")
+    @classmethod
+    def _sizes(cls, sizes: list[int]) -> list[int]:
+        if not sizes or any(not 2 <= k <= 2**16 for k in sizes):
+            raise ValueError("every K must lie in 2..65536")
+        return sizes
+
+
+class FinetuneSection(Strict):
+    """VQ fine-tuning in the differentiable P-device forward (a P drawn per step)."""
+
+    K: list[int] = Field(default_factory=lambda: [1024])  # sizes fine-tuned (others k-means)
+    steps: int = Field(60, ge=0)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.05, ge=0)
+    devices: list[int] = Field(default_factory=lambda: [2, 3])
+    rules: dict[str, RuleSection] = Field(default_factory=lambda: {"ema": RuleSection()})
+    rule_families: list[Literal["astra", "trace-b", "trace-nb"]] = Field(
+        default_factory=lambda: ["trace-b"]
+    )  # families that also get every rule after the first (Table VIII)
+
+    @field_validator("rules")
+    @classmethod
+    def _some_rule(cls, rules: dict[str, RuleSection]) -> dict[str, RuleSection]:
+        if not rules:
+            raise ValueError("at least one rule; the first is the default of every family")
+        return rules
+
+
+class EvaluationSection(Strict):
+    devices: list[int] = Field(default_factory=lambda: [2, 3])
+    prism_segments: list[int] = Field(default_factory=lambda: [2, 4])
+    batch_size: int = Field(500, ge=1)
+    all_levels: list[Literal["trace-b", "trace-nb"]] = Field(
+        default_factory=lambda: ["trace-b", "trace-nb"]
+    )  # evaluated at every tree level (with every metric for trace-b)
+
+    @field_validator("prism_segments")
+    @classmethod
+    def _segments(cls, segments: list[int]) -> list[int]:
+        if any(s < 1 for s in segments):
+            raise ValueError("every Prism segment size must be at least 1")
+        return segments
+
+
+class Settings(Strict):
+    name: str
+    description: str = ""
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    jobs: int = Field(1, ge=1)  # parallel processes, one torch thread each
+    output: str = "results/accuracy"
+    data: DataSection = Field(default_factory=DataSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    base: BaseSection = Field(default_factory=BaseSection)
+    codebooks: CodebookSection = Field(default_factory=CodebookSection)
+    finetune: FinetuneSection = Field(default_factory=FinetuneSection)
+    evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output) / self.name
+
+
+def _path(location: tuple[Any, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in location).lstrip(".")
+
+
+def _describe(error: dict[str, Any]) -> str:
+    location = tuple(error["loc"])
+    if error["type"] == "extra_forbidden":
+        model = _section(location[:-1])
+        known = list(model.model_fields) if model is not None else []
+        hint = difflib.get_close_matches(str(location[-1]), known, n=1)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return f"{_path(location)}: unknown key{suggestion}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{_path(location)}: {message}" if location else message
+
+
+def _section(parent: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Settings
+    for part in parent:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+    return model
+
+
+def parse_settings(data: Any, source: str = "<settings>", **overrides: Any) -> Settings:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a study is a mapping of keys, got {type(data).__name__}")
+    try:
+        settings = Settings.model_validate({**data, **overrides})
+    except ValidationError as error:
+        problems = "; ".join(_describe(e) for e in error.errors())
+        raise ConfigError(f"{source}: {problems}") from None
+    if settings.data.task in ("cifar", "folder") and settings.data.path is None:
+        raise ConfigError(f"{source}: data.path: required for task {settings.data.task!r}")
+    return settings
+
+
+def load_settings(path: str | Path, **overrides: Any) -> Settings:
+    """Read and validate a study file; `overrides` replace top-level keys (e.g. output)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"study file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    return parse_settings(data, str(path), **overrides)
+
+
+def dump_settings(settings: Settings, path: Path) -> None:
+    path.write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))

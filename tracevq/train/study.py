@@ -1,0 +1,215 @@
+"""The accuracy study: base model, then k-means fits, then one job per (seed, K, family,
+variant), every method evaluated through `tracevq.simulate` (the byte-exact path).
+
+Fits and jobs are independent once the base model exists and run in `settings.jobs`
+processes with one torch thread each (on a small shared CPU two single-threaded processes beat
+one two-threaded process). All fits finish before the jobs start, since a job starts from its
+fit's saved codebooks. single, voltage and prism need no codebooks: they are measured once,
+on the base model. Seeds vary the k-means initialisation and the fine-tuning (batches,
+augmentation, dead-code restarts); the base model and the data splits are fixed, so the
+spread is that of the codebooks and fine-tuning, as the issue asks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import tracevq
+from tracevq.checkpoint import load_checkpoint
+from tracevq.data import (
+    Dataset,
+    Splits,
+    cifar_splits,
+    digit_pairs_splits,
+    digits_splits,
+    folder_splits,
+)
+from tracevq.models import VisionTransformer
+from tracevq.train.evaluate import evaluate_baselines
+from tracevq.train.jobs import Fit, Job, fit_of, run_fit, run_job
+from tracevq.train.loops import accuracy, train_base
+from tracevq.train.settings import Settings, dump_settings
+
+log = logging.getLogger(__name__)
+
+
+def load_splits(settings: Settings) -> Splits:
+    """The task's splits, normalised to model inputs: (image - mean) / std."""
+    data, config = settings.data, tracevq.model_config(settings.model.name)
+    if data.task == "digits":
+        splits = digits_splits(config.image_size, data.test_size, data.val_size, data.split_seed)
+    elif data.task == "pairs":
+        sizes = (data.train_size, data.val_size, data.test_size)
+        splits = digit_pairs_splits(config.image_size, *sizes, split_seed=data.split_seed)
+    elif data.task == "cifar":
+        splits = cifar_splits(
+            data.path, config.image_size, config.in_chans, data.val_size, data.split_seed
+        )
+    else:
+        splits = folder_splits(
+            data.path, config.image_size, config.in_chans, split_seed=data.split_seed
+        )
+
+    def normalise(part: Dataset) -> Dataset:
+        images = (part.images - data.mean) / data.std
+        return Dataset(images, part.labels, part.classes, part.size)
+
+    return Splits(normalise(splits.train), normalise(splits.val), normalise(splits.test))
+
+
+def _base_key(settings: Settings) -> str:
+    sections = [settings.data, settings.model, settings.base]
+    text = json.dumps([s.model_dump() for s in sections], sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def base_model(
+    settings: Settings, splits: Splits, progress: bool = True
+) -> tuple[VisionTransformer, bool]:
+    """The single-device model and whether it was reused: from model.checkpoint, from an
+    earlier run with the same data/model/base settings, or trained now (base/model.pth)."""
+    directory = settings.run_dir / "base"
+    path, key_file = directory / "model.pth", directory / "key.txt"
+    model = tracevq.build_model(settings.model.name, seed=settings.base.seed)
+    if settings.model.checkpoint is not None:
+        return load_checkpoint(model, settings.model.checkpoint), True
+    key = _base_key(settings)
+    if path.is_file() and key_file.is_file() and key_file.read_text() == key:
+        log.info("reusing the base model %s", path)
+        return load_checkpoint(model, path), True
+    started = time.perf_counter()
+    losses = train_base(model, splits.train, settings.base, progress)
+    model.eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+    key_file.write_text(key)
+    history = {
+        "epoch_loss": losses,
+        "seconds": time.perf_counter() - started,
+        "val_accuracy": accuracy(model, splits.val),
+    }
+    (directory / "history.json").write_text(json.dumps(history, indent=1))
+    return model, False
+
+
+def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
+    """Every fit and job the settings ask for, in a deterministic order. Rules beyond the
+    default are tried at the main K (the largest fine-tuned one) only."""
+    rules = list(settings.finetune.rules)
+    main_K = max(settings.finetune.K, default=0)
+    fits: dict[Fit, None] = {}
+    jobs = []
+    for seed in settings.seeds:
+        for K in settings.codebooks.K:
+            tuned = K in settings.finetune.K and settings.finetune.steps > 0
+            for family in settings.codebooks.families:
+                variants = ["kmeans"]
+                if tuned:
+                    variants.append(rules[0])
+                    if K == main_K and family in settings.finetune.rule_families:
+                        variants.extend(rules[1:])
+                jobs.extend(Job(seed, K, family, variant) for variant in variants)
+    for job in jobs:
+        fits[fit_of(job, settings)] = None
+    return list(fits), jobs
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(settings: Settings, state: dict[str, torch.Tensor]) -> None:
+    torch.set_num_threads(1)
+    model = tracevq.build_model(settings.model.name)
+    model.load_state_dict(state)
+    _WORKER.update(settings=settings, model=model.eval(), splits=load_splits(settings))
+
+
+def _fit_in_worker(fit: Fit) -> dict[str, object]:
+    return run_fit(fit, _WORKER["settings"], _WORKER["model"], _WORKER["splits"])
+
+
+def _job_in_worker(job: Job) -> tuple[list[dict[str, object]], dict[str, object]]:
+    return run_job(job, _WORKER["settings"], _WORKER["model"], _WORKER["splits"])
+
+
+def _run_all(
+    pool: ProcessPoolExecutor | None,
+    work: Callable[[Any], Any],
+    local: Callable[[Any], Any],
+    items: Sequence[Any],
+    bar: tqdm,
+) -> list[Any]:
+    """Results of every item, in the pool when there is one (finishing order)."""
+    results = []
+    if pool is None:
+        for item in items:
+            results.append(local(item))
+            bar.update()
+        return results
+    for future in as_completed([pool.submit(work, item) for item in items]):
+        results.append(future.result())
+        bar.update()
+    return results
+
+
+def run_study(settings: Settings, progress: bool = True) -> list[dict[str, object]]:
+    """Everything the settings ask for; returns the result rows (the report writes them)."""
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    run_dir = settings.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_settings(settings, run_dir / "settings.yaml")
+    splits = load_splits(settings)
+    model, reused = base_model(settings, splits, progress)
+    base_seconds = time.perf_counter() - started
+    rows = evaluate_baselines(model, splits.test, settings)
+    fits, jobs = plan(settings)
+    bar = tqdm(
+        total=len(fits) + len(jobs), desc=f"{settings.name}", unit="job", disable=not progress
+    )
+    records: list[dict[str, object]] = []
+    pool = None
+    if settings.jobs > 1:
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        pool = ProcessPoolExecutor(
+            settings.jobs,
+            torch.multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(settings, state),
+        )
+    try:
+        fit_info = _run_all(
+            pool, _fit_in_worker, lambda f: run_fit(f, settings, model, splits), fits, bar
+        )
+        for job_rows, record in _run_all(
+            pool, _job_in_worker, lambda j: run_job(j, settings, model, splits), jobs, bar
+        ):
+            rows.extend(job_rows)
+            records.append(record)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        bar.close()
+    timing = {
+        "base_seconds": base_seconds,
+        "base_reused": reused,
+        "fit_seconds": sum(float(f["seconds"]) for f in fit_info),
+        "total_seconds": time.perf_counter() - started,
+        "fits": len(fits),
+        "jobs": len(jobs),
+        "processes": settings.jobs,
+        "cpus": os.cpu_count(),
+    }
+    (run_dir / "timing.json").write_text(json.dumps(timing, indent=1))
+    (run_dir / "jobs.json").write_text(json.dumps(records, indent=1))
+    return rows
