@@ -69,6 +69,8 @@ class ModelConfig:
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     "vit-b16": ModelConfig("vit-b16"),
+    # ViT-B/16 with a CIFAR-100 head: fine-tuned timm checkpoints for the paper's CIFAR rows
+    "vit-b16-cifar100": ModelConfig("vit-b16-cifar100", num_classes=100),
     "vit-tiny": ModelConfig(
         "vit-tiny", image_size=32, patch_size=8, dim=64, depth=4, heads=4, num_classes=10
     ),
