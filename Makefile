@@ -74,6 +74,15 @@ BENCH_ARGS ?=
 bench: venv host-setup
 	$(VENV_PY) -m bench.bench_trace $(BENCH_ARGS)
 
+# Accuracy study (issue 6): base model, VQ fine-tuning, codebook trees, every method through
+# tracevq.simulate; CSV tables, figures and model + bundle pairs in results/accuracy/<task>/.
+# A base model trained earlier with the same settings is reused (delete base/ to retrain).
+ACCURACY_CONFIGS ?= configs/accuracy-digits.yaml configs/accuracy-pairs.yaml
+ACCURACY_ARGS ?=
+.PHONY: accuracy
+accuracy: venv
+	$(VENV_PY) -m tracevq.train $(ACCURACY_CONFIGS) $(ACCURACY_ARGS)
+
 # ---------------------------------------------------------------------------
 # Cleaning
 # ---------------------------------------------------------------------------
