@@ -406,7 +406,7 @@ def simulated_logits(experiment, trial, bundle_path: Path | None) -> np.ndarray:
 
 @pytest.mark.slow
 def test_workers_on_boards_give_the_simulated_logits(lab: Lab, backends):
-    from testbed.bundles import prepare_bundles
+    from testbed.bundles import prepare_run_files
     from testbed.link import LinkState
     from testbed.plan import plan_trials
     from testbed.schema import parse_experiment
@@ -415,15 +415,14 @@ def test_workers_on_boards_give_the_simulated_logits(lab: Lab, backends):
     experiment = parse_experiment(small_experiment())
     trials = plan_trials(experiment)
     backend = backends(lab.inventory())
-    bundles = prepare_bundles(experiment, trials, backend.run_dir)
+    files = prepare_run_files(experiment, trials, backend.run_dir)
     devices = backend.start(DeviceSpec(count=2, cpus=1))
     link = LinkState(RATE_MBIT)
     for index, trial in enumerate(trials):
-        bundle = bundles.get(trial.spec.K) if trial.spec.uses_codebooks else None
         peers = ",".join(f"{d.address}:{WORKER_PORT + index}" for d in devices)
         outs = [backend.run_dir / "trials" / trial.trial_id / f"rank{d.rank}" for d in devices]
         argvs = [
-            worker_argv(backend, experiment, trial, d, peers, outs[d.rank], bundle, link)
+            worker_argv(backend, experiment, trial, d, peers, outs[d.rank], files, link)
             for d in devices
         ]
         results = run_workers(backend, argvs, experiment.timeout_s)
@@ -435,7 +434,7 @@ def test_workers_on_boards_give_the_simulated_logits(lab: Lab, backends):
                 p.name for p in out.iterdir()
             }
         logits = np.load(outs[0] / "logits.npy")
-        expected = simulated_logits(experiment, trial, bundle)
+        expected = simulated_logits(experiment, trial, files.bundle_for(trial))
         np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
         session = json.loads((outs[1] / "session.json").read_text())
         assert session["status"] == "done"

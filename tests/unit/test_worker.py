@@ -267,11 +267,12 @@ def test_worker_matches_simulation(tmp_path, model, bundle_path, case, devices):
 
 
 def test_auto_level_picks_coarsest_on_a_slow_link(tmp_path, model, bundle_path):
-    """level_k=auto with a 1 kbit/s link: nothing fits under the FFN, so level 0 (1 bit);
-    the logits are those of the simulation at that level. Two threads, recorded."""
+    """level_k=auto with a 100 bit/s link: nothing fits under the FFN (even level 0's 24 bits
+    take 240 ms, far more than a loaded machine's FFN of this model), so level 0 (1 bit); the
+    logits are those of the simulation at that level. Two threads, recorded."""
     params = {"K": K, "level_k": "auto"}
     results = run_session(
-        tmp_path, 2, "trace-b", params, bundle_path, "--rate-mbit", "0.001", "--threads", "2"
+        tmp_path, 2, "trace-b", params, bundle_path, "--rate-mbit", "0.0001", "--threads", "2"
     )
     for rank, (status, stderr) in enumerate(results):
         assert status == 0, f"worker {rank} failed: {stderr}"
