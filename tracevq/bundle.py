@@ -157,7 +157,9 @@ def exchange_rows(activations: dict[str, list[Tensor]], kind: str) -> list[Tenso
     return [activations["inputs"][0], *activations[kind][:-1]]
 
 
-def fit_quantizer(rows: Tensor, K: int, code_dim: int | None, seed: int) -> VectorQuantizer:
+def fit_quantizer(
+    rows: Tensor, K: int, code_dim: int | None, seed: int, iterations: int = 20
+) -> VectorQuantizer:
     """k-means codebook of the rows (after a PCA projection to code_dim when given)."""
     dim = rows.shape[1]
     vq = VectorQuantizer(K, dim, code_dim if code_dim and code_dim < dim else None)
@@ -170,7 +172,7 @@ def fit_quantizer(rows: Tensor, K: int, code_dim: int | None, seed: int) -> Vect
         vq.project_out.weight.copy_(top.t())
         vq.project_out.bias.copy_(mean)
     codes = vq.project(rows)
-    vq.set_codebook(kmeans(codes, K, seed=seed))
+    vq.set_codebook(kmeans(codes, K, iterations=iterations, seed=seed))
     vq.ema_counts.copy_(torch.bincount(vq.nearest(rows), minlength=K).float())
     return vq.eval()
 
@@ -185,10 +187,12 @@ def fit_bundle(
     metric: str = "euclidean",
     branching: int = 2,
     seed: int = 0,
+    kmeans_iterations: int = 20,
 ) -> Bundle:
     """Codebooks fitted by k-means on the model's own activations over `inputs`, and trees.
 
-    This is how runs with untrained weights get codebooks; training refines them later.
+    This is how runs with untrained weights get codebooks; training refines them later
+    (`tracevq.train`, which also uses fewer Lloyd iterations to save time).
     """
     for family in families:
         if family not in FAMILIES:
@@ -204,7 +208,7 @@ def fit_bundle(
                 vqs.append(first)  # trace-b and trace-nb share VQ_0 (both quantise X^(0))
                 continue
             log.debug("fitting %s codebook %d on %d rows", family, b, len(rows))
-            vqs.append(fit_quantizer(rows, K, code_dim, seed + b))
+            vqs.append(fit_quantizer(rows, K, code_dim, seed + b, kmeans_iterations))
         if family != "astra":
             first = vqs[0]
         quantizers[family] = vqs
