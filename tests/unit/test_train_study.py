@@ -32,7 +32,7 @@ def test_every_config_loads_and_plans(path):
     fits, jobs = plan(settings)
     assert jobs and fits
     assert len(settings.seeds) >= 3
-    assert {j.family for j in jobs} == set(settings.codebooks.families)
+    assert {j.family for j in jobs} == {*settings.codebooks.families, "single"}
 
 
 @pytest.mark.parametrize(
@@ -65,9 +65,10 @@ def test_plan_counts():
         }
     )
     fits, jobs = plan(settings)
-    # per seed: 3 k-means jobs per K, 3 default-rule jobs per fine-tuned K, and at the main
-    # K = 256 two more rules for trace-b
-    assert len(jobs) == 2 * (3 * 3 + 3 * 2 + 2)
+    # per seed: 3 k-means jobs per K, 3 default-rule jobs per fine-tuned K, at the main
+    # K = 256 two more rules for trace-b, and the control (the model fine-tuned alone)
+    assert len(jobs) == 2 * (3 * 3 + 3 * 2 + 2 + 1)
+    assert sum(j.family == "single" for j in jobs) == 2
     assert len(fits) == 2 * 4  # each K, and K=256 with d_q
 
 
@@ -105,8 +106,11 @@ def test_tiny_study_end_to_end(tmp_path):
     methods = {(m, p) for m, p in zip(frame["method"], frame["devices"], strict=True)}
     assert methods >= {("single", 1), ("voltage", 2), ("prism", 3), ("astra", 2), ("trace-b", 3)}
     assert frame["accuracy"].between(0, 100).all()
-    voltage = frame[frame["method"] == "voltage"]["accuracy"]
-    assert (voltage == frame[frame["method"] == "single"]["accuracy"].iloc[0]).all()
+    for variant in ("base", "ema"):  # the base model, and the control fine-tuned alone
+        exact = frame[frame["variant"] == variant]
+        voltage = exact[exact["method"] == "voltage"]["accuracy"]
+        assert len(voltage) == 2
+        assert (voltage == exact[exact["method"] == "single"]["accuracy"].iloc[0]).all()
     trace = frame[(frame["method"] == "trace-b") & (frame["variant"] == "ema")]
     assert set(trace["level_k"]) == {2, 4, 8} and set(trace["metric"]) == {"euclidean", "cosine"}
     tables = ("table3_methods", "table7_levels", "table8_rules", "table_codebook_sizes")
@@ -126,6 +130,11 @@ def test_tiny_study_end_to_end(tmp_path):
     reported = trace[(trace["devices"] == 2) & trace["finest"] & (trace["metric"] == "euclidean")]
     measured = simulated_accuracy(model, method, 2, load_splits(settings).test, 500)
     assert measured == pytest.approx(float(reported["accuracy"].iloc[0]))
+    exported = torch.load(run / "test-inputs.pt", weights_only=True)
+    assert torch.equal(exported["labels"], load_splits(settings).test.labels)
+    assert accuracy(model, load_splits(settings).test) == pytest.approx(
+        100.0 * float((model(exported["inputs"]).argmax(1) == exported["labels"]).float().mean())
+    )
     kmeans = Bundle.load(run / "seed0" / "K8" / "kmeans.pt")
     base = load_checkpoint(tracevq.build_model("vit-digits"), run / "base" / "model.pth")
     assert kmeans.model_fingerprint == model_fingerprint(base)

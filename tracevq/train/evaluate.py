@@ -33,6 +33,12 @@ def simulated_accuracy(
     return accuracy(predict, test, batch_size)
 
 
+def _with_count(rows: list[dict[str, object]], test: Dataset) -> list[dict[str, object]]:
+    for row in rows:
+        row["test_images"] = len(test)
+    return rows
+
+
 def _row(method: Method, devices: int, value: float, **extra: object) -> dict[str, object]:
     tokens = partition_sizes(method.model.config.tokens, devices)[0]
     bits = method.payload_bits(tokens, 1) if devices > 1 and method.name != "single" else 0
@@ -45,23 +51,33 @@ def _row(method: Method, devices: int, value: float, **extra: object) -> dict[st
     }
 
 
+def evaluate_exact(
+    model: VisionTransformer, test: Dataset, settings: Settings
+) -> list[dict[str, object]]:
+    """single (P = 1) and voltage (each P): the methods without any loss of precision."""
+    size = settings.evaluation.batch_size
+    single = make_method("single", model)
+    rows = [_row(single, 1, simulated_accuracy(model, single, 1, test, size))]
+    for devices in settings.evaluation.devices:
+        voltage = make_method("voltage", model)
+        rows.append(_row(voltage, devices, simulated_accuracy(model, voltage, devices, test, size)))
+    return _with_count(rows, test)
+
+
 def evaluate_baselines(
     model: VisionTransformer, test: Dataset, settings: Settings
 ) -> list[dict[str, object]]:
-    """single (P = 1), voltage and prism (each segment size) on the base model."""
+    """single, voltage and prism (each segment size) on the base model."""
     evaluation, size = settings.evaluation, settings.evaluation.batch_size
-    single = make_method("single", model)
-    rows = [_row(single, 1, simulated_accuracy(model, single, 1, test, size))]
+    rows = evaluate_exact(model, test, settings)
     for devices in evaluation.devices:
-        voltage = make_method("voltage", model)
-        rows.append(_row(voltage, devices, simulated_accuracy(model, voltage, devices, test, size)))
         for segment in evaluation.prism_segments:
             prism = make_method("prism", model, segment=segment)
             value = simulated_accuracy(model, prism, devices, test, size)
             rows.append(_row(prism, devices, value, segment=segment))
     for row in rows:
         row.update(variant="base", seed=-1)
-    return rows
+    return _with_count(rows, test)
 
 
 def evaluate_family(
@@ -95,4 +111,4 @@ def evaluate_family(
                 rows.append(
                     _row(method, devices, value, K=bundle.K, finest=level == tree.finest, **extra)
                 )
-    return rows
+    return _with_count(rows, test)

@@ -28,7 +28,7 @@ from tracevq.train.distributed import (
     distributed_logits,
     remote_kv_error,
 )
-from tracevq.train.evaluate import evaluate_family
+from tracevq.train.evaluate import evaluate_exact, evaluate_family
 from tracevq.train.loops import accuracy, finetune
 from tracevq.train.quantizer import CodebookRule
 from tracevq.train.settings import Settings
@@ -57,6 +57,8 @@ class Job:
 
     @property
     def directory(self) -> str:
+        if self.family == "single":
+            return f"seed{self.seed}/{self.family}-{self.variant}"
         return f"seed{self.seed}/K{self.K}/{self.family}-{self.variant}"
 
 
@@ -81,7 +83,7 @@ def run_fit(
     calibration = splits.train.take(slice(0, codebooks.calibration_images))
     bundle = fit_bundle(
         model, calibration, fit.K, families, fit.code_dim, codebooks.metrics[0],
-        codebooks.branching, fit.seed,
+        codebooks.branching, fit.seed, codebooks.kmeans_iterations,
     )  # fmt: skip
     bundle.meta.update(task=settings.data.task, study=settings.name)
     bundle.save(settings.run_dir / fit.path)
@@ -95,6 +97,8 @@ def run_job(
 
     Returns the result rows and the job's record (validation accuracy, final training loss,
     relative error of the remote K/V per block on validation images, seconds)."""
+    if job.family == "single":
+        return run_control(job, settings, model, splits)
     started = time.perf_counter()
     fitted = Bundle.load(settings.run_dir / fit_of(job, settings).path)
     quantizers = fitted.quantizers[job.family]
@@ -127,12 +131,42 @@ def run_job(
         torch.save(model.state_dict(), directory / "model.pth")
     for metric, bundle in bundles.items():
         bundle.save(directory / _bundle_name(metric, settings))
-    sweep = job.variant in ("kmeans", default_rule)
+    sweep = job.variant == default_rule or (
+        job.variant == "kmeans" and settings.evaluation.sweep_kmeans
+    )
     rows = evaluate_family(model, bundles, job.family, splits.test, settings, sweep)
     info.update(asdict(job), seconds=time.perf_counter() - started)
     (directory / "job.json").write_text(json.dumps(info, indent=1))
     for row in rows:
         row.update(asdict(job), val_accuracy=info["val_accuracy"])
+    return rows, info
+
+
+def run_control(
+    job: Job, settings: Settings, model: VisionTransformer, splits: Splits
+) -> tuple[list[dict[str, object]], dict[str, object]]:
+    """The control for fine-tuning: the single-device model trained for the same steps with
+    the same optimiser and data, no codebooks (the exact P-device forward is the plain model).
+    Without it, gains of the fine-tuned VQ models could be extra training, not VQ adaptation."""
+    started = time.perf_counter()
+    model = copy.deepcopy(model)
+    codec = TrainingCodec([], rule_of(settings, job.variant)[0])
+    losses = finetune(
+        model, codec, "voltage", splits.train, settings.finetune, settings.base, job.seed
+    )
+    directory = settings.run_dir / job.directory
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), directory / "model.pth")
+    rows = evaluate_exact(model, splits.test, settings)
+    info: dict[str, object] = {
+        "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "val_accuracy": accuracy(model, splits.val),
+        **asdict(job),
+        "seconds": time.perf_counter() - started,
+    }
+    (directory / "job.json").write_text(json.dumps(info, indent=1))
+    for row in rows:
+        row.update(seed=job.seed, variant=job.variant, val_accuracy=info["val_accuracy"])
     return rows, info
 
 

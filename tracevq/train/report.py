@@ -17,6 +17,7 @@ prism) are deterministic and appear with n = 1. Written next to `results.csv`:
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -38,6 +39,8 @@ def aggregate(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def label(row: pd.Series) -> str:
+    if row["method"] in ("single", "voltage") and row["variant"] != "base":
+        return f"{row['method']} (fine-tuned, {row['variant']})"
     if row["method"] == "prism":
         return f"prism (s={int(row['segment'])})"
     if row["method"] in VQ_METHODS:
@@ -50,8 +53,20 @@ def _pm(table: pd.DataFrame) -> pd.Series:
     return table.apply(lambda r: f"{r['mean']:.2f} ± {r['std']:.2f}", axis=1)
 
 
+def _order(row: pd.Series) -> tuple:
+    """Baselines first, then each VQ method with its k-means row before the fine-tuned one."""
+    methods = ("single", "voltage", "prism", *VQ_METHODS)
+    segment = row.get("segment")
+    return (
+        methods.index(row["method"]),
+        0 if pd.isna(segment) else int(segment),
+        row["variant"] not in ("base", "kmeans"),
+    )
+
+
 def method_table(frame: pd.DataFrame, main_K: int, default_rule: str) -> pd.DataFrame:
-    baseline = frame[frame["variant"] == "base"]
+    exact = frame["method"].isin(["single", "voltage"])
+    baseline = frame[(frame["variant"] == "base") | (exact & (frame["variant"] == default_rule))]
     vq = frame[
         frame["method"].isin(VQ_METHODS)
         & (frame["K"] == main_K)
@@ -60,10 +75,11 @@ def method_table(frame: pd.DataFrame, main_K: int, default_rule: str) -> pd.Data
         & frame["variant"].isin(["kmeans", default_rule])
     ]
     table = pd.concat([baseline, vq])
+    order = {label(row): _order(row) for _, row in table.iterrows()}
     table = table.assign(label=table.apply(label, axis=1))
-    order = {name: i for i, name in enumerate(table["label"].drop_duplicates())}
     result = aggregate(table, ["label", "devices"])
-    return result.sort_values(["label", "devices"], key=lambda c: c.map(order).fillna(c))
+    result["order"] = result["label"].map(order)
+    return result.sort_values(["order", "devices"]).drop(columns="order")
 
 
 def write_report(rows: list[dict[str, object]], settings: Settings, directory: Path) -> None:
@@ -97,8 +113,10 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
     kv_error = kv_error_table(directory / "jobs.json")
     if kv_error is not None:
         kv_error.to_csv(directory / "table_kv_error.csv", index=False)
-    _write_markdown(tables, kv_error, directory / "summary.md")
-    single = float(frame.loc[frame["method"] == "single", "accuracy"].iloc[0])
+    base = frame[frame["variant"] == "base"]
+    single = float(base.loc[base["method"] == "single", "accuracy"].iloc[0])
+    header = _noise_note(single, int(frame["test_images"].iloc[0]), settings.data.task)
+    _write_markdown(tables, kv_error, directory / "summary.md", header)
     _plot_methods(tables["table3_methods"], single, directory / "fig_methods.png")
     _plot_sizes(tables["table_codebook_sizes"], single, directory / "fig_codebook_sizes.png")
     _plot_levels(tables["table7_levels"], single, directory / "fig_levels.png")
@@ -129,10 +147,20 @@ def kv_error_table(records_path: Path) -> pd.DataFrame | None:
     return table.assign(std=table["std"].fillna(0.0))
 
 
+def _noise_note(single: float, test_size: int, task: str) -> str:
+    """The sampling noise of the test split, to read differences against."""
+    error = 100.0 * math.sqrt(single / 100 * (1 - single / 100) / test_size)
+    return (
+        f"{task}: {test_size} test images (one image = {100 / test_size:.2f} points); "
+        f"binomial standard error at the single-device accuracy {single:.2f}%: "
+        f"{error:.2f} points. Spread below = sample std over seeds."
+    )
+
+
 def _write_markdown(
-    tables: dict[str, pd.DataFrame], kv_error: pd.DataFrame | None, path: Path
+    tables: dict[str, pd.DataFrame], kv_error: pd.DataFrame | None, path: Path, header: str
 ) -> None:
-    lines = []
+    lines = [header, ""]
     for name, table in tables.items():
         if table.empty:
             continue

@@ -81,6 +81,7 @@ class CodebookSection(Strict):
         default_factory=lambda: list(VQ_FAMILIES)
     )
     calibration_images: int = Field(256, ge=1)  # k-means initialisation rows come from these
+    kmeans_iterations: int = Field(20, ge=1)  # Lloyd iterations after k-means++
     branching: int = Field(2, ge=2)
     metrics: list[Literal["euclidean", "cosine", "frequency"]] = Field(
         default_factory=lambda: ["euclidean", "cosine", "frequency"]
@@ -123,6 +124,7 @@ class EvaluationSection(Strict):
     all_levels: list[Literal["trace-b", "trace-nb"]] = Field(
         default_factory=lambda: ["trace-b", "trace-nb"]
     )  # evaluated at every tree level (with every metric for trace-b)
+    sweep_kmeans: bool = True  # also sweep the levels of the k-means-only codebooks
 
     @field_validator("prism_segments")
     @classmethod

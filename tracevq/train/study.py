@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,9 +103,21 @@ def base_model(
     return model, False
 
 
+def export_test_inputs(test: Dataset, path: Path, max_bytes: int = 256 * 2**20) -> int:
+    """The test split as the workers' labelled inputs file ({"inputs", "labels"}, normalised),
+    for a testbed experiment's `evaluation.inputs`; at most `max_bytes` of images (the first
+    ones). Returns how many images were written."""
+    one = test.take(slice(0, 1))
+    count = min(len(test), max(1, max_bytes // (one.numel() * one.element_size())))
+    inputs = test.take(slice(0, count)).contiguous()
+    torch.save({"inputs": inputs, "labels": test.labels[:count].clone()}, path)
+    return count
+
+
 def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
     """Every fit and job the settings ask for, in a deterministic order. Rules beyond the
-    default are tried at the main K (the largest fine-tuned one) only."""
+    default are tried at the main K (the largest fine-tuned one) only. With fine-tuning,
+    each seed also fine-tunes the model alone (`single`), as a control."""
     rules = list(settings.finetune.rules)
     main_K = max(settings.finetune.K, default=0)
     fits: dict[Fit, None] = {}
@@ -121,6 +134,8 @@ def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
                 jobs.extend(Job(seed, K, family, variant) for variant in variants)
     for job in jobs:
         fits[fit_of(job, settings)] = None
+    if main_K and settings.finetune.steps > 0:  # the control: same training, no codebooks
+        jobs.extend(Job(seed, 0, "single", rules[0]) for seed in settings.seeds)
     return list(fits), jobs
 
 
@@ -172,6 +187,7 @@ def run_study(settings: Settings, progress: bool = True) -> list[dict[str, objec
     splits = load_splits(settings)
     model, reused = base_model(settings, splits, progress)
     base_seconds = time.perf_counter() - started
+    export_test_inputs(splits.test, run_dir / "test-inputs.pt")
     rows = evaluate_baselines(model, splits.test, settings)
     fits, jobs = plan(settings)
     bar = tqdm(
