@@ -139,6 +139,7 @@ def kv_error_table(records_path: Path) -> pd.DataFrame | None:
     records = pd.read_json(records_path)
     if records.empty or "kv_error" not in records:
         return None
+    records = records.dropna(subset=["kv_error"]).reset_index(drop=True)  # not the control
     long = records.explode("kv_error").assign(
         block=lambda r: r.groupby(level=0).cumcount(), error=lambda r: r["kv_error"].astype(float)
     )

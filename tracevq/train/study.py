@@ -136,6 +136,8 @@ def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
         fits[fit_of(job, settings)] = None
     if main_K and settings.finetune.steps > 0:  # the control: same training, no codebooks
         jobs.extend(Job(seed, 0, "single", rules[0]) for seed in settings.seeds)
+    # longest first (fine-tuning at large K), so that no process idles at the end
+    jobs.sort(key=lambda j: (j.variant == "kmeans", j.family == "single", -j.K))
     return list(fits), jobs
 
 
