@@ -1,6 +1,6 @@
 """Training and accuracy evaluation for the exchange methods (issue 6).
 
-The pipeline (`python -m tracevq.train configs/accuracy-digits.yaml`):
+The pipeline (`python -m tracevq.train configs/accuracy-digits.yaml`, `make accuracy`):
 
 1. `loops.train_base`: the single-device ViT from scratch on an offline task (`tracevq.data`).
 2. `bundle.fit_bundle`: k-means codebooks per exchange point, then `loops.finetune`: model and
@@ -10,5 +10,5 @@ The pipeline (`python -m tracevq.train configs/accuracy-digits.yaml`):
 3. `tree.build_tree` with each distance; model (`model.pth`, timm names) and `Bundle` saved.
 4. `evaluate`: every method through `tracevq.simulate`; `report`: CSV tables and figures.
 
-`study.run_study` drives it from the typed settings in `settings`.
+`study.run_study` plans and runs it from the typed `settings`, in independent `jobs`.
 """
