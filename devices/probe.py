@@ -4,11 +4,12 @@
     python -m devices.probe send --to host:5201 (--seconds 2 | --bytes 10000000)
 
 The sender writes zeros for a bounded time or byte count, then half-closes. The receiver
-counts from its first received chunk to its last, so the figure is the rate the link
-delivered (bytes after the first chunk x 8 / (last - first)), not how fast the sender
-filled its kernel buffer; it replies with that measurement on the same connection and the
-sender prints it. Each side prints one JSON line; `mbit_per_s` is in 10^6 bit/s (tc's
-`mbit`). On an error: one line `probe: message` on stderr and exit status 1.
+times the stream from the chunk that completes its first tenth to the last chunk, so the
+figure is the rate the link delivered in steady state (a shaper's burst and TCP's slow start
+fall in the first tenth), not how fast the sender filled its kernel buffer; it replies with
+that measurement on the same connection and the sender prints it. Each side prints one JSON
+line; `mbit_per_s` is in 10^6 bit/s (tc's `mbit`). On an error: one line `probe: message` on
+stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -16,15 +17,26 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import struct
 import sys
 import time
 from typing import Any
 
 from devices.errors import WorkerError
-from devices.spec import parse_address
-from devices.transport import configure, connect, format_address, listen
+from devices.transport import (
+    PeerClosed,
+    configure,
+    connect,
+    format_address,
+    listen,
+    parse_address,
+    recv_exact,
+)
+
+LENGTH = struct.Struct("!Q")  # the sender's byte count, ahead of the stream
 
 CHUNK_BYTES = 1 << 16
+SKIPPED_FRACTION = 0.1  # of the expected bytes; the steady-state clock starts after them
 IDLE_TIMEOUT_S = 30.0
 
 
@@ -37,20 +49,31 @@ def rate_mbit(byte_count: int, seconds: float) -> float:
 
 
 def receive_all(sock: socket.socket) -> dict[str, Any]:
-    """Read until EOF; the receiver's measurement."""
+    """Read until EOF; the receiver's measurement.
+
+    The sender announces its byte count in the first 8 bytes (0: unknown, timed sends); the
+    rate counts the bytes after the chunk that completes the first SKIPPED_FRACTION of them
+    (after the first chunk when the count is unknown).
+    """
+    try:
+        (expected,) = LENGTH.unpack(recv_exact(sock, LENGTH.size))
+    except PeerClosed:
+        raise ProbeError("the sender closed the connection before its first bytes") from None
+    skip = max(1, int(SKIPPED_FRACTION * expected))
     buffer = bytearray(CHUNK_BYTES)
-    total = first_chunk = 0
+    total = counted_from = 0
     first = last = 0.0
     while (count := sock.recv_into(buffer)) > 0:
         now = time.perf_counter()
-        if total == 0:
-            first, first_chunk = now, count
-        total, last = total + count, now
+        total += count
+        if counted_from == 0 and total >= skip:
+            first, counted_from = now, total
+        last = now
     seconds = last - first
     return {
         "bytes": total,
         "seconds": seconds,
-        "mbit_per_s": rate_mbit(total - first_chunk, seconds),
+        "mbit_per_s": rate_mbit(total - counted_from, seconds),
     }
 
 
@@ -85,6 +108,7 @@ def send(
     chunk = bytes(CHUNK_BYTES)
     with sock:
         sock.settimeout(IDLE_TIMEOUT_S + (seconds or 0))
+        sock.sendall(LENGTH.pack(byte_count or 0))
         began, sent = time.perf_counter(), 0
         while True:
             elapsed = time.perf_counter() - began

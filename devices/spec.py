@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from devices.errors import SpecError
+from devices.transport import parse_address
 
 
 class RunSpec(BaseModel):
@@ -69,14 +70,6 @@ class RunSpec(BaseModel):
     @property
     def addresses(self) -> list[tuple[str, int]]:
         return [parse_address(peer) for peer in self.peers]
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """'host:port' -> (host, port); raises ValueError naming the bad address."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"peer address {text!r} is not host:port")
-    return host.strip("[]"), int(port)
 
 
 def parse_param(text: str) -> tuple[str, Any]:

@@ -38,6 +38,14 @@ def format_address(address: tuple[str, int]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); raises ValueError naming the bad address."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"peer address {text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
 class PeerClosed(Exception):
     """The peer closed the connection; `received` bytes of the current read had arrived."""
 

@@ -2,8 +2,9 @@
 
 Each device's egress is shaped to the trial's rate, so every directed pair of devices sees
 that rate. After every change a probe measures each device's sending rate (device i to
-device i + 1, in turn, so probes never share a link) and the result is flagged when it is
-more than 5% off the target.
+device i + 1, in turn, so probes never share a link; about a second of traffic at the target
+rate, timed after its first tenth) and the result is flagged when it is more than 5% off the
+target.
 """
 
 from __future__ import annotations
@@ -53,8 +54,16 @@ def qdisc_text(backend: Backend, device: Device) -> str:
     return backend.qdisc_stats(device)
 
 
-def probe(backend: Backend, sender: Device, receiver: Device, seconds: float) -> float:
-    """Achieved rate (10^6 bit/s) from sender to receiver, measured at the receiver."""
+def probe_bytes(rate_mbit: float, seconds: float) -> int:
+    """The payload that keeps a link shaped to `rate_mbit` busy for `seconds`."""
+    return max(1, round(rate_mbit * 1e6 / 8 * seconds / WIRE_PER_PAYLOAD))
+
+
+def probe(backend: Backend, sender: Device, receiver: Device, byte_count: int) -> float:
+    """Achieved rate (10^6 bit/s) from sender to receiver, measured at the receiver.
+
+    A fixed byte count, not a duration: a timed sender would go on filling its socket buffer
+    and the probe would last that much longer on a slow link."""
     python = backend.python
     server = backend.spawn(
         receiver, [python, "-m", "devices.probe", "serve", "--port", str(PROBE_PORT), "--once"]
@@ -69,10 +78,10 @@ def probe(backend: Backend, sender: Device, receiver: Device, seconds: float) ->
                 "send",
                 "--to",
                 f"{receiver.address}:{PROBE_PORT}",
-                "--seconds",
-                str(seconds),
+                "--bytes",
+                str(byte_count),
             ],
-            timeout_s=seconds + 60,
+            timeout_s=60,
         )
         server.wait(30)
     finally:
@@ -92,10 +101,11 @@ def shape_and_probe(
     shape_all(backend, profile, rate_mbit)
     state = LinkState(rate_mbit)
     devices = backend.devices
+    byte_count = probe_bytes(rate_mbit, probe_seconds)
     if len(devices) > 1:
         for device in devices:
             peer = devices[(device.rank + 1) % len(devices)]
-            state.measured_mbit[device.rank] = probe(backend, device, peer, probe_seconds)
+            state.measured_mbit[device.rank] = probe(backend, device, peer, byte_count)
     for device in devices:
         state.qdisc[device.rank] = qdisc_text(backend, device)
         if len(devices) > 1 and state.flagged(device.rank):

@@ -34,7 +34,7 @@ from testbed.trial import run_trial
 
 log = logging.getLogger(__name__)
 
-PROBE_SECONDS = 2.0
+PROBE_SECONDS = 1.0  # of traffic per probe at the target rate
 
 
 def new_run_id() -> str:

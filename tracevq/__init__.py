@@ -1,8 +1,8 @@
 """Trace method library: models, the sequence-parallel exchange methods, VQ, codebook tree,
 K/V buffers and wire codec, with an in-process P-device simulation.
 
-Heavy submodules (everything that imports torch) load on first use, so that
-`tracevq.payload_bits` and `tracevq.config` stay cheap for the orchestrator.
+Submodules beyond the configs and errors load on first use: `tracevq.payload_bits` needs
+numpy only, and everything else torch, so the orchestrator and the probe stay light.
 """
 
 from importlib import import_module
@@ -10,9 +10,9 @@ from typing import Any
 
 from tracevq.config import MODEL_CONFIGS, ModelConfig, model_config
 from tracevq.errors import CheckpointError, ConfigError, ProtocolError, TraceError
-from tracevq.payload import payload_bits
 
 _LAZY = {
+    "payload_bits": "tracevq.payload",  # numpy (the wire codec): not for `tracevq.errors` users
     "build_model": "tracevq.models",
     "load_checkpoint": "tracevq.checkpoint",
     "simulate": "tracevq.simulation",
