@@ -34,8 +34,6 @@ from testbed.trial import run_trial
 
 log = logging.getLogger(__name__)
 
-PROBE_SECONDS = 1.0  # of traffic per probe at the target rate
-
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
@@ -117,7 +115,7 @@ class Runner:
             self._write_environment(backend)
             for rate, group in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
                 progress.set_postfix_str(f"P={count} shaping {rate:g} Mbit/s")
-                link = shape_and_probe(backend, self.profile, rate, PROBE_SECONDS)
+                link = shape_and_probe(backend, self.profile, rate, self.experiment.link.probe_s)
                 self._save_link(link, count)
                 for trial in group:
                     progress.set_postfix_str(f"{trial.trial_id}")

@@ -67,6 +67,8 @@ class DevicesSection(Strict):
 class LinkSection(Strict):
     profile: str = "ideal"
     bandwidth_mbit: list[float] = Field(default_factory=lambda: [10.0])
+    # traffic per rate probe, in seconds at the target rate (timed after its first tenth)
+    probe_s: float = Field(0.5, gt=0, le=60)
 
     _list = field_validator("bandwidth_mbit", mode="before")(_as_list)
 
