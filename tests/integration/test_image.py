@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from testbed.image import DEFAULT_BASE, WORKER_TAG
+from testbed.base_image import DEFAULT_BASE
+from testbed.image import WORKER_TAG
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 

@@ -7,18 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from testbed.errors import ImageError
-from testbed.image import (
-    PROJECT_ROOT,
+from testbed.base_image import (
     AptSource,
     choose_mirror,
     parse_deb822_sources,
     parse_one_line_sources,
-    pip_download_args,
     read_host_sources,
-    runtime_requirements,
-    wheel_platforms,
 )
+from testbed.errors import ImageError
+from testbed.image_steps import PROJECT_ROOT
+from testbed.wheelhouse import pip_download_args, runtime_requirements, wheel_platforms
 
 ONE_LINE_SAMPLE = """\
 # deb http://commented.example/debian bookworm main

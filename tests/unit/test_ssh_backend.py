@@ -20,22 +20,12 @@ import pytest
 
 from testbed import shaping
 from testbed.backends.base import DeviceSpec
-from testbed.backends.ssh import (
-    BATCH,
-    CHECK,
-    LAUNCHER,
-    WORKER_MODULES,
-    SshBackend,
-    code_is_current,
-    host_key_advice,
-    project_requirements,
-    shell_line,
-    source_archive,
-    source_files,
-    sudo_refused,
-    uploads_needed,
-    with_sudo,
-)
+from testbed.backends.ssh import SshBackend
+from testbed.backends.ssh_checks import WORKER_MODULES, project_requirements
+from testbed.backends.ssh_files import code_is_current, source_archive, source_files, uploads_needed
+from testbed.backends.ssh_scripts import BATCH, CHECK, LAUNCHER
+from testbed.backends.ssh_session import host_key_advice, shell_line, with_sudo
+from testbed.backends.ssh_shaping import sudo_refused
 from testbed.errors import ConfigError, DeviceError
 from testbed.inventory import parse_inventory
 from testbed.profiles import LinkProfile
