@@ -3,8 +3,8 @@
 Each device's egress is shaped to the trial's rate, so every directed pair of devices sees
 that rate. After every change a probe measures each device's sending rate (device i to
 device i + 1, in turn, so probes never share a link; `link.probe_s` seconds of traffic at
-the target rate, timed after its first tenth) and the result is flagged when it is more than 5% off the
-target.
+the target rate, timed after its first tenth) and the result is flagged when it is more
+than 5% off the target.
 """
 
 from __future__ import annotations

@@ -173,7 +173,9 @@ def fit_quantizer(
         vq.project_out.bias.copy_(mean)
     codes = vq.project(rows)
     vq.set_codebook(kmeans(codes, K, iterations=iterations, seed=seed))
-    vq.ema_counts.copy_(torch.bincount(vq.nearest(rows), minlength=K).float())
+    counts = torch.bincount(vq.nearest(rows), minlength=K).float()
+    vq.ema_counts.copy_(counts)
+    vq.ema_sums.copy_(vq.codebook * counts.unsqueeze(1))  # the EMA rule's codebook = sums / counts
     return vq.eval()
 
 

@@ -22,7 +22,7 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("ema_sums", torch.zeros(num_codes, code_dim))
         self.project_in = nn.Linear(dim, code_dim) if code_dim != dim else None
         self.project_out = nn.Linear(code_dim, dim) if code_dim != dim else None
-        self._sq_norms: Tensor | None = None
+        self._sq_norms: tuple[tuple[int, int], Tensor] | None = None  # (codebook version, norms)
 
     @property
     def num_codes(self) -> int:
@@ -30,7 +30,6 @@ class VectorQuantizer(nn.Module):
 
     def set_codebook(self, codebook: Tensor) -> None:
         self.codebook.copy_(codebook)
-        self._sq_norms = None
 
     def project(self, x: Tensor) -> Tensor:
         """Input rows in codebook space: (..., D) -> (..., d_q)."""
@@ -48,10 +47,17 @@ class VectorQuantizer(nn.Module):
     def nearest(self, x: Tensor) -> Tensor:
         """Index of the nearest codeword (squared euclidean) of each row of x: (..., D) -> (...)."""
         flat = self.project(x).reshape(-1, self.code_dim)
-        if self._sq_norms is None or self.training:
-            self._sq_norms = self.codebook.pow(2).sum(dim=1)  # (K,)
-        scores = torch.addmm(self._sq_norms, flat, self.codebook.t(), alpha=-2.0)  # (n, K)
+        scores = torch.addmm(self._norms(), flat, self.codebook.t(), alpha=-2.0)  # (n, K)
         return scores.argmin(dim=1).reshape(x.shape[:-1])
+
+    @torch.no_grad()
+    def _norms(self) -> Tensor:
+        """Squared codeword norms (K,), recomputed whenever the codebook tensor changed: an
+        in-place write or `load_state_dict` bumps its version, an assignment its identity."""
+        key = (id(self.codebook), self.codebook._version)
+        if self._sq_norms is None or self._sq_norms[0] != key:
+            self._sq_norms = (key, self.codebook.pow(2).sum(dim=1))
+        return self._sq_norms[1]
 
 
 def kmeans(x: Tensor, k: int, iterations: int = 20, seed: int = 0) -> Tensor:
