@@ -157,6 +157,7 @@ def exchange_rows(activations: dict[str, list[Tensor]], kind: str) -> list[Tenso
     return [activations["inputs"][0], *activations[kind][:-1]]
 
 
+@torch.no_grad()
 def fit_quantizer(
     rows: Tensor, K: int, code_dim: int | None, seed: int, iterations: int = 20
 ) -> VectorQuantizer:
