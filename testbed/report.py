@@ -172,8 +172,8 @@ def _table_iv_notes(
                 f"- {name}, comm: payload bits / rate gives {analytic:,.1f} ms on our 10^6 bit/s "
                 f"link with N_p = 99 ({analytic * 1e6 / PAPER_MEGABIT:,.1f} ms in the paper's "
                 f"2^20 convention); we measure {comm / analytic:.2f}x that: TCP/IP headers add "
-                f"4.6% (1514-byte frames carry 1448 payload bytes) and tbf's burst of four "
-                f"frames lets the first 6 KB of each message through at once."
+                f"4.6% (1514-byte frames carry 1448 payload bytes) and tbf's bucket of two "
+                f"frames lets the first 3 KB of each message through at once."
             )
         else:
             notes.append(
@@ -250,8 +250,8 @@ def _fig_6_notes(measured: pd.DataFrame, analytic: pd.DataFrame) -> list[str]:
             reason = (
                 f"measured / our payload-bits-over-rate time {to_analytic.min():.2f} to "
                 f"{to_analytic.max():.2f}: TCP/IP headers add 4.6%, our rates are 10^6 bit/s "
-                "(the paper's 2^20 makes its times 4.9% shorter), and tbf lets a burst of "
-                "four frames (6 KB) of each message through at once, which matters more the "
+                "(the paper's 2^20 makes its times 4.9% shorter), and tbf lets a bucket of "
+                "two frames (3 KB) of each message through at once, which matters more the "
                 "smaller the message"
             )
         else:

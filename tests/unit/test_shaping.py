@@ -1,4 +1,4 @@
-"""Shaping parameters are pure functions: burst floors, queue limit, tc rendering, netem checks."""
+"""Shaping parameters are pure functions: burst, queue limit, tc rendering, netem checks."""
 
 import subprocess
 import sys
@@ -27,26 +27,14 @@ IDEAL = LinkProfile(name="ideal", rate_mbit=10)
 WIFI = LinkProfile(name="wifi", rate_mbit=20, delay_ms=4, jitter_ms=2, loss_pct=0.1)
 
 
-@pytest.mark.parametrize(
-    ("rate_mbit", "burst_bytes", "floor"),
-    [
-        (1, 6056, "4 frames: 4 x 1514 B beats 1e6 / 8 / 250 = 500 B"),
-        (10, 6056, "4 frames: 6056 B beats 1e7 / 8 / 250 = 5000 B"),
-        (20, 10_000, "one tick: 2e7 / 8 / 250 = 10,000 B beats 6056 B"),
-    ],
-)
-def test_burst_floors_at_hz_250(rate_mbit: float, burst_bytes: int, floor: str) -> None:
-    assert tbf_params(rate_mbit, hz=250).burst_bytes == burst_bytes, floor
+@pytest.mark.parametrize("rate_mbit", [1, 10, 20, 100])
+def test_burst_is_two_frames_at_every_rate(rate_mbit: float) -> None:
+    assert tbf_params(rate_mbit).burst_bytes == 2 * 1514
 
 
-def test_burst_tick_floor_scales_with_hz() -> None:
-    assert tbf_params(20, hz=1000).burst_bytes == 6056  # 2,500 B per tick: frames win
-    assert tbf_params(100, hz=250).burst_bytes == 50_000
-
-
-def test_explicit_burst_is_kept_above_the_floors_and_raised_below_them() -> None:
+def test_explicit_burst_is_kept_above_the_floor_and_raised_below_it() -> None:
     assert tbf_params(20, burst_bytes=32_000).burst_bytes == 32_000
-    assert tbf_params(20, burst_bytes=1_000).burst_bytes == 10_000
+    assert tbf_params(20, burst_bytes=1_000).burst_bytes == 3028
 
 
 def test_rate_uses_tc_mbit_convention() -> None:
@@ -55,10 +43,10 @@ def test_rate_uses_tc_mbit_convention() -> None:
 
 
 def test_limit_is_latency_bound_at_rate_plus_burst() -> None:
-    # 20 Mbit/s = 2.5 MB/s; 50 ms of it is 125,000 B, plus the 10,000 B bucket
-    assert tbf_params(20, queue_latency_ms=50).limit_bytes == 135_000
-    # 5 Mbit/s, 100 ms: 62,500 B plus the 4-frame bucket
-    assert tbf_params(5, queue_latency_ms=100).limit_bytes == 62_500 + 6056
+    # 20 Mbit/s = 2.5 MB/s; 50 ms of it is 125,000 B, plus the 3,028 B bucket
+    assert tbf_params(20, queue_latency_ms=50).limit_bytes == 128_028
+    # 5 Mbit/s, 100 ms: 62,500 B plus the 2-frame bucket
+    assert tbf_params(5, queue_latency_ms=100).limit_bytes == 62_500 + 3028
 
 
 def test_non_positive_rate_is_refused() -> None:
@@ -81,11 +69,11 @@ def test_plan_with_impairments_has_netem_child() -> None:
 
 
 def test_netem_limit_keeps_the_latency_bound() -> None:
-    tbf = tbf_params(5, queue_latency_ms=50)  # 31,250 + 6,056 B
+    tbf = tbf_params(5, queue_latency_ms=50)  # 31,250 + 3,028 B
     netem = netem_params(WIFI, tbf)
     assert netem is not None
     in_flight = 625_000 * 0.006  # 6 ms of delay + jitter at 5 Mbit/s
-    assert netem.limit_packets == -(-(37_306 + in_flight) // 1514)
+    assert netem.limit_packets == -(-(34_278 + in_flight) // 1514)
     assert netem_params(WIFI).limit_packets == 1000  # without tbf: the kernel default
     assert netem_params(IDEAL) is None
 
@@ -115,7 +103,7 @@ def test_missing_tbf_fails() -> None:
 def test_tc_argv_rate_only() -> None:
     assert tc_argv("eth0", plan(IDEAL, rate_mbit=20)) == [
         ["tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "tbf"]
-        + ["rate", "20000000bit", "burst", "10000", "limit", "135000"]
+        + ["rate", "20000000bit", "burst", "3028", "limit", "128028"]
     ]
 
 
@@ -124,18 +112,18 @@ def test_tc_argv_with_netem() -> None:
     commands = tc_argv("veth0", plan(profile, rate_mbit=1))
     assert commands[0] == (
         ["tc", "qdisc", "replace", "dev", "veth0", "root", "handle", "1:", "tbf"]
-        + ["rate", "1000000bit", "burst", "6056", "limit", "12306"]
+        + ["rate", "1000000bit", "burst", "3028", "limit", "9278"]
     )
-    # limit: (12,306 B + 125,000 B/s x 37.5 ms) / 1514 B -> 12 packets
+    # limit: (9,278 B + 125,000 B/s x 37.5 ms) / 1514 B -> 10 packets
     assert commands[1] == (
         ["tc", "qdisc", "add", "dev", "veth0", "parent", "1:1", "handle", "10:", "netem"]
-        + ["limit", "12", "delay", "30ms", "7500us", "loss", "0.5%"]
+        + ["limit", "10", "delay", "30ms", "7500us", "loss", "0.5%"]
     )
 
 
 def test_tc_argv_netem_loss_only() -> None:
     commands = tc_argv("eth0", plan(LinkProfile(name="lossy", loss_pct=1), rate_mbit=1))
-    assert commands[1][-4:] == ["limit", "9", "loss", "1%"]
+    assert commands[1][-4:] == ["limit", "7", "loss", "1%"]
 
 
 def test_clear_offload_and_gso_argv() -> None:
@@ -152,7 +140,7 @@ def test_netlink_requests_match_the_plan() -> None:
     assert [kind for _, _, kind, _ in requests] == ["tbf", "netem"]
     _, argv, _, tbf = requests[0]
     assert argv == tc_argv("eth0", shaping)[0]
-    assert tbf == {"handle": 0x10000, "rate": "20000000bit", "burst": 10_000, "limit": 135_000}
+    assert tbf == {"handle": 0x10000, "rate": "20000000bit", "burst": 3028, "limit": 128_028}
     netem = requests[1][3]
     assert (netem["parent"], netem["handle"]) == (0x10001, 0x100000)
     assert (netem["delay"], netem["jitter"], netem["loss"]) == (4000, 2000, 0.1)
@@ -160,7 +148,7 @@ def test_netlink_requests_match_the_plan() -> None:
 
 def test_plan_as_dict_is_plain_data() -> None:
     data = plan(IDEAL, rate_mbit=5).as_dict()
-    assert data["tbf"] == {"rate_bit_s": 5_000_000, "burst_bytes": 6056, "limit_bytes": 37_306}
+    assert data["tbf"] == {"rate_bit_s": 5_000_000, "burst_bytes": 3028, "limit_bytes": 34_278}
     assert data["netem"] is None
     assert ShapingPlan("x", 5.0, TbfParams(**data["tbf"])).tbf == plan(IDEAL, 5).tbf
 
