@@ -295,7 +295,8 @@ def table_v(results: Results) -> list[str]:
     compute = trials.groupby(["devices", "buffers"])["compute_ms"].mean().unstack()
     oversubscribed = trials.groupby("devices")["oversubscribed"].any()
     model = results.config["model"]["name"]
-    lines = [f"## Table V: compute (ms) without / with K/V buffers ({model})", ""]
+    lines = [f"## Table V: compute (ms) without / with K/V buffers ({model})", "",
+             f"Run: `{_relative(results.run_dir)}`.", ""]  # fmt: skip
     rows, notes = [], []
     for devices in compute.index:
         off, on = compute.loc[devices, False], compute.loc[devices, True]
@@ -323,8 +324,9 @@ def conventions(latency: Results) -> list[str]:
     env = latency.environment
     return [
         "# Reproduction of the Trace paper's latency study", "",
-        f"Runs: `{latency.run_dir}` ({env.get('backend')} backend, {env.get('host_cores')} host "
-        f"cores, kernel {env.get('kernel')}, commit {env.get('git', {}).get('commit')}).", "",
+        f"Run: `{_relative(latency.run_dir)}` ({env.get('backend')} backend, "
+        f"{env.get('host_cores')} host cores, kernel {env.get('kernel')}, "
+        f"commit {env.get('git', {}).get('commit')}).", "",
         "Conventions: links are shaped with tc in 10^6 bit/s and measured on the wire; the "
         "paper's numbers use 2^20 bit/s per Mbit/s, N_p = 98.5 for Voltage and Prism, 99 for "
         "the index methods, 16-bit Astra indices and 16-bit Prism means with s = 10 "
@@ -332,6 +334,12 @@ def conventions(latency: Results) -> list[str]:
         "the model's activations (latency does not depend on trained weights), means over "
         "devices and repetitions.", "",
     ]  # fmt: skip
+
+
+def _relative(path: Path) -> str:
+    """The run directory as the reader's shell would name it (relative when under the cwd)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def build(latency_dir: Path, buffers_dir: Path | None) -> str:
