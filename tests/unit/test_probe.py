@@ -89,3 +89,34 @@ def test_probe_without_a_receiver_fails_with_one_line():
     assert status == 1 and stdout == ""
     assert stderr.startswith("probe: the probe receiver at 127.0.0.1:")
     assert stderr.count("\n") == 1
+
+
+def test_rate_is_timed_after_the_first_tenth_of_the_bytes():
+    """A burst (the first tenth at once, then a pause) stays out of the figure: the clock
+    starts at the chunk that completes the first tenth."""
+    import struct
+    import threading
+    import time
+
+    from devices.probe import receive_all
+    from testbed.link import WIRE_PER_PAYLOAD, probe_bytes
+
+    sender, receiver = socket.socketpair()
+
+    def send() -> None:
+        sender.sendall(struct.pack("!Q", 1000) + bytes(100))
+        for size in (400, 500):
+            time.sleep(0.3)
+            sender.sendall(bytes(size))
+        sender.close()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    with receiver:
+        result = receive_all(receiver)
+    thread.join()
+    assert result["bytes"] == 1000
+    assert result["seconds"] == pytest.approx(0.6, abs=0.15)
+    assert result["mbit_per_s"] == pytest.approx(8 * 900 / result["seconds"] / 1e6)
+    # a probe's byte count is `seconds` of traffic at the target rate, headers included
+    assert 8 * probe_bytes(10, 0.5) * WIRE_PER_PAYLOAD / 10e6 == pytest.approx(0.5, rel=1e-5)
