@@ -53,7 +53,7 @@ def latency_breakdown(
         table["effective_ms"] - table["compute_ms"],
         left=table["compute_ms"],
         color="#9cc3e6",
-        label="waiting for peers (communication not hidden)",
+        label="waiting for peers (the link, or a slower peer)",
     )
     ax.set_xlabel("effective latency per inference (ms)")
     ax.set_title(f"Per-device latency at {bandwidth_mbit:g} Mbit/s")
