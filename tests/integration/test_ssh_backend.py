@@ -335,7 +335,7 @@ def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends,
 @pytest.mark.slow
 def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     from testbed import shaping
-    from testbed.link import WIRE_PER_PAYLOAD, probe
+    from testbed.link import WIRE_PER_PAYLOAD, probe, probe_bytes
     from testbed.profiles import load_profile
 
     backend = backends(lab.inventory())
@@ -348,7 +348,7 @@ def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
         text = backend.qdisc_stats(device)
         assert "qdisc tbf 1: root" in text and "rate 5Mbit" in text, text
     for sender, receiver in ((devices[0], devices[1]), (devices[1], devices[0])):
-        wire_mbit = probe(backend, sender, receiver, seconds=2.0) * WIRE_PER_PAYLOAD
+        wire_mbit = probe(backend, sender, receiver, probe_bytes(RATE_MBIT, 1.0)) * WIRE_PER_PAYLOAD
         assert wire_mbit == pytest.approx(RATE_MBIT, rel=0.05), (sender.name, wire_mbit)
     backend.stop()
     for name in lab.namespaces[1:]:

@@ -47,9 +47,9 @@ def test_tc_commands_get_sudo_when_the_user_is_not_root():
     commands = [with_sudo(argv, True) for argv in shaping.tc_argv("eth0", plan)]
     assert commands == [
         ["sudo", "-n", "tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "tbf"]
-        + ["rate", "5000000bit", "burst", "6056", "limit", "37306"],
+        + ["rate", "5000000bit", "burst", "3028", "limit", "34278"],
         ["sudo", "-n", "tc", "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "10:"]
-        + ["netem", "limit", "29", "delay", "10ms"],
+        + ["netem", "limit", "27", "delay", "10ms"],
     ]
     assert with_sudo(shaping.clear_argv("eth0"), False) == ["tc", "qdisc", "del", "dev", "eth0"] + [
         "root"
