@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from testbed.errors import ConfigError
 from testbed.inventory import Inventory, inventory_input
+from tracevq.config import known_model_name
 
 BACKENDS = ("auto", "docker", "local", "ssh")
 
@@ -36,17 +37,7 @@ class ModelSection(Strict):
     checkpoint: str | None = None
     seed: int = 0
 
-    @field_validator("name")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        from tracevq.config import model_config
-        from tracevq.errors import ConfigError as TraceConfigError
-
-        try:
-            model_config(name)
-        except TraceConfigError as error:
-            raise ValueError(str(error)) from None
-        return name
+    _known = field_validator("name")(known_model_name)
 
 
 class DevicesSection(Strict):

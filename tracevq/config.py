@@ -129,3 +129,12 @@ def model_config(name: str, **overrides: object) -> ModelConfig:
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
             raise ConfigError(f"model {name!r}: unknown override {key!r}{suggestion}")
     return dataclasses.replace(MODEL_CONFIGS[name], **overrides).validate()
+
+
+def known_model_name(name: str) -> str:
+    """`name` if it names a configuration; else ValueError with the hint, for validators."""
+    try:
+        model_config(name)
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+    return name

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tracevq.config import known_model_name
 from tracevq.errors import ConfigError
 
 TASKS = ("digits", "pairs", "cifar", "folder")
@@ -39,16 +40,7 @@ class ModelSection(Strict):
     name: str = "vit-digits"
     checkpoint: str | None = None  # timm-format weights: used as the base model, no training
 
-    @field_validator("name")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        from tracevq.config import model_config
-
-        try:
-            model_config(name)
-        except ConfigError as error:
-            raise ValueError(str(error)) from None
-        return name
+    _known = field_validator("name")(known_model_name)
 
 
 class BaseSection(Strict):
