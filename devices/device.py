@@ -1,26 +1,39 @@
-"""A device's session from set-up to records: mesh, handshake, level, inferences, files.
+"""A device's session from set-up to records: mesh, handshake, levels, inferences, files.
 
 The hello a device sends (devices.handshake) is built here from what it loaded, so a peer
-with other weights, codebooks, partition or method is refused before any payload moves.
+with other weights, codebooks, partition or runs is refused before any payload moves. The
+runs' inferences are interleaved (`RunSpec.schedule`): warm-ups of every run first, then one
+measured inference of each run in turn.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from devices.clock import Clock
 from devices.handshake import make_hello, shake
 from devices.inputs import InputSource
 from devices.level import choose_level
 from devices.mesh import Mesh
-from devices.records import InferenceRecord, LayerRecord, write_csv, write_json
+from devices.records import (
+    ArrivalRecord,
+    BlockRecord,
+    InferenceRecord,
+    SessionFacts,
+    write_json,
+    write_records,
+)
 from devices.session import Session
-from devices.spec import RunSpec
+from devices.spec import MethodRun, RunSpec
+from devices.transport import MessageFormat
 from tracevq.bundle import Bundle, model_fingerprint
 from tracevq.methods import Method
 from tracevq.partition import partition_sizes
@@ -29,40 +42,51 @@ log = logging.getLogger(__name__)
 
 
 class Device:
-    """One device of the session described by `spec`, with its method loaded."""
+    """One device of the session described by `spec`, with its runs' methods loaded."""
 
-    def __init__(self, spec: RunSpec, method: Method, bundle: Bundle | None):
-        self.spec, self.method, self.bundle = spec, method, bundle
-        config = method.model.config
+    def __init__(self, spec: RunSpec, model: Any, methods: dict[str, tuple[Method, Bundle | None]]):
+        self.spec, self.model, self.methods = spec, model, methods
+        config = model.config
         self.sizes = partition_sizes(config.tokens, spec.devices)
         self.inputs = InputSource(config, spec.batch, spec.input_seed, spec.inputs)
-        self.facts: dict[str, Any] = {}
-        self.mesh = Mesh(spec.rank, spec.addresses)
+        self.timing_s: dict[str, float] = {}
+        self.levels: dict[str, dict[str, Any]] = {}
+        self.clock = Clock(spec.clock_skew_s)
+        self.mesh = Mesh(spec.rank, spec.addresses, self.clock)
         spec.out.mkdir(parents=True, exist_ok=True)
 
     def hello(self) -> dict[str, Any]:
-        spec, method = self.spec, self.method
-        uses_bundle = method.spec.uses_codebooks and self.bundle is not None
+        spec = self.spec
         return make_hello(
             spec.rank,
             devices=spec.devices,
-            method=method.name,
-            params=method.spec.params(),
+            runs=[self._run_hello(run) for run in spec.runs],
             partition=self.sizes,
             batch=spec.batch,
-            model=method.model.config.name,
-            model_fingerprint=model_fingerprint(method.model),
-            bundle_fingerprint=self.bundle.fingerprint if uses_bundle else None,
+            model=self.model.config.name,
+            model_fingerprint=model_fingerprint(self.model),
             warmup=spec.warmup,
-            inferences=spec.inferences,
             inputs=self.inputs.description,
         )
+
+    def _run_hello(self, run: MethodRun) -> dict[str, Any]:
+        method, bundle = self.methods[run.id]
+        uses_bundle = method.spec.uses_codebooks and bundle is not None
+        return {
+            "id": run.id,
+            "method": method.name,
+            "params": method.spec.params(),
+            "bundle_fingerprint": bundle.fingerprint if uses_bundle else None,
+            "inferences": run.inferences,
+        }
 
     def run(self) -> None:
         spec = self.spec
         try:
             tokens = self.sizes[spec.rank]
-            self.facts["level"] = choose_level(self.method, tokens, spec.batch, spec.rate_mbit)
+            for run in spec.runs:
+                method = self.methods[run.id][0]
+                self.levels[run.id] = choose_level(method, tokens, spec.batch, spec.rate_mbit)
             hello = self.hello()
             names = [self.mesh.name(peer) for peer in range(spec.devices)]
             with self.mesh:
@@ -70,83 +94,109 @@ class Device:
                 self.mesh.open(
                     spec.connect_timeout_s,
                     lambda conn, expected, connected: shake(
-                        conn, hello, expected, connected, names
+                        conn, hello, expected, connected, names, self.clock
                     ),
                 )
-                self.facts["connect_s"] = time.perf_counter() - began
+                self.timing_s["connect_s"] = time.perf_counter() - began
                 self.write_session("running")
                 self.mesh.barrier(spec.recv_timeout_s)
-                self.mesh.start(self.method.header_bytes, self._message_bytes)
-                records, layers, logits = self._infer_all()
+                began = time.perf_counter()
+                self._infer_all()
+                self.timing_s["inferences_s"] = time.perf_counter() - began
         except BaseException as error:
             self.write_session("failed", error=" ".join(str(error).split()))
             raise
-        self._write_records(records, layers, logits)
         self.write_session("done")
 
-    def _message_bytes(self, peer: int) -> Any:
-        tokens, batch = self.sizes[peer], self.spec.batch
-        return lambda header: self.method.message_bytes(tokens, batch, header)
-
-    def _infer_all(self) -> tuple[list[InferenceRecord], list[LayerRecord], list[torch.Tensor]]:
+    def slots(self) -> list[tuple[MethodRun, int, bool]]:
+        """Every inference of the session in order: (run, index, measured). Warm-ups of each
+        run first, then the measured ones round-robin. Every device runs the same order (the
+        handshake agreed on the runs), so a message's size is known before it arrives."""
         spec = self.spec
-        session = Session(self.method, spec.rank, self.mesh, spec.batch, spec.recv_timeout_s)
-        for index in range(spec.warmup):
-            session.infer(index, self.inputs.get(index)[0], f"warm-up {index}")
-        records, layers, logits = [], [], []
-        for index in range(spec.inferences):
+        warmups = [(run, index, False) for run in spec.runs for index in range(spec.warmup)]
+        return warmups + [(spec.runs[r], index, True) for r, index in spec.schedule()]
+
+    def _infer_all(self) -> None:
+        spec, slots = self.spec, self.slots()
+        sessions = {
+            run.id: Session(self.methods[run.id][0], spec.rank, self.mesh, spec.batch,
+                            spec.recv_timeout_s)
+            for run in spec.runs
+        }  # fmt: skip
+        self.mesh.start(lambda peer: self._formats(peer, slots))
+        inferences: list[InferenceRecord] = []
+        blocks: list[BlockRecord] = []
+        arrivals: list[ArrivalRecord] = []
+        logits: dict[str, list[torch.Tensor]] = {run.id: [] for run in spec.runs}
+        for run, index, measured in slots:
             inputs, labels = self.inputs.get(index)
-            record, rows, output = session.infer(index, inputs, f"inference {index}")
+            label = f"{'inference' if measured else 'warm-up'} {index} of run {run.id}"
+            record, rows, arrived, output = sessions[run.id].infer(run.id, index, inputs, label)
+            if not measured:
+                continue
             if output is not None:
                 predicted = output.argmax(dim=-1)
-                record.predicted = " ".join(str(c) for c in predicted.tolist())
+                record.predicted = predicted.tolist()
                 if labels is not None:
                     record.correct = int((predicted == labels).sum())
-                logits.append(output)
-            records.append(record)
-            layers.extend(rows)
-        return records, layers, logits
+                logits[run.id].append(output)
+            inferences.append(record)
+            blocks += rows
+            arrivals += arrived
+        write_records(spec.out, inferences, blocks, arrivals)
+        self._write_logits(logits)
 
-    def _write_records(
-        self, records: list[InferenceRecord], layers: list[LayerRecord], logits: list[torch.Tensor]
-    ) -> None:
-        out = self.spec.out
-        write_csv(out / "inferences.csv", records, InferenceRecord)
-        write_csv(out / "layers.csv", layers, LayerRecord)
-        if logits:
-            np.save(out / "logits.npy", torch.stack(logits).numpy())  # (I, B, classes)
+    def _formats(
+        self, peer: int, slots: list[tuple[MethodRun, int, bool]]
+    ) -> Iterator[MessageFormat]:
+        """(header bytes, size from the header) of each message `peer` will send, in order:
+        one per block of every inference."""
+        tokens, batch = self.sizes[peer], self.spec.batch
+        for run, _, _ in slots:
+            method = self.methods[run.id][0]
+            size = functools.partial(method.message_bytes, tokens, batch)
+            for _ in range(self.model.config.depth):
+                yield method.header_bytes, size
+
+    def _write_logits(self, logits: dict[str, list[torch.Tensor]]) -> None:
+        folder = self.spec.out / "logits"
+        for run_id, outputs in logits.items():
+            if outputs:
+                folder.mkdir(exist_ok=True)
+                np.save(folder / f"{run_id}.npy", torch.stack(outputs).numpy())  # (I, B, C)
+
+    def _describe(self, run: MethodRun) -> dict[str, Any]:
+        return {**self.methods[run.id][0].describe(), "level_choice": self.levels.get(run.id)}
 
     def write_session(self, status: str, error: str | None = None) -> None:
         spec, mesh = self.spec, self.mesh
-        links = mesh.links.values()
-        payload = {
-            "status": status,
-            "error": error,
-            "rank": spec.rank,
-            "devices": spec.devices,
-            "spec": spec.model_dump(mode="json"),
-            "method": self.method.describe(),
-            "level": self.facts.get("level"),
-            "partition": self.sizes,
-            "inputs": self.inputs.description,
-            "model_fingerprint": model_fingerprint(self.method.model),
-            "bundle_fingerprint": self.bundle.fingerprint if self.bundle else None,
-            "threads": {"requested": spec.threads, "torch": torch.get_num_threads()},
-            "handshakes": {str(p): h.summary() for p, h in mesh.handshakes.items()},
-            "bytes": {
+        links = list(mesh.links.values())
+        handshakes = mesh.handshakes
+        facts = SessionFacts(
+            status=status,
+            error=error,
+            rank=spec.rank,
+            devices=spec.devices,
+            spec=spec.model_dump(mode="json"),
+            runs={run.id: self._describe(run) for run in spec.runs},
+            partition=self.sizes,
+            inputs=self.inputs.description,
+            model_fingerprint=model_fingerprint(self.model),
+            clock_offset_ns={p: h.clock_offset_ns for p, h in handshakes.items()},
+            clock_uncertainty_ns={p: h.clock_uncertainty_ns for p, h in handshakes.items()},
+            kernel_timestamps=all(link.kernel_timestamps for link in links) if links else None,
+            handshakes={p: h.summary() for p, h in handshakes.items()},
+            bytes={
                 "handshake": mesh.handshake_bytes,
                 "control": mesh.control_bytes,
                 "payload": {
                     "sent": sum(link.bytes_sent for link in links),
                     "received": sum(link.bytes_received for link in links),
                 },
-                "payload_per_peer": {
-                    str(link.peer): {"sent": link.bytes_sent, "received": link.bytes_received}
-                    for link in links
-                },
             },
-            "timing": {key: value for key, value in self.facts.items() if key != "level"},
-            "host": platform.node(),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        }
-        write_json(self.spec.out / "session.json", payload)
+            threads={"requested": spec.threads, "torch": torch.get_num_threads()},
+            timing_s=self.timing_s,
+            host=platform.node(),
+            versions={"python": platform.python_version(), "torch": torch.__version__},
+        )
+        write_json(spec.out / "session.json", facts)

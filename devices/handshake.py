@@ -4,40 +4,38 @@ Both sides send a `hello` (length-prefixed JSON: this is set-up, not payload), c
 with their own and send a verdict, so a mismatch ends the session on both sides with the
 same kind of error: "device 1 has bundle fingerprint ab12.., device 0 has cd34..". Then the
 side that connected runs CLOCK_ROUNDS ping-pongs: it sends one byte, the other answers with
-its monotonic clock (perf_counter). With t0 / t3 the local send / receive times and t_peer the
-answer, the round with the smallest round trip gives offset = t_peer - (t0 + t3) / 2 (the
-peer's clock minus ours) within +- half that round trip. On one host the offset is ~0
-(one kernel clock); across machines it aligns the devices' records.
+its clock (devices.clock: CLOCK_REALTIME in ns, the clock of every record and of the kernel's
+receive timestamps). With t0 / t3 the local send / receive times and t_peer the answer, the
+round with the smallest round trip gives offset = t_peer - (t0 + t3) / 2 (the peer's clock
+minus ours) within +- half that round trip. On one host the offset is ~0 (one kernel clock);
+across machines it aligns the devices' records.
 """
 
 from __future__ import annotations
 
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from devices.clock import Clock
 from devices.errors import ProtocolError
 from devices.transport import CountingSocket
 
-PROTOCOL_VERSION = 1
-CLOCK_ROUNDS = 5
+PROTOCOL_VERSION = 2
+CLOCK_ROUNDS = 8
 PING = b"p"
-CLOCK = struct.Struct("!d")
+CLOCK = struct.Struct("!q")  # ns
 
 # hello fields every device of a session must agree on, with the words used in errors
 AGREED_FIELDS = {
     "protocol": "protocol version",
     "devices": "device count",
-    "method": "method",
-    "params": "method parameters",
+    "runs": "runs (method, parameters, bundle fingerprint, inferences)",
     "partition": "partition sizes",
     "batch": "batch size",
     "model": "model",
     "model_fingerprint": "model fingerprint",
-    "bundle_fingerprint": "bundle fingerprint",
     "warmup": "warm-up count",
-    "inferences": "inference count",
     "inputs": "inputs",
 }
 
@@ -55,17 +53,17 @@ class PeerHandshake:
 
     peer: int
     hello: dict[str, Any]
-    clock_offset_s: float = 0.0  # peer's perf_counter minus ours
-    clock_uncertainty_s: float = 0.0  # half the smallest round trip
-    round_trips_s: list[float] = field(default_factory=list)
+    clock_offset_ns: int = 0  # the peer's clock minus ours
+    clock_uncertainty_ns: int = 0  # half the smallest round trip
+    round_trips_ns: list[int] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
             "peer": self.peer,
             "hello": self.hello,
-            "clock_offset_s": self.clock_offset_s,
-            "clock_uncertainty_s": self.clock_uncertainty_s,
-            "round_trips_s": self.round_trips_s,
+            "clock_offset_ns": self.clock_offset_ns,
+            "clock_uncertainty_ns": self.clock_uncertainty_ns,
+            "round_trips_ns": self.round_trips_ns,
         }
 
 
@@ -94,6 +92,7 @@ def shake(
     expected: set[int],
     connected: bool,
     names: list[str],
+    clock: Clock,
 ) -> PeerHandshake:
     """Run the handshake on a fresh connection; raises ProtocolError on any mismatch.
 
@@ -103,6 +102,7 @@ def shake(
         expected: the ranks this connection may come from.
         connected: True on the side that connected (it drives the clock ping-pong).
         names: how to name each rank in messages ("device 1 (host:port)").
+        clock: this device's clock, for the ping-pong.
     """
     conn.send_frame(mine)
     theirs = conn.recv_frame()
@@ -117,38 +117,41 @@ def shake(
         raise ProtocolError(f"{name} refused the handshake: {verdict.get('error')}")
     result = PeerHandshake(peer, theirs)
     if connected:
-        measure_clock(conn, result)
+        measure_clock(conn, result, clock)
     else:
-        answer_clock(conn, result)
+        answer_clock(conn, result, clock)
     return result
 
 
-def measure_clock(conn: CountingSocket, result: PeerHandshake) -> None:
-    best_rtt, best_offset = float("inf"), 0.0
+def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> None:
+    best_rtt, best_offset = None, 0
     for _ in range(CLOCK_ROUNDS):
-        t0 = time.perf_counter()
+        t0 = clock.now_ns()
         conn.send(PING)
         (peer_clock,) = CLOCK.unpack(conn.recv_exact(CLOCK.size))
-        t3 = time.perf_counter()
-        result.round_trips_s.append(t3 - t0)
-        if t3 - t0 < best_rtt:
-            best_rtt, best_offset = t3 - t0, peer_clock - (t0 + t3) / 2
-    result.clock_offset_s, result.clock_uncertainty_s = best_offset, best_rtt / 2
+        t3 = clock.now_ns()
+        result.round_trips_ns.append(t3 - t0)
+        if best_rtt is None or t3 - t0 < best_rtt:
+            best_rtt, best_offset = t3 - t0, peer_clock - (t0 + t3) // 2
+    result.clock_offset_ns, result.clock_uncertainty_ns = best_offset, best_rtt // 2
     conn.send_frame(
         {
-            "offset_s": -best_offset,
-            "uncertainty_s": best_rtt / 2,
-            "round_trips_s": result.round_trips_s,
+            "offset_ns": -best_offset,
+            "uncertainty_ns": best_rtt // 2,
+            "round_trips_ns": result.round_trips_ns,
         }
     )
 
 
-def answer_clock(conn: CountingSocket, result: PeerHandshake) -> None:
+def answer_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> None:
     for _ in range(CLOCK_ROUNDS):
         if conn.recv_exact(len(PING)) != PING:
             raise ProtocolError(f"device {result.peer}: clock ping-pong out of step")
-        conn.send(CLOCK.pack(time.perf_counter()))
+        conn.send(CLOCK.pack(clock.now_ns()))
     estimate = conn.recv_frame()
-    result.clock_offset_s = float(estimate["offset_s"])
-    result.clock_uncertainty_s = float(estimate["uncertainty_s"])
-    result.round_trips_s = list(estimate["round_trips_s"])
+    try:
+        result.clock_offset_ns = int(estimate["offset_ns"])
+        result.clock_uncertainty_ns = int(estimate["uncertainty_ns"])
+        result.round_trips_ns = [int(t) for t in estimate["round_trips_ns"]]
+    except (KeyError, TypeError, ValueError):
+        raise ProtocolError(f"device {result.peer}: malformed clock estimate") from None

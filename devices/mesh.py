@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
+from devices.clock import Clock
 from devices.errors import ConnectError, PeerLostError, ProtocolError
 from devices.transport import (
     READY,
     CountingSocket,
+    MessageFormat,
     Outgoing,
     PeerClosed,
     PeerLink,
@@ -42,8 +44,8 @@ Handshake = Callable[[CountingSocket, set[int], bool], HandshakeResult]
 class Mesh:
     """The P - 1 peer links of device `rank`; use as a context manager."""
 
-    def __init__(self, rank: int, addresses: list[tuple[str, int]]):
-        self.rank, self.addresses = rank, addresses
+    def __init__(self, rank: int, addresses: list[tuple[str, int]], clock: Clock):
+        self.rank, self.addresses, self.clock = rank, addresses, clock
         self.links: dict[int, PeerLink] = {}
         self.handshakes: dict[int, HandshakeResult] = {}
         self.handshake_bytes = {"sent": 0, "received": 0}
@@ -105,7 +107,9 @@ class Mesh:
             self.handshake_bytes["sent"] += counting.bytes_sent
             self.handshake_bytes["received"] += counting.bytes_received
         self._pending.remove(sock)
-        self.links[result.peer] = PeerLink(result.peer, self.addresses[result.peer], sock)
+        self.links[result.peer] = PeerLink(
+            result.peer, self.addresses[result.peer], sock, self.clock
+        )
         self.handshakes[result.peer] = result
         log.debug("connected to %s", self.name(result.peer))
         return result.peer
@@ -131,12 +135,11 @@ class Mesh:
                     "signal: the peers are out of step"
                 )
 
-    def start(
-        self, header_bytes: int, message_bytes: Callable[[int], Callable[[bytes], int]]
-    ) -> None:
-        """Start every link's threads; `message_bytes(peer)(header)` is a message's size."""
+    def start(self, formats: Callable[[int], Iterator[MessageFormat]]) -> None:
+        """Start every link's threads; `formats(peer)` yields the format of each message the
+        peer will send, in order."""
         for peer, link in self.links.items():
-            link.start(header_bytes, message_bytes(peer))
+            link.start(formats(peer))
 
     def post(self, outgoing: Outgoing) -> None:
         for link in self.links.values():

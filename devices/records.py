@@ -1,105 +1,194 @@
-"""The records a device writes to its output directory (stdlib CSV and JSON only).
+"""What a device measured: typed records, written by the worker and read back by the testbed.
 
-- `layers.csv`: one row per block per measured inference (`LayerRecord`).
-- `inferences.csv`: one row per measured inference (`InferenceRecord`).
-- `session.json`: the resolved spec, handshakes (clock offsets), method, level choice, byte
-  counts of handshake / control / payload, thread count, status ("running", "done", "failed").
-- `logits.npy` (device 0): the logits of the measured inferences, (inferences, batch, classes).
+A device's output directory holds
+- `session.json`: `SessionFacts`, written when the session starts ("running") and again when
+  it ends ("done" or "failed", with the error): the resolved spec, the clock offset of every
+  peer (from the handshake), the level each run chose, byte counts, threads, versions.
+- `records.json`: the measured `InferenceRecord`s, `BlockRecord`s and `ArrivalRecord`s of
+  every run of the session (warm-ups are not recorded).
+- `logits/<run id>.npy` (device 0): the logits of a run's measured inferences,
+  (inferences, batch, classes).
 
-Times are milliseconds of time.perf_counter (the monotonic clock), relative to the start of
-the inference (`InferenceRecord.start_clock_s` is that start on the device's own clock;
-session.json gives every peer's clock offset to align devices).
+Every mark (`*_ns`) is CLOCK_REALTIME in nanoseconds on the device's own clock
+(devices.clock); `ArrivalRecord.kernel_ns` is the kernel's receive timestamp. To compare
+marks of two devices, add the handshake's offset (`SessionFacts.clock_offset_ns`).
+Durations (`*_ms`) are the device's own. stdlib only: the testbed reads these without torch.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+SESSION_FILE = "session.json"
+RECORDS_FILE = "records.json"
+
 
 @dataclass
-class LayerRecord:
-    """Block `block` of one inference on this device.
+class BlockRecord:
+    """Block `block` of one inference of run `run` on this device.
 
-    The message of a row is the one this device sent for block `block`, i.e. the one its
-    peers need at block `block`'s attention. Voltage, Prism and Astra queue it at the start of
-    the block; Trace queues it for block b >= 1 right after block b - 1's attention, so that it
-    travels during block b - 1's FFN (the overlap), and for block 0 at the start of block 0.
+    The message of a record is the one this device sent for block `block`, i.e. the one its
+    peers need at block `block`'s attention. Voltage, Prism and Astra make it at the start of
+    the block; Trace makes it for block b >= 1 right after block b - 1's attention, so that
+    it travels during block b - 1's FFN (the overlap), and for block 0 at the start.
 
-    compute_ms: block_end - block_start - wait_ms (this thread's time outside recv waits).
-    comm_ms: send_end_ms - send_start_ms.
-    wait_ms: time blocked until the peers' messages for this block had arrived.
-    payload_bits: analytic bits of the message (method.payload_bits).
-    wire_bytes: bytes written to one peer's socket for the message (each peer gets a copy).
+    compute_ms: from the block's start to the end of its FFN, less wait_ms.
+    wait_ms: time the compute thread was blocked until the peers' messages had been read.
+    payload_bits: the method's bits of the message (DESIGN 3.2); 0 when none was sent.
+    message_bytes: bytes of the message, one copy (each peer gets one).
     received_bytes: bytes of the peers' messages for this block, all peers together.
-    send_start_ms: the message was queued for the sender threads.
-    send_end_ms: the last peer's copy was written (sendall returned; data in the kernel).
-    recv_end_ms: the last peer's message for this block had been read off its socket.
+    departed_ns: the first byte of the message was offered to the kernel (first copy).
+    written_ns: the kernel had accepted the last byte of the last copy.
+    wait_start_ns, wait_end_ns: the compute thread blocked for the peers' messages
+    (None without peers).
     """
 
+    run: str
     inference: int
     block: int
     compute_ms: float
-    comm_ms: float | None
     wait_ms: float
     payload_bits: int
-    wire_bytes: int
+    message_bytes: int
     received_bytes: int
-    block_start_ms: float
-    send_start_ms: float | None
-    send_end_ms: float | None
-    recv_end_ms: float | None
-    attn_start_ms: float
-    ffn_start_ms: float
-    ffn_end_ms: float
+    start_ns: int
+    departed_ns: int | None
+    written_ns: int | None
+    wait_start_ns: int | None
+    wait_end_ns: int | None
+    attn_start_ns: int
+    ffn_start_ns: int
+    ffn_end_ns: int
+
+
+@dataclass
+class ArrivalRecord:
+    """A peer's message for block `block`, as this device received it.
+
+    kernel_ns: the kernel's receive timestamp of its last byte (None where the kernel gives
+    none); read_ns: the receiver thread had read it off the socket.
+    """
+
+    run: str
+    inference: int
+    block: int
+    peer: int
+    message_bytes: int
+    kernel_ns: int | None
+    read_ns: int
 
 
 @dataclass
 class InferenceRecord:
-    """One measured inference on this device.
+    """One measured inference of run `run` on this device.
 
-    effective_ms: wall time from the start (input in hand) to the device's output: the
-    logits on device 0, the end of the last block elsewhere. compute_ms = effective_ms -
-    wait_ms (embedding and head included). comm_ms, payload_bits, wire_bytes: sums over the
-    device's messages. predicted: device 0's classes, space-separated; correct: how many
-    matched the labels (when the inputs have labels).
+    effective_ms: wall time from the start (input in hand) to the device's output: the logits
+    on device 0, the end of the last block elsewhere. compute_ms = effective_ms - wait_ms
+    (embedding and head included). level, level_k, r_bits: the Trace tree level in use, its
+    codewords and bits per index. predicted: device 0's classes; correct: how many matched
+    the labels (when the inputs have labels).
     """
 
+    run: str
     inference: int
-    start_clock_s: float
+    start_ns: int
+    end_ns: int
     compute_ms: float
-    comm_ms: float
     wait_ms: float
     effective_ms: float
-    payload_bits: int
-    wire_bytes: int
-    received_bytes: int
-    level: int | None
-    r_bits: int | None
-    predicted: str | None
-    correct: int | None
+    level: int | None = None
+    level_k: int | None = None
+    r_bits: int | None = None
+    predicted: list[int] | None = None
+    correct: int | None = None
 
 
-def write_csv(path: Path, rows: list[Any], kind: type) -> Path:
-    """Rows of a record dataclass as CSV (header from the dataclass; None as empty)."""
-    names = [field.name for field in dataclasses.fields(kind)]
-    with open(path, "w", newline="") as stream:
-        writer = csv.writer(stream)
-        writer.writerow(names)
-        for row in rows:
-            values = dataclasses.astuple(row)
-            writer.writerow(["" if value is None else value for value in values])
-    return path
+@dataclass
+class SessionFacts:
+    """A session's facts. clock_offset_ns / clock_uncertainty_ns: per peer rank, the peer's
+    clock minus this device's, within +- half the best ping-pong round trip."""
+
+    status: str
+    rank: int
+    devices: int
+    spec: dict[str, Any]
+    error: str | None = None
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)  # run id -> method, level
+    partition: list[int] = field(default_factory=list)
+    inputs: str = ""
+    model_fingerprint: str = ""
+    clock_offset_ns: dict[int, int] = field(default_factory=dict)
+    clock_uncertainty_ns: dict[int, int] = field(default_factory=dict)
+    kernel_timestamps: bool | None = None  # the kernel stamps received segments
+    handshakes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    bytes: dict[str, Any] = field(default_factory=dict)
+    threads: dict[str, int] = field(default_factory=dict)
+    timing_s: dict[str, float] = field(default_factory=dict)
+    host: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> Path:
-    """Write atomically (a reader never sees half a file)."""
+@dataclass
+class DeviceRecords:
+    """Everything one device wrote."""
+
+    session: SessionFacts
+    inferences: list[InferenceRecord]
+    blocks: list[BlockRecord]
+    arrivals: list[ArrivalRecord]
+
+
+def write_json(path: Path, payload: Any) -> Path:
+    """Write atomically (a reader never sees half a file); dataclasses become objects."""
+    if dataclasses.is_dataclass(payload):
+        payload = dataclasses.asdict(payload)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def write_records(
+    out: Path,
+    inferences: list[InferenceRecord],
+    blocks: list[BlockRecord],
+    arrivals: list[ArrivalRecord],
+) -> Path:
+    kinds = {"inferences": inferences, "blocks": blocks, "arrivals": arrivals}
+    payload = {kind: [dataclasses.astuple(r) for r in rows] for kind, rows in kinds.items()}
+    payload["columns"] = {
+        "inferences": _names(InferenceRecord),
+        "blocks": _names(BlockRecord),
+        "arrivals": _names(ArrivalRecord),
+    }
+    return write_json(out / RECORDS_FILE, payload)
+
+
+def _names(kind: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(kind)]
+
+
+def read_session(out: Path) -> SessionFacts:
+    """A device's session facts (JSON keys of per-peer maps become ints again)."""
+    data = json.loads((Path(out) / SESSION_FILE).read_text())
+    for key in ("clock_offset_ns", "clock_uncertainty_ns", "handshakes"):
+        data[key] = {int(peer): value for peer, value in data.get(key, {}).items()}
+    return SessionFacts(**data)
+
+
+def read_records(out: Path) -> DeviceRecords:
+    """Everything a device wrote to `out`, typed. Raises OSError/ValueError on a bad file."""
+    out = Path(out)
+    data = json.loads((out / RECORDS_FILE).read_text())
+    kinds = {"inferences": InferenceRecord, "blocks": BlockRecord, "arrivals": ArrivalRecord}
+    rows = {}
+    for key, kind in kinds.items():
+        if data["columns"][key] != _names(kind):
+            raise ValueError(f"{out / RECORDS_FILE}: {key} written by another version")
+        rows[key] = [kind(*values) for values in data[key]]
+    return DeviceRecords(read_session(out), rows["inferences"], rows["blocks"], rows["arrivals"])

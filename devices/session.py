@@ -1,19 +1,15 @@
 """The inference loop of one device: drives `tracevq.engine.DeviceRun` over the mesh.
 
-Per block b the compute thread calls begin_block (its message goes to the sender threads at
-once), projects its own tokens' Q/K/V, takes the peers' messages for b from the receiver
-threads (blocking only if they have not arrived: that time is `wait`), runs attention
-(Trace's message for b + 1 is queued right away) and the FFN, during which the sender
-threads write the queued message.
+Per block b the compute thread calls begin_block (its message leaves at once: the compute
+thread hands it to the kernel itself when the socket takes it without blocking), projects its
+own tokens' Q/K/V, takes the peers' messages for b from the receiver threads (blocking only if
+they have not arrived: that time is `wait`), runs attention (Trace's message for b + 1 leaves
+right away) and the FFN, during which the message travels.
 
-Timing definitions (DESIGN 4), all from time.perf_counter:
-- compute: time the compute thread is not blocked waiting for peers' messages.
-- wait: time blocked until the peers' messages for a block had arrived.
-- comm: per message, from queueing to the moment the copy to the slowest peer had been
-  written (sendall returned). It measures the link only while the kernel's send buffer is
-  full: a small message on a fast link is "written" as soon as it is copied to the kernel.
-  Across shaped links, compare with the receiver's recv_end and the analytic bits / rate.
-- effective: wall time from the inference's start to the device's output.
+Every mark is taken on the device's clock (devices.clock, ns); what the marks mean is in
+devices.records. Communication is not timed here: a message's time on the link runs from its
+departure on the sender to the kernel's receive timestamp on the receiver, two devices'
+records that the testbed joins with the handshake's clock offsets.
 """
 
 from __future__ import annotations
@@ -23,10 +19,11 @@ import time
 import torch
 from torch import Tensor
 
+from devices.clock import Clock
 from devices.errors import PeerLostError, ProtocolError
 from devices.mesh import Mesh
-from devices.records import InferenceRecord, LayerRecord
-from devices.transport import Outgoing
+from devices.records import ArrivalRecord, BlockRecord, InferenceRecord
+from devices.transport import Incoming, Outgoing
 from tracevq.engine import DeviceRun
 from tracevq.methods import Method, TraceMethod
 from tracevq.partition import partition_sizes
@@ -40,43 +37,51 @@ class Session:
     def __init__(self, method: Method, rank: int, mesh: Mesh, batch: int, recv_timeout_s: float):
         self.method, self.rank, self.mesh = method, rank, mesh
         self.batch, self.recv_timeout_s = batch, recv_timeout_s
+        self.clock: Clock = mesh.clock
         self.devices = len(mesh.addresses)
         self.sizes = partition_sizes(method.model.config.tokens, self.devices)
         self.depth = method.model.config.depth
 
     @torch.no_grad()
     def infer(
-        self, index: int, inputs: Tensor, label: str
-    ) -> tuple[InferenceRecord, list[LayerRecord], Tensor | None]:
-        """One inference; `label` ("inference 3", "warm-up 0") names it in errors."""
-        start = time.perf_counter()
-        run = DeviceRun(self.method, self.rank, self.devices, inputs)
+        self, run: str, index: int, inputs: Tensor, label: str
+    ) -> tuple[InferenceRecord, list[BlockRecord], list[ArrivalRecord], Tensor | None]:
+        """One inference; `label` ("inference 3 of run x", "warm-up 0 ...") names it in errors."""
+        now = self.clock.now_ns
+        start = now()
+        device_run = DeviceRun(self.method, self.rank, self.devices, inputs)
         outgoing: dict[int, Outgoing] = {}
-        blocks = []
+        marks, arrivals = [], []
         for block in range(self.depth):
             context = f"block {block} of {label}"
-            block_start = time.perf_counter()
-            self._post(outgoing, block, run.begin_block(block), context)
-            run.project_local(block)  # while the peers' messages for this block travel
-            messages, wait_s, recv_end, received = self._collect(block, context)
-            attn_start = time.perf_counter()
+            block_start = now()
+            self._post(outgoing, block, device_run.begin_block(block), context)
+            device_run.project_local(block)  # while the peers' messages for this block travel
+            wait_start = now()
+            incoming = self._collect(context)
+            wait_end = now() if incoming else wait_start
+            messages = {peer: item.message for peer, item in incoming.items()}
             try:
-                message = run.attend(block, messages)
+                message = device_run.attend(block, messages)
             except ProtocolError as error:  # the receiver names the peer and the block
                 raise ProtocolError(f"{label}: {error}") from None
             self._post(outgoing, block + 1, message, context)
-            ffn_start = time.perf_counter()
-            run.finish_block(block)
-            ffn_end = time.perf_counter()
-            blocks.append((block_start, wait_s, recv_end, received, attn_start, ffn_start, ffn_end))
-        logits = run.logits() if self.rank == 0 else None
-        end = time.perf_counter()
+            ffn_start = now()
+            device_run.finish_block(block)
+            ffn_end = now()
+            marks.append((block_start, wait_start, wait_end, wait_end, ffn_start, ffn_end))
+            arrivals += [
+                ArrivalRecord(run, index, block, peer, len(m.message), m.kernel_ns, m.read_ns)
+                for peer, m in incoming.items()
+            ]
+        logits = device_run.logits() if self.rank == 0 else None
+        end = now()
         self._await_sends(outgoing, label)
-        layers = [
-            self._layer_record(index, b, start, outgoing.get(b), times)
-            for b, times in enumerate(blocks)
+        blocks = [
+            self._block_record(run, index, b, outgoing.get(b), times, arrivals)
+            for b, times in enumerate(marks)
         ]
-        return self._inference_record(index, start, end, layers), layers, logits
+        return self._inference_record(run, index, start, end, blocks), blocks, arrivals, logits
 
     def _post(
         self, outgoing: dict[int, Outgoing], block: int, message: bytes | None, context: str
@@ -89,22 +94,15 @@ class Session:
         outgoing[block] = Outgoing(block, message, len(self.mesh.links))
         self.mesh.post(outgoing[block])
 
-    def _collect(
-        self, block: int, context: str
-    ) -> tuple[dict[int, bytes], float, float | None, int]:
-        """The peers' messages for `block`, the time spent waiting, the last arrival, bytes."""
-        messages, wait_s, arrivals = {}, 0.0, []
+    def _collect(self, context: str) -> dict[int, Incoming]:
+        """The peers' messages for the block, by peer."""
+        incoming = {}
         for peer, link in sorted(self.mesh.links.items()):
-            began = time.perf_counter()
             try:
-                incoming = link.take(self.recv_timeout_s, context)
+                incoming[peer] = link.take(self.recv_timeout_s, context)
             except PeerLostError as error:
                 raise self._first_loss(context) or error from None
-            wait_s += time.perf_counter() - began
-            messages[peer] = incoming.message
-            arrivals.append(incoming.arrived_at)
-        received = sum(len(m) for m in messages.values())
-        return messages, wait_s, max(arrivals) if arrivals else None, received
+        return incoming
 
     def _first_loss(self, context: str) -> PeerLostError | None:
         """When several peers are gone (one died, another quit because of it), name the one
@@ -135,53 +133,55 @@ class Session:
                     f"lost {self.mesh.name(peer)} at block {block} of {label}: {error}"
                 )
 
-    def _layer_record(
-        self, index: int, block: int, start: float, message: Outgoing | None, times: tuple
-    ) -> LayerRecord:
-        block_start, wait_s, recv_end, received, attn_start, ffn_start, ffn_end = times
-
-        def ms(t: float | None) -> float | None:
-            return None if t is None else round(1000 * (t - start), 4)
-
-        tokens = self.sizes[self.rank]
-        return LayerRecord(
+    def _block_record(
+        self,
+        run: str,
+        index: int,
+        block: int,
+        message: Outgoing | None,
+        times: tuple[int, ...],
+        arrivals: list[ArrivalRecord],
+    ) -> BlockRecord:
+        block_start, wait_start, wait_end, attn_start, ffn_start, ffn_end = times
+        wait_ms = (wait_end - wait_start) / 1e6
+        received = sum(a.message_bytes for a in arrivals if a.block == block)
+        return BlockRecord(
+            run=run,
             inference=index,
             block=block,
-            compute_ms=round(1000 * (ffn_end - block_start - wait_s), 4),
-            comm_ms=None
-            if message is None
-            else round(1000 * (message.send_end - message.queued_at), 4),
-            wait_ms=round(1000 * wait_s, 4),
-            payload_bits=0 if message is None else self.method.payload_bits(tokens, self.batch),
-            wire_bytes=0 if message is None else max(message.bytes_written.values()),
+            compute_ms=round((ffn_end - block_start) / 1e6 - wait_ms, 4),
+            wait_ms=round(wait_ms, 4),
+            payload_bits=0 if message is None else self.method.payload_bits(
+                self.sizes[self.rank], self.batch
+            ),
+            message_bytes=0 if message is None else len(message.message),
             received_bytes=received,
-            block_start_ms=ms(block_start),
-            send_start_ms=None if message is None else ms(message.queued_at),
-            send_end_ms=None if message is None else ms(message.send_end),
-            recv_end_ms=ms(recv_end),
-            attn_start_ms=ms(attn_start),
-            ffn_start_ms=ms(ffn_start),
-            ffn_end_ms=ms(ffn_end),
-        )
+            start_ns=block_start,
+            departed_ns=None if message is None else min(message.departed_ns.values()),
+            written_ns=None if message is None else max(message.written_ns.values()),
+            wait_start_ns=wait_start if self.mesh.links else None,
+            wait_end_ns=wait_end if self.mesh.links else None,
+            attn_start_ns=attn_start,
+            ffn_start_ns=ffn_start,
+            ffn_end_ns=ffn_end,
+        )  # fmt: skip
 
     def _inference_record(
-        self, index: int, start: float, end: float, layers: list[LayerRecord]
+        self, run: str, index: int, start: int, end: int, blocks: list[BlockRecord]
     ) -> InferenceRecord:
-        effective_ms = 1000 * (end - start)
-        wait_ms = sum(layer.wait_ms for layer in layers)
-        trace = isinstance(self.method, TraceMethod)
-        return InferenceRecord(
+        effective_ms = (end - start) / 1e6
+        wait_ms = sum(block.wait_ms for block in blocks)
+        record = InferenceRecord(
+            run=run,
             inference=index,
-            start_clock_s=start,
+            start_ns=start,
+            end_ns=end,
             compute_ms=round(effective_ms - wait_ms, 4),
-            comm_ms=round(sum(layer.comm_ms or 0.0 for layer in layers), 4),
             wait_ms=round(wait_ms, 4),
             effective_ms=round(effective_ms, 4),
-            payload_bits=sum(layer.payload_bits for layer in layers),
-            wire_bytes=sum(layer.wire_bytes for layer in layers),
-            received_bytes=sum(layer.received_bytes for layer in layers),
-            level=self.method.level if trace else None,
-            r_bits=self.method.level_bits[self.method.level] if trace else None,
-            predicted=None,
-            correct=None,
         )
+        if isinstance(self.method, TraceMethod):
+            level = self.method.level
+            record.level, record.r_bits = level, self.method.level_bits[level]
+            record.level_k = self.method.trees[0].level_sizes[level]
+        return record

@@ -1,8 +1,14 @@
-"""The run spec of one device: a typed model loaded from a YAML/JSON file and/or CLI flags.
+"""What one device is asked to run: a typed spec, written to a file by whoever starts the
+worker (the testbed, a test, a person) and read here, in one place.
 
-Flags override the file key by key (`--param` entries are merged into the file's `params`).
-Unknown keys are rejected with the key's name and a "did you mean" hint. The resolved spec is
-saved with the device's records (session.json).
+    python -m devices.worker SPEC.json        # or SPEC.yaml
+
+A session is one process per device, one TCP mesh and one model; it measures one or more
+*runs* (a method variant each: a trial of the testbed). Their inferences are interleaved in
+time, round-robin over the runs (`RunSpec.schedule`), so that a slow minute of a shared host
+lands on every method alike. Unknown keys are refused with their path and a "did you mean"
+hint; method parameters are validated by tracevq. The resolved spec is saved with the
+device's records (session.json).
 """
 
 from __future__ import annotations
@@ -19,6 +25,18 @@ from devices.errors import SpecError
 from devices.transport import parse_address
 
 
+class MethodRun(BaseModel):
+    """One method variant of the session, measured `inferences` times."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, description="names the run in records (the trial id)")
+    method: str = "voltage"
+    params: dict[str, Any] = Field(default_factory=dict)
+    bundle: Path | None = Field(None, description="codebooks (astra, trace-b, trace-nb)")
+    inferences: int = Field(1, ge=1, description="measured inferences")
+
+
 class RunSpec(BaseModel):
     """Everything one device needs for a session. Times in seconds, rate in 10^6 bit/s."""
 
@@ -29,19 +47,20 @@ class RunSpec(BaseModel):
     model: str = Field(description="model configuration name (the architecture)")
     checkpoint: Path | None = Field(None, description="weights for that architecture")
     model_seed: int = 0
-    bundle: Path | None = None
-    method: str = "voltage"
-    params: dict[str, Any] = Field(default_factory=dict)
+    runs: list[MethodRun] = Field(min_length=1)
     batch: int = Field(1, ge=1)
-    warmup: int = Field(0, ge=0)
-    inferences: int = Field(1, ge=1)
+    warmup: int = Field(0, ge=0, description="unrecorded inferences of each run, first")
     threads: int = Field(1, ge=1)
     input_seed: int = 0
     inputs: Path | None = None
     out: Path
     connect_timeout_s: float = Field(30.0, gt=0)
     recv_timeout_s: float = Field(60.0, gt=0)
-    rate_mbit: float | None = Field(None, gt=0)
+    rate_mbit: float | None = Field(None, gt=0, description="link rate for level_k=auto")
+    clock_skew_s: float = Field(
+        0.0, description="added to every timestamp this device takes: emulates a board whose "
+        "clock is off, to test the alignment of clocks"
+    )  # fmt: skip
 
     @field_validator("peers", mode="before")
     @classmethod
@@ -61,6 +80,10 @@ class RunSpec(BaseModel):
     def _check_consistency(self) -> RunSpec:
         if self.rank >= len(self.peers):
             raise ValueError(f"rank {self.rank} out of range for {len(self.peers)} peers")
+        ids = [run.id for run in self.runs]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ValueError(f"runs: ids must differ, {repeated} repeated")
         return self
 
     @property
@@ -71,13 +94,17 @@ class RunSpec(BaseModel):
     def addresses(self) -> list[tuple[str, int]]:
         return [parse_address(peer) for peer in self.peers]
 
+    def schedule(self) -> list[tuple[int, int]]:
+        """(run index, inference index) in the order they run: round-robin over the runs."""
+        rounds = max(run.inferences for run in self.runs)
+        return [
+            (r, i) for i in range(rounds) for r, run in enumerate(self.runs) if i < run.inferences
+        ]
 
-def parse_param(text: str) -> tuple[str, Any]:
-    """'key=value' with a YAML scalar value: 'K=16' -> ('K', 16), 'buffers=false' -> False."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise SpecError(f"--param {text!r}: expected key=value")
-    return key.strip(), yaml.safe_load(value) if value.strip() else None
+    def write(self, path: Path) -> Path:
+        """The spec as JSON, for `python -m devices.worker PATH`."""
+        path.write_text(json.dumps(self.model_dump(mode="json"), indent=1) + "\n")
+        return path
 
 
 def read_spec_file(path: Path) -> dict[str, Any]:
@@ -88,41 +115,36 @@ def read_spec_file(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise SpecError(f"run spec {path}: cannot be parsed: {error}") from error
-    if data is None:
-        return {}
+        raise SpecError(f"run spec {path}: cannot be parsed: {error}") from None
     if not isinstance(data, dict):
         raise SpecError(f"run spec {path}: expected a mapping of keys, got {type(data).__name__}")
     return data
 
 
-def resolve_spec(
-    path: Path | None, overrides: dict[str, Any], params: list[str] | tuple[str, ...] = ()
-) -> RunSpec:
-    """The spec from `path` (optional), with non-None `overrides` and `key=value` params on top."""
-    data = read_spec_file(path) if path is not None else {}
-    data.update({key: value for key, value in overrides.items() if value is not None})
-    if params:
-        merged = dict(data.get("params") or {})
-        merged.update(parse_param(text) for text in params)
-        data["params"] = merged
-    source = f"run spec {path}" if path is not None else "run spec"
+def load_spec(path: Path) -> RunSpec:
+    """The spec of a file, validated (method parameters included)."""
+    return parse_spec(read_spec_file(path), f"run spec {path}")
+
+
+def parse_spec(data: dict[str, Any], source: str = "run spec") -> RunSpec:
     try:
         spec = RunSpec.model_validate(data)
     except ValidationError as error:
         raise SpecError(f"{source}: {describe_validation_error(error)}") from None
-    check_method(spec)
+    for run in spec.runs:
+        check_method(run)
     return spec
 
 
 def describe_validation_error(error: ValidationError) -> str:
-    """One line per problem, each naming its key; unknown keys get a "did you mean" hint."""
-    known = list(RunSpec.model_fields)
+    """One problem per clause, each naming its key path (`runs.0.inferences`); unknown keys
+    get a "did you mean" hint."""
     lines = []
     for problem in error.errors():
         where = ".".join(str(part) for part in problem["loc"]) or "spec"
         if problem["type"] == "extra_forbidden":
-            hint = difflib.get_close_matches(where, known, n=1)
+            known = MethodRun.model_fields if where.startswith("runs.") else RunSpec.model_fields
+            hint = difflib.get_close_matches(where.rsplit(".", 1)[-1], list(known), n=1)
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
             lines.append(f"unknown key {where!r}{suggestion}")
         else:
@@ -131,14 +153,14 @@ def describe_validation_error(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def check_method(spec: RunSpec) -> None:
+def check_method(run: MethodRun) -> None:
     """Validate the method name and parameters now (tracevq names the bad parameter)."""
     from tracevq.errors import ConfigError
     from tracevq.spec import method_spec
 
     try:
-        method_spec(spec.method, **spec.params)
+        method_spec(run.method, **run.params)
     except ConfigError as error:
-        raise SpecError(str(error)) from None
+        raise SpecError(f"run {run.id!r}: {error}") from None
     except TypeError as error:  # a parameter of the wrong type reaching the dataclass
-        raise SpecError(f"method {spec.method!r}: {error}") from None
+        raise SpecError(f"run {run.id!r}: method {run.method!r}: {error}") from None

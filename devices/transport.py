@@ -4,9 +4,12 @@
   while j starts, until a deadline) and accepts from every j > i, so the set-up cannot
   deadlock. TCP_NODELAY is on. Each new connection runs the handshake (devices.handshake)
   on a `CountingSocket` so that its bytes are counted apart from the payload.
-- A `PeerLink` owns one connection after the handshake: a sender thread writes queued
-  `Outgoing` messages, a receiver thread reads the peer's messages as soon as they arrive
-  and queues them for the compute thread, which blocks only when a block needs them.
+- A `PeerLink` owns one connection after the handshake. A message is sent from the thread
+  that posts it whenever the socket takes it without blocking (so no thread wake-up delays
+  its departure); otherwise a sender thread writes it, in order. A receiver thread reads the
+  peer's messages as soon as they arrive, with the kernel's receive timestamp of each
+  message's last byte (devices.clock), and queues them for the compute thread, which blocks
+  only when a block needs them.
 - Messages carry no length prefix: the receiver reads the method's header bytes, then the
   rest of the size that the method derives from the header (DESIGN 3.6).
 """
@@ -20,9 +23,10 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from devices.clock import ANCILLARY_BYTES, Clock, enable_rx_timestamps
 from devices.errors import ConnectError, PeerLostError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -31,6 +35,8 @@ FRAME_HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 20
 RETRY_INTERVAL_S = 0.1
 READY = b"R"
+# (header bytes, message bytes from the header): how to delimit one message on the stream
+MessageFormat = tuple[int, Callable[[bytes], int]]
 
 
 def format_address(address: tuple[str, int]) -> str:
@@ -103,6 +109,30 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(buffer)
 
 
+class Stamped:
+    """Exact reads off a socket that keep the kernel's receive timestamp of the last read.
+
+    TCP reports the timestamp of the last segment a `recvmsg` copied from; a read that ends
+    exactly at a message's end so gives the arrival of the message's last byte.
+    """
+
+    def __init__(self, sock: socket.socket, clock: Clock):
+        self.sock, self.clock = sock, clock
+        self.kernel_ns: int | None = None
+
+    def read(self, size: int) -> bytes:
+        """Exactly `size` bytes; raises PeerClosed if the peer closes first."""
+        buffer = bytearray(size)
+        view, received = memoryview(buffer), 0
+        while received < size:
+            count, ancillary, _, _ = self.sock.recvmsg_into([view[received:]], ANCILLARY_BYTES)
+            if count == 0:
+                raise PeerClosed(received)
+            received += count
+            self.kernel_ns = self.clock.kernel_ns(ancillary) if ancillary else None
+        return bytes(buffer)
+
+
 def configure(sock: socket.socket) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
@@ -134,37 +164,44 @@ def connect(address: tuple[str, int], deadline: float, what: str) -> socket.sock
 
 @dataclass
 class Outgoing:
-    """One message to every peer: when it was queued, when each peer's copy was written."""
+    """One message to every peer, and when each peer's copy was handed to the kernel.
+
+    departed_ns: per peer, when the copy's first byte was offered to the kernel (the first
+    `send` call for it, taken or not: a full socket buffer is the link being busy).
+    written_ns: per peer, when the kernel had accepted the copy's last byte.
+    """
 
     block: int
     message: bytes
     peers: int
-    queued_at: float = field(default_factory=time.perf_counter)
-    written_at: dict[int, float] = field(default_factory=dict)
+    departed_ns: dict[int, int] = field(default_factory=dict)
+    written_ns: dict[int, int] = field(default_factory=dict)
     bytes_written: dict[int, int] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def finish(self, peer: int, written: int, error: str | None = None) -> None:
+    def depart(self, peer: int, at_ns: int) -> None:
+        self.departed_ns.setdefault(peer, at_ns)
+
+    def finish(self, peer: int, written: int, at_ns: int, error: str | None = None) -> None:
         with self._lock:
-            self.written_at[peer] = time.perf_counter()
+            self.written_ns[peer] = at_ns
             self.bytes_written[peer] = written
             if error is not None:
                 self.errors[peer] = error
-            if len(self.written_at) == self.peers:
+            if len(self.written_ns) == self.peers:
                 self.done.set()
-
-    @property
-    def send_end(self) -> float:
-        """When the copy to the slowest peer was written (sendall returned)."""
-        return max(self.written_at.values())
 
 
 @dataclass
 class Incoming:
+    """A peer's message: when its last byte reached this host (the kernel's receive
+    timestamp, None where the kernel gives none) and when the receiver thread had read it."""
+
     message: bytes
-    arrived_at: float
+    kernel_ns: int | None
+    read_ns: int
 
 
 @dataclass
@@ -174,22 +211,26 @@ class _Closed:
 
 
 class PeerLink:
-    """One peer's connection: a sender and a receiver thread around a connected socket."""
+    """One peer's connection: messages go out from the posting thread when the socket takes
+    them at once, else from a sender thread; a receiver thread reads the peer's messages."""
 
-    def __init__(self, peer: int, address: tuple[str, int], sock: socket.socket):
-        self.peer, self.address, self.sock = peer, address, sock
+    def __init__(self, peer: int, address: tuple[str, int], sock: socket.socket, clock: Clock):
+        self.peer, self.address, self.sock, self.clock = peer, address, sock, clock
         self.name = f"device {peer} ({format_address(address)})"
-        self.outbox: queue.SimpleQueue[Outgoing | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[tuple[Outgoing, int] | None] = queue.SimpleQueue()
         self.inbox: queue.SimpleQueue[Incoming | _Closed] = queue.SimpleQueue()
         self.bytes_sent = self.bytes_received = 0
         self.messages_sent = self.messages_received = 0
         self.send_error: str | None = None
         self.closed: _Closed | None = None  # set by the receiver thread when the peer is gone
+        self.kernel_timestamps = enable_rx_timestamps(sock)
+        self._backlog = 0  # messages handed to the sender thread and not yet written
+        self._send_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
-    def start(self, header_bytes: int, message_bytes: Callable[[bytes], int]) -> None:
+    def start(self, formats: Iterator[MessageFormat]) -> None:
         self.sock.settimeout(None)
-        loops = ((self._send_loop, ()), (self._receive_loop, (header_bytes, message_bytes)))
+        loops = ((self._send_loop, ()), (self._receive_loop, (formats,)))
         for target, args in loops:
             thread = threading.Thread(
                 target=target, args=args, daemon=True, name=f"{target.__name__}-{self.peer}"
@@ -198,7 +239,29 @@ class PeerLink:
             self._threads.append(thread)
 
     def post(self, outgoing: Outgoing) -> None:
-        self.outbox.put(outgoing)
+        """Send now, from this thread, what the socket takes without blocking (a small
+        message: all of it, so no thread wake-up delays it); the sender thread writes the
+        rest, and every message posted while it is busy, in order."""
+        with self._send_lock:
+            written = 0
+            if self._backlog == 0 and self.send_error is None:
+                outgoing.depart(self.peer, self.clock.now_ns())
+                try:
+                    written = self.sock.send(outgoing.message, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    written = 0
+                except OSError as error:
+                    self.send_error = f"sending failed: {error.strerror or error}"
+                if written == len(outgoing.message) or self.send_error is not None:
+                    self._written(outgoing, written)
+                    return
+            self._backlog += 1
+            self.outbox.put((outgoing, written))
+
+    def _written(self, outgoing: Outgoing, written: int) -> None:
+        self.bytes_sent += written
+        self.messages_sent += 1
+        outgoing.finish(self.peer, written, self.clock.now_ns(), self.send_error)
 
     def take(self, timeout_s: float, context: str) -> Incoming:
         """The peer's next message; raises PeerLostError naming the peer and `context`."""
@@ -222,27 +285,27 @@ class PeerLink:
         self.inbox.put(self.closed)
 
     def _send_loop(self) -> None:
-        while (outgoing := self.outbox.get()) is not None:
-            if self.send_error is not None:
-                outgoing.finish(self.peer, 0, self.send_error)
-                continue
-            written = 0
-            view = memoryview(outgoing.message)
-            try:
-                while written < len(view):
-                    written += self.sock.send(view[written:])
-            except OSError as error:
-                self.send_error = f"sending failed: {error.strerror or error}"
-            self.bytes_sent += written
-            self.messages_sent += 1
-            outgoing.finish(self.peer, written, self.send_error)
+        while (item := self.outbox.get()) is not None:
+            outgoing, written = item
+            if self.send_error is None:
+                outgoing.depart(self.peer, self.clock.now_ns())
+                view = memoryview(outgoing.message)
+                try:
+                    while written < len(view):
+                        written += self.sock.send(view[written:])
+                except OSError as error:
+                    self.send_error = f"sending failed: {error.strerror or error}"
+            with self._send_lock:
+                self._written(outgoing, written)
+                self._backlog -= 1
 
-    def _receive_loop(self, header_bytes: int, message_bytes: Callable[[bytes], int]) -> None:
-        while True:
+    def _receive_loop(self, formats: Iterator[MessageFormat]) -> None:
+        stamped = Stamped(self.sock, self.clock)
+        for header_bytes, message_bytes in formats:
             header = b""
             try:
-                header = recv_exact(self.sock, header_bytes) if header_bytes else b""
-                rest = recv_exact(self.sock, message_bytes(header) - header_bytes)
+                header = stamped.read(header_bytes)
+                rest = stamped.read(message_bytes(header) - header_bytes)
             except PeerClosed as closed:
                 received = len(header) + closed.received
                 reason = (
@@ -258,12 +321,24 @@ class PeerLink:
             except ProtocolError as error:
                 # the header cannot be delimited (unknown level): hand it on as it is, so the
                 # method's decoder names peer and block, and stop reading this stream
-                self.inbox.put(Incoming(header, time.perf_counter()))
+                self.inbox.put(Incoming(header, stamped.kernel_ns, self.clock.now_ns()))
                 self._closed(f"unreadable message header: {error}")
                 return
             self.bytes_received += len(header) + len(rest)
             self.messages_received += 1
-            self.inbox.put(Incoming(header + rest, time.perf_counter()))
+            self.inbox.put(Incoming(header + rest, stamped.kernel_ns, self.clock.now_ns()))
+        self._await_end(stamped)
+
+    def _await_end(self, stamped: Stamped) -> None:
+        """After the last expected message: the peer's EOF, or bytes that should not be."""
+        try:
+            extra = stamped.read(1)
+        except PeerClosed:
+            self._closed("the connection was closed")
+        except OSError as error:
+            self._closed(f"receiving failed: {error.strerror or error}")
+        else:
+            self._closed(f"sent data after its last message ({extra!r}...)")
 
     def finish_sending(self, timeout_s: float) -> None:
         """Let the sender write what is queued, then half-close: the peer reads an EOF."""

@@ -1,15 +1,14 @@
-"""`python -m devices.worker`: one device of a P-device sequence-parallel session.
+"""`python -m devices.worker SPEC`: one device of a P-device sequence-parallel session.
 
-    python -m devices.worker [SPEC.yaml] --rank R --peers h0:p0,h1:p1,... --model vit-tiny \
-        --bundle bundle.pt --method trace-b --param K=16 --batch 2 --warmup 1 \
-        --inferences 10 --threads 1 --out results/dev0
+    python -m devices.worker spec.json [-v]
 
-Flags override the spec file's keys (see devices.spec.RunSpec). The device loads the model,
-the bundle and the method, connects to every peer (handshake: fingerprints, partition,
-method), runs the warm-ups and the measured inferences and writes its records
-(devices.records) to --out. On any error it prints one line `worker R: message` to stderr
-and exits 1 (-v adds the traceback and debug logging), closing its sockets so that its peers
-fail promptly too.
+The spec (devices.spec.RunSpec, a JSON or YAML file) says everything: rank, peers, model,
+the runs (method variants, each a trial) and their inference counts, inputs, output folder.
+The device loads the model, each run's bundle (once per file) and method, connects to every
+peer (handshake: fingerprints, partition, runs, clocks), runs the warm-ups and the measured
+inferences and writes its records (devices.records) to the spec's `out`. On any error it
+prints one line `worker R: message` to stderr and exits 1 (-v adds the traceback and debug
+logging), closing its sockets so that its peers fail promptly too.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from devices.errors import SpecError, WorkerError
-from devices.spec import RunSpec, resolve_spec
+from devices.spec import RunSpec, load_spec, read_spec_file
 
 log = logging.getLogger("devices.worker")
 
@@ -50,62 +49,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("spec", nargs="?", type=Path, help="run spec (YAML or JSON)")
-    add = parser.add_argument
-    add("--rank", type=int)
-    add("--peers", help="host:port of every device in rank order, own listen address included")
-    add("--model", help="model configuration name (tracevq.config)")
-    add("--checkpoint", type=Path, help="timm-format weights for --model (.pth, .safetensors)")
-    add("--model-seed", type=int, help="seed of the model's initial weights (default 0)")
-    add("--bundle", type=Path, help="codebook bundle (astra, trace-b, trace-nb)")
-    add("--method")
-    add(
-        "--param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="method parameter, repeatable (K=1024, level_k=auto, buffers=false ...)",
-    )
-    add("--batch", type=int)
-    add("--warmup", type=int, help="unrecorded inferences first")
-    add("--inferences", type=int, help="measured inferences")
-    add("--threads", type=int, help="torch intra-op threads (the device's CPUs)")
-    add("--input-seed", type=int, help="seed of the generated inputs")
-    add("--inputs", type=Path, help=".pt file: a tensor or {'inputs', 'labels'}")
-    add("--out", type=Path, help="directory for the records")
-    add("--connect-timeout-s", type=float, help="deadline of the mesh set-up")
-    add("--recv-timeout-s", type=float, help="longest wait for a peer's message")
-    add("--rate-mbit", type=float, help="link rate (10^6 bit/s) for level_k=auto")
-    add("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
+    parser.add_argument("spec", type=Path, help="run spec (JSON or YAML, devices.spec.RunSpec)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks")
     return parser.parse_args(argv)
-
-
-def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    keys = (
-        "rank",
-        "peers",
-        "model",
-        "checkpoint",
-        "model_seed",
-        "bundle",
-        "method",
-        "batch",
-        "warmup",
-        "inferences",
-        "threads",
-        "input_seed",
-        "inputs",
-        "out",
-        "connect_timeout_s",
-        "recv_timeout_s",
-        "rate_mbit",
-    )
-    return resolve_spec(args.spec, {key: getattr(args, key) for key in keys}, args.param)
 
 
 def load_model(spec: RunSpec) -> Any:
     """The named architecture, with the checkpoint's weights if one is given (else the
-    weights initialised from --model-seed)."""
+    weights initialised from the spec's model seed)."""
     import tracevq
 
     model = tracevq.build_model(spec.model, seed=spec.model_seed)
@@ -114,18 +65,28 @@ def load_model(spec: RunSpec) -> Any:
     return model.eval()
 
 
-def load_method(spec: RunSpec, model: Any) -> tuple[Any, Any]:
-    """The method bound to the model, and the bundle (None when not given)."""
+def load_methods(spec: RunSpec, model: Any) -> dict[str, tuple[Any, Any]]:
+    """Each run's method bound to the model, with its bundle (None when not given); a bundle
+    file shared by several runs is loaded once."""
     from tracevq.bundle import Bundle, model_fingerprint
     from tracevq.methods import make_method
 
-    bundle = Bundle.load(spec.bundle) if spec.bundle is not None else None
-    if bundle is not None and bundle.model_fingerprint != model_fingerprint(model):
-        raise SpecError(
-            f"bundle {spec.bundle} was fitted for a model with fingerprint "
-            f"{bundle.model_fingerprint}, this model has {model_fingerprint(model)}"
-        )
-    return make_method(spec.method, model, bundle, **spec.params), bundle
+    bundles: dict[Path, Any] = {}
+    methods = {}
+    for run in spec.runs:
+        bundle = None
+        if run.bundle is not None:
+            if run.bundle not in bundles:
+                bundles[run.bundle] = Bundle.load(run.bundle)
+            bundle = bundles[run.bundle]
+            if bundle.model_fingerprint != model_fingerprint(model):
+                raise SpecError(
+                    f"run {run.id!r}: bundle {run.bundle} was fitted for a model with "
+                    f"fingerprint {bundle.model_fingerprint}, this model has "
+                    f"{model_fingerprint(model)}"
+                )
+        methods[run.id] = (make_method(run.method, model, bundle, **run.params), bundle)
+    return methods
 
 
 def run_device(spec: RunSpec) -> None:
@@ -138,10 +99,9 @@ def run_device(spec: RunSpec) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     began = time.perf_counter()
     model = load_model(spec)
-    method, bundle = load_method(spec, model)
-    device = Device(spec, method, bundle)
-    device.facts["load_s"] = time.perf_counter() - began
-    device.facts["switch_interval_s"] = sys.getswitchinterval()
+    device = Device(spec, model, load_methods(spec, model))
+    device.timing_s["load_s"] = time.perf_counter() - began
+    device.timing_s["switch_interval_s"] = sys.getswitchinterval()
     device.run()
 
 
@@ -156,16 +116,25 @@ def one_line(error: BaseException) -> str:
     return " ".join(text.split())
 
 
+def _rank_of(path: Path) -> object:
+    """The spec file's rank for error lines, before the spec is validated ("?" if none)."""
+    try:
+        rank = read_spec_file(path).get("rank", "?")
+    except SpecError:
+        return "?"
+    return rank if isinstance(rank, int) else "?"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    rank = "?" if args.rank is None else args.rank
+    rank = _rank_of(args.spec)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        spec = spec_from_args(args)
+        spec = load_spec(args.spec)
         rank = spec.rank
         log.debug("worker %s on %s, python %s", rank, platform.node(), platform.python_version())
         run_device(spec)

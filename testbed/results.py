@@ -4,11 +4,12 @@
         config.yaml          the resolved experiment
         environment.json     versions, kernel, qdisc support, host cores, git commit
         plan.csv             the trial plan with analytic payloads
-        trials.parquet/.csv  one row per device per repetition (TRIAL_COLUMNS)
+        trials.parquet/.csv  one row per device per repetition (testbed.columns)
         layers.parquet       one row per device per layer per repetition
-        trials/<trial-id>/   per trial: its rows (written atomically when it ends), the
-                             workers' records, the applied qdisc and its counters
-        figures/  logs/
+        trials/<trial-id>/   per trial: its rows (written atomically when its session ends)
+        sessions/<id>/       per worker session: each device's spec, records and log
+        links/               per shaping: the probe's rates and the link's state
+        figures/
 
 `load(run_dir)` returns the DataFrames; the combined tables are rebuilt from the per-trial
 files after every trial, so a crash loses at most the trial that was running.
@@ -25,16 +26,9 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from testbed.columns import TRIAL_NAMES
 from testbed.errors import TestbedError
 
-TRIAL_COLUMNS = [
-    "run_id", "trial_id", "experiment", "backend", "model", "method", "params", "devices",
-    "rank", "bandwidth_mbit", "measured_mbit", "measured_wire_mbit", "rate_flagged", "K",
-    "level_k", "r_bits", "repeat", "compute_ms", "comm_ms", "send_ms", "wait_ms",
-    "effective_ms", "analytic_comm_ms", "analytic_comm_ms_paper", "payload_bits_per_layer",
-    "payload_bits", "wire_bytes", "received_bytes", "qdisc_sent_bytes", "correct", "batch",
-    "cpus", "threads", "oversubscribed", "trial_s", "status", "error",
-]  # fmt: skip
 TRIAL_ROWS = "trial.parquet"
 LAYER_ROWS = "layers.parquet"
 
@@ -66,7 +60,7 @@ def save_trial(run_dir: Path, trial_id: str, trials: pd.DataFrame, layers: pd.Da
     """Write one finished trial's rows (layers first: the trial file marks it finished)."""
     directory = trial_dir(run_dir, trial_id)
     write_frame(layers, directory / LAYER_ROWS)
-    write_frame(trials.reindex(columns=TRIAL_COLUMNS), directory / TRIAL_ROWS)
+    write_frame(trials.reindex(columns=TRIAL_NAMES), directory / TRIAL_ROWS)
 
 
 def finished_trials(run_dir: Path) -> set[str]:
@@ -82,7 +76,7 @@ def finished_trials(run_dir: Path) -> set[str]:
 def combine(run_dir: Path) -> pd.DataFrame:
     """Rebuild trials.parquet/.csv and layers.parquet from the per-trial files."""
     run_dir = Path(run_dir)
-    trials = _concat(sorted(run_dir.glob(f"trials/*/{TRIAL_ROWS}")), TRIAL_COLUMNS)
+    trials = _concat(sorted(run_dir.glob(f"trials/*/{TRIAL_ROWS}")), TRIAL_NAMES)
     layers = _concat(sorted(run_dir.glob(f"trials/*/{LAYER_ROWS}")), None)
     write_frame(trials, run_dir / "trials.parquet")
     write_frame(trials, run_dir / "trials.csv")

@@ -1,9 +1,10 @@
 """Executes an experiment: devices started once per device count, links reshaped per
-bandwidth, one worker session per trial; every finished trial written to disk at once.
+bandwidth, one worker session per device count and bandwidth that runs all of its trials
+interleaved (testbed.sessions); every trial's rows written to disk as soon as its session ends.
 
-A trial that fails (a worker crashes, times out or refuses its peer) is recorded with its
-error and the workers' logs, and the sweep goes on. Whatever happens, the backend removes
-what it created (containers, networks, namespaces, qdiscs) on the way out.
+A session that fails (a worker crashes, times out or refuses its peer) records its trials
+with the error and the workers' logs, and the sweep goes on. Whatever happens, the backend
+removes what it created (containers, networks, namespaces, qdiscs) on the way out.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import yaml
@@ -30,9 +32,11 @@ from testbed.plots import make_figures
 from testbed.profiles import load_profile
 from testbed.results import combine, finished_trials, load, save_trial, write_frame, write_text
 from testbed.schema import Experiment
-from testbed.trial import run_trial
+from testbed.sessions import WORKER_PORT, run_session, session_id
 
 log = logging.getLogger(__name__)
+
+PlanRows = dict[tuple[str, int], dict[str, Any]]
 
 
 def new_run_id() -> str:
@@ -66,13 +70,14 @@ class RunOutcome:
     failures: list[str] = field(default_factory=list)
 
 
-def prepare_run_dir(experiment: Experiment, run_dir: Path, trials: list[Trial]) -> pd.DataFrame:
+def prepare_run_dir(experiment: Experiment, run_dir: Path, trials: list[Trial]) -> PlanRows:
+    """Write the resolved experiment and the plan; the plan's rows by (trial id, rank)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = experiment.model_dump(mode="json")
     write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    plan = pd.DataFrame(plan_rows(experiment, trials))
-    write_frame(plan, run_dir / "plan.csv")
-    return plan
+    rows = plan_rows(experiment, trials)
+    write_frame(pd.DataFrame(rows), run_dir / "plan.csv")
+    return {(row["trial_id"], row["rank"]): row for row in rows}
 
 
 class Runner:
@@ -81,6 +86,7 @@ class Runner:
         self.backend_name, self.run_id = backend, run_id
         self.trials = plan_trials(experiment)
         self.profile = load_profile(experiment.link.profile)
+        self.sessions = 0  # sessions started: each gets its own worker port
 
     def run(self, resume: bool = False) -> RunOutcome:
         plan = prepare_run_dir(self.experiment, self.run_dir, self.trials)
@@ -103,7 +109,7 @@ class Runner:
         self,
         count: int,
         trials: list[Trial],
-        plan: pd.DataFrame,
+        plan: PlanRows,
         files: RunFiles,
         outcome: RunOutcome,
         progress: tqdm,
@@ -112,58 +118,84 @@ class Runner:
         inventory = self.experiment.inventory
         with make_backend(self.backend_name, self.run_id, self.run_dir, inventory) as backend:
             backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
-            self._write_environment(backend)
-            for rate, group in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
+            self._write_environment(backend, count)
+            for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
+                group = list(grouped)
                 progress.set_postfix_str(f"P={count} shaping {rate:g} Mbit/s")
                 link = shape_and_probe(backend, self.profile, rate, self.experiment.link.probe_s)
                 self._save_link(link, count)
-                for trial in group:
-                    progress.set_postfix_str(f"{trial.trial_id}")
-                    self._run_one(backend, trial, plan, files, link, outcome)
-                    progress.update()
+                progress.set_postfix_str(f"P={count} at {rate:g} Mbit/s")
+                self._run_session(backend, group, plan, files, link, outcome)
+                progress.update(len(group))
 
-    def _run_one(
+    def _run_session(
         self,
         backend: Backend,
-        trial: Trial,
-        plan: pd.DataFrame,
+        trials: list[Trial],
+        plan: PlanRows,
         files: RunFiles,
         link: LinkState,
         outcome: RunOutcome,
     ) -> None:
-        index = self.trials.index(trial)
-        rows = plan[plan["trial_id"] == trial.trial_id].set_index("rank")
-        per_rank = {int(rank): row.to_dict() for rank, row in rows.iterrows()}
-        base = {
-            "run_id": self.run_id, "backend": backend.name, "batch": self.experiment.batch,
+        name = session_id(trials[0].devices, trials[0].bandwidth_mbit)
+        directory = self.run_dir / "sessions" / name
+        if directory.exists():  # a resumed run: keep the earlier session's files
+            name += f"-{secrets.token_hex(2)}"
+            directory = directory.with_name(name)
+        identity = {t.trial_id: self._identity(backend, t, plan, link, name) for t in trials}
+        port = WORKER_PORT + self.sessions % 1000
+        self.sessions += 1
+        result = run_session(
+            backend, self.experiment, trials, directory, port, identity, link, files,
+            lambda: {d.rank: _qdisc_sent(backend, d) for d in backend.devices},
+        )  # fmt: skip
+        for trial in trials:
+            trial_rows, layer_rows = result.rows[trial.trial_id]
+            save_trial(self.run_dir, trial.trial_id, trial_rows, layer_rows)
+            if result.ok:
+                outcome.ok += 1
+            else:
+                outcome.failed += 1
+                outcome.failures.append(f"{trial.trial_id}: {result.error}")
+        if not result.ok:
+            log.warning("session %s failed: %s", name, result.error)
+        combine(self.run_dir)
+
+    def _identity(
+        self, backend: Backend, trial: Trial, plan: PlanRows, link: LinkState, session: str
+    ) -> dict[int, dict[str, Any]]:
+        """Per rank, every column of the trial's rows that the workers do not measure."""
+        facts = {
+            "run_id": self.run_id, "session_id": session, "backend": backend.name,
+            "emulator": "tbf", "batch": self.experiment.batch,
             "cpus": self.experiment.devices.cpus, "threads": backend.devices[0].threads,
             "oversubscribed": backend.oversubscribed,
         }  # fmt: skip
-        before = {d.rank: _qdisc_sent(backend, d) for d in backend.devices}
-        result = run_trial(backend, self.experiment, trial, index, base, per_rank, link, files)
-        sent = {d.rank: _qdisc_sent(backend, d) - before[d.rank] for d in backend.devices}
-        result.trials["qdisc_sent_bytes"] = result.trials["rank"].map(sent)
-        save_trial(self.run_dir, trial.trial_id, result.trials, result.layers)
-        combine(self.run_dir)
-        if result.ok:
-            outcome.ok += 1
-        else:
-            outcome.failed += 1
-            outcome.failures.append(f"{trial.trial_id}: {result.error}")
-            log.warning("trial %s failed: %s", trial.trial_id, result.error)
+        peers = trial.devices > 1
+        return {
+            rank: {
+                **plan[(trial.trial_id, rank)],
+                **facts,
+                "measured_mbit": link.measured_mbit.get(rank),
+                "measured_wire_mbit": link.wire_mbit(rank),
+                "rate_flagged": link.flagged(rank) if peers else False,
+            }
+            for rank in range(trial.devices)
+        }
 
-    def _write_environment(self, backend: Backend) -> None:
-        plan = backend.cpu_plan
-        extra = {
-            "qdisc_support": backend.qdisc_support(),
-            "cpusets": plan.cpusets if plan else None,
+    def _write_environment(self, backend: Backend, count: int) -> None:
+        """environment.json: the host's facts, and per device count its devices' facts."""
+        path = self.run_dir / "environment.json"
+        facts = json.loads(path.read_text()) if path.is_file() else {}
+        if not facts:
+            facts = environment.collect(backend.name, {"qdisc_support": backend.qdisc_support()})
+        cpus = backend.cpu_plan
+        facts.setdefault("by_devices", {})[str(count)] = {
+            "cpusets": cpus.cpusets if cpus else None,
             "oversubscribed": backend.oversubscribed,
             "devices": [d.__dict__ for d in backend.devices],
         }
-        write_text(
-            self.run_dir / "environment.json",
-            json.dumps(environment.collect(backend.name, extra), indent=2, default=str),
-        )
+        write_text(path, json.dumps(facts, indent=2, default=str))
 
     def _save_link(self, link: LinkState, count: int) -> None:
         path = self.run_dir / "links" / f"p{count}-{link.rate_mbit:g}mbit.json"

@@ -126,6 +126,9 @@ class Backend(abc.ABC):
         self.run_dir = Path(run_dir).resolve()
         self.devices: list[Device] = []
         self.cpu_plan: CpuPlan | None = None
+        # by rank: seconds added to every timestamp the worker takes, to emulate boards whose
+        # clocks are off (tests of the clock alignment)
+        self.clock_skews_s: dict[int, float] = {}
 
     @abc.abstractmethod
     def start(self, spec: DeviceSpec) -> list[Device]:

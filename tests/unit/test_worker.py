@@ -1,17 +1,16 @@
 """The network worker against the in-process simulation: real processes on 127.0.0.1.
 
-Each session is a set of `python -m devices.worker` subprocesses on free local ports (vit-tiny,
-a K=16 bundle, batch 2, one inference). The network path must change timing only: the logits
-equal `tracevq.simulate`'s, every message is the analytic payload rounded up to bytes, and the
-records show Trace-b's message leaving before the FFN it hides behind while the other methods
-send only when a block starts. Every subprocess wait has a timeout; processes are killed in a
+Each session is a set of `python -m devices.worker SPEC` subprocesses on free local ports
+(vit-tiny, a K=16 bundle, batch 2). The network path must change timing only: the logits of
+every run equal `tracevq.simulate`'s, every message is the analytic payload rounded up to
+bytes, and the records show Trace-b's message leaving before the FFN it hides behind while
+the other methods send only when a block starts. Several runs share one session, their
+inferences interleaved. Every subprocess wait has a timeout; processes are killed in a
 `finally` so that a failing test never leaves workers behind.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import re
@@ -22,6 +21,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,8 +31,9 @@ import tracevq
 from devices.device import Device
 from devices.handshake import shake
 from devices.inputs import generated_batch
-from devices.spec import resolve_spec
-from devices.worker import load_method
+from devices.records import read_records, read_session
+from devices.spec import MethodRun, RunSpec
+from devices.worker import load_methods
 from tracevq.bundle import fit_bundle
 from tracevq.codec import encode_trace_message
 
@@ -40,20 +41,16 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = "vit-tiny"
 K = 16
 BATCH = 2
-SESSION_TIMEOUT_S = 60
+SESSION_TIMEOUT_S = 90
 
 METHODS = {
-    "voltage": {},
-    "prism": {"segment": 4},
-    "astra": {"K": K},
-    "trace-b": {"K": K},
-    "trace-b-chain": {"K": K, "buffers": False},
-    "trace-nb": {"K": K},
+    "voltage": ("voltage", {}),
+    "prism": ("prism", {"segment": 4}),
+    "astra": ("astra", {"K": K}),
+    "trace-b": ("trace-b", {"K": K}),
+    "trace-b-chain": ("trace-b", {"K": K, "buffers": False}),
+    "trace-nb": ("trace-nb", {"K": K}),
 }
-
-
-def method_name(case: str) -> str:
-    return "trace-b" if case == "trace-b-chain" else case
 
 
 def free_ports(count: int) -> list[int]:
@@ -64,45 +61,22 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
-def worker_args(
-    rank: int,
-    peers: list[str],
-    out: Path,
-    method: str,
-    params: dict,
-    bundle: Path | None,
-    *extra: str,
-) -> list[str]:
-    args = [
-        sys.executable,
-        "-m",
-        "devices.worker",
-        "--rank",
-        str(rank),
-        "--peers",
-        ",".join(peers),
-        "--model",
-        MODEL,
-        "--method",
-        method,
-        "--batch",
-        str(BATCH),
-        "--inferences",
-        "1",
-        "--threads",
-        "1",
-        "--out",
-        str(out / f"device{rank}"),
-        "--connect-timeout-s",
-        "30",
-        "--recv-timeout-s",
-        "20",
-    ]
-    if bundle is not None:
-        args += ["--bundle", str(bundle)]
-    for key, value in params.items():
-        args += ["--param", f"{key}={json.dumps(value)}"]
-    return args + list(extra)
+def method_run(case: str, bundle: Path | None, inferences: int = 1) -> MethodRun:
+    method, params = METHODS[case]
+    uses_bundle = method in ("astra", "trace-b", "trace-nb")
+    return MethodRun(id=case, method=method, params=params,
+                     bundle=bundle if uses_bundle else None, inferences=inferences)  # fmt: skip
+
+
+def write_spec(
+    tmp_path: Path, rank: int, peers: list[str], runs: list[MethodRun], **extra: Any
+) -> Path:
+    fields = dict(rank=rank, peers=peers, model=MODEL, runs=runs, batch=BATCH, threads=1,
+                  out=tmp_path / f"device{rank}", connect_timeout_s=30,
+                  recv_timeout_s=20)  # fmt: skip
+    fields.update(extra)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return RunSpec(**fields).write(tmp_path / f"spec{rank}.json")
 
 
 def start(args: list[str]) -> subprocess.Popen:
@@ -133,33 +107,17 @@ def kill_all(processes: list[subprocess.Popen]) -> None:
 
 
 def run_session(
-    tmp_path: Path, devices: int, method: str, params: dict, bundle: Path | None, *extra: str
+    tmp_path: Path, devices: int, runs: list[MethodRun], **extra: Any
 ) -> list[tuple[int, str]]:
     peers = [f"127.0.0.1:{port}" for port in free_ports(devices)]
+    paths = [write_spec(tmp_path, rank, peers, runs, **extra) for rank in range(devices)]
     processes = []
     try:
-        for rank in range(devices):
-            processes.append(
-                start(worker_args(rank, peers, tmp_path, method, params, bundle, *extra))
-            )
+        for path in paths:
+            processes.append(start([sys.executable, "-m", "devices.worker", str(path)]))
     finally:
         results = finish(processes, SESSION_TIMEOUT_S)
     return results
-
-
-def read_csv(path: Path) -> list[dict[str, float | str | None]]:
-    def value(text: str) -> float | str | None:
-        if text == "":
-            return None
-        try:
-            return float(text)
-        except ValueError:
-            return text
-
-    with open(path, newline="") as stream:
-        rows = list(csv.DictReader(stream))
-    # classes stay text ("3 7"); everything else is a number or empty
-    return [{k: t if k == "predicted" else value(t) for k, t in row.items()} for row in rows]
 
 
 @pytest.fixture(scope="module")
@@ -185,108 +143,119 @@ def simulate(model, bundle_path: Path, method: str, params: dict, devices: int):
         torch.set_num_threads(threads)
 
 
-def check_bytes(layers: list[dict], reference, rank: int, devices: int) -> None:
+def check_bytes(blocks, reference, rank: int, devices: int) -> None:
     """Each message put ceil(payload_bits / 8) bytes on each peer's socket, as simulated."""
-    for row in layers:
-        block = int(row["block"])
-        assert row["wire_bytes"] == math.ceil(row["payload_bits"] / 8)
-        assert row["payload_bits"] == reference.payload_bits[block, rank]
-        assert row["wire_bytes"] == reference.wire_bytes[block, rank]
+    for row in blocks:
+        assert row.message_bytes == math.ceil(row.payload_bits / 8)
+        assert row.payload_bits == reference.payload_bits[row.block, rank]
+        assert row.message_bytes == reference.wire_bytes[row.block, rank]
         peers = [p for p in range(devices) if p != rank]
-        assert row["received_bytes"] == sum(reference.wire_bytes[block, p] for p in peers)
+        assert row.received_bytes == sum(reference.wire_bytes[row.block, p] for p in peers)
 
 
-def check_order(layers: list[dict], trace: bool) -> None:
-    """Within a device: where each message is queued relative to the FFNs."""
-    for row in layers:
-        assert row["block_start_ms"] <= row["attn_start_ms"] <= row["ffn_start_ms"]
-        assert row["ffn_start_ms"] <= row["ffn_end_ms"]
-        assert row["recv_end_ms"] <= row["attn_start_ms"]  # peers' data in before attention
-        assert row["send_start_ms"] <= row["send_end_ms"]
-    for before, row in zip(layers, layers[1:], strict=False):
+def check_order(blocks, trace: bool) -> None:
+    """Within a device: where each message leaves relative to the FFNs."""
+    for row in blocks:
+        assert row.start_ns <= row.wait_start_ns <= row.wait_end_ns <= row.ffn_start_ns
+        assert row.ffn_start_ns <= row.ffn_end_ns
+        assert row.departed_ns <= row.written_ns
+    for before, row in zip(blocks, blocks[1:], strict=False):
         if trace:
-            # the message for block b + 1 is queued before block b's FFN starts: it travels
+            # the message for block b + 1 leaves before block b's FFN starts: it travels
             # while the FFN runs
-            assert row["send_start_ms"] <= before["ffn_start_ms"] < before["ffn_end_ms"]
+            assert row.departed_ns <= before.ffn_start_ns < before.ffn_end_ns
         else:
-            # queued only when block b + 1 starts, after block b's FFN: nothing to hide behind
-            assert before["ffn_end_ms"] <= row["send_start_ms"] <= row["attn_start_ms"]
+            # it leaves only when block b + 1 starts, after block b's FFN: nothing to hide behind
+            assert before.ffn_end_ns <= row.departed_ns <= row.wait_start_ns
 
 
-def check_transfers_before_ffn(outs: list[Path], devices: int) -> None:
-    """Voltage/Prism/Astra, across devices (one host: one clock): every message for block b
-    travels from its queueing on the sender (after the sender's FFN of block b - 1, see
-    check_order) to its arrival at the receiver, which precedes the receiver's FFN of block b.
-    So no FFN of either end overlaps the transfer: the payload is on the critical path."""
-    starts = [read_csv(out / "inferences.csv")[0]["start_clock_s"] * 1000 for out in outs]
-    rows = [read_csv(out / "layers.csv") for out in outs]
-    for block in range(len(rows[0])):
-        for sender in range(devices):
-            queued = starts[sender] + rows[sender][block]["send_start_ms"]
-            for receiver in set(range(devices)) - {sender}:
-                arrived = starts[receiver] + rows[receiver][block]["recv_end_ms"]
-                ffn = starts[receiver] + rows[receiver][block]["ffn_start_ms"]
-                assert queued <= arrived <= ffn
+def check_arrivals(records: list, run: str) -> None:
+    """Across devices (one host, one clock): every message departs before the kernel stamps
+    its arrival, which precedes the receiver thread's read and the receiver's attention."""
+    departed = {
+        (rank, b.inference, b.block): b.departed_ns
+        for rank, r in enumerate(records) for b in r.blocks if b.run == run
+    }  # fmt: skip
+    for r in records:
+        waits = {(b.inference, b.block): b.wait_end_ns for b in r.blocks if b.run == run}
+        arrivals = [a for a in r.arrivals if a.run == run]
+        assert arrivals and r.session.kernel_timestamps
+        for a in arrivals:
+            assert departed[(a.peer, a.inference, a.block)] <= a.kernel_ns <= a.read_ns
+            assert a.read_ns <= waits[(a.inference, a.block)]
 
 
 @pytest.mark.parametrize("devices", [2, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("case", list(METHODS))
-def test_worker_matches_simulation(tmp_path, model, bundle_path, case, devices):
-    method, params = method_name(case), METHODS[case]
-    bundle = bundle_path if method in ("astra", "trace-b", "trace-nb") else None
-    results = run_session(tmp_path, devices, method, params, bundle)
+def test_worker_matches_simulation(tmp_path, model, bundle_path, devices):
+    """Every method in one session, two inferences each, interleaved round-robin."""
+    runs = [method_run(case, bundle_path, inferences=2) for case in METHODS]
+    results = run_session(tmp_path, devices, runs, warmup=1)
     for rank, (status, stderr) in enumerate(results):
         assert status == 0, f"worker {rank} failed: {stderr}"
-    reference = simulate(model, bundle_path, method, params, devices)
-    logits = np.load(tmp_path / "device0" / "logits.npy")  # (inferences, B, classes)
-    assert logits.shape == (1, BATCH, model.config.num_classes)
-    np.testing.assert_allclose(logits[0], reference.logits.numpy(), atol=1e-5, rtol=0)
+    records = [read_records(tmp_path / f"device{rank}") for rank in range(devices)]
+    order = [(r.run, r.inference) for r in records[0].inferences]
+    assert order == [(case, i) for i in range(2) for case in METHODS]  # interleaved
+    for case, (method, params) in METHODS.items():
+        reference = simulate(model, bundle_path, method, params, devices)
+        logits = np.load(tmp_path / "device0" / "logits" / f"{case}.npy")  # (I, B, classes)
+        assert logits.shape == (2, BATCH, model.config.num_classes)
+        for inference in range(2):  # the same input batch 0, 1 for every run
+            expected = simulate_input(model, bundle_path, method, params, devices, inference)
+            np.testing.assert_allclose(logits[inference], expected, atol=1e-5, rtol=0, err_msg=case)
+        for rank, device in enumerate(records):
+            blocks = [b for b in device.blocks if b.run == case and b.inference == 0]
+            assert [b.block for b in blocks] == list(range(model.config.depth))
+            check_bytes(blocks, reference, rank, devices)
+            check_order(blocks, trace=method.startswith("trace"))
+            for record in (r for r in device.inferences if r.run == case):
+                assert record.effective_ms == pytest.approx(
+                    record.compute_ms + record.wait_ms, abs=1e-3
+                )
+            if rank == 0:
+                predicted = next(r for r in device.inferences if r.run == case).predicted
+                assert predicted == reference.logits.argmax(-1).tolist()
+        check_arrivals(records, case)
+    for rank, device in enumerate(records):
+        session = device.session
+        assert session.status == "done"
+        assert session.threads == {"requested": 1, "torch": 1}
+        assert session.bytes["handshake"]["sent"] > 0
+        assert set(session.clock_offset_ns) == {p for p in range(devices) if p != rank}
+        sent = sum(b.message_bytes for b in device.blocks) * (devices - 1)
+        warmups = session.bytes["payload"]["sent"] - sent  # one warm-up of each run
+        assert warmups == sent / 2
 
-    outs = [tmp_path / f"device{rank}" for rank in range(devices)]
-    for rank, out in enumerate(outs):
-        layers = read_csv(out / "layers.csv")
-        assert [int(row["block"]) for row in layers] == list(range(model.config.depth))
-        check_bytes(layers, reference, rank, devices)
-        check_order(layers, trace=method.startswith("trace"))
-        (record,) = read_csv(out / "inferences.csv")
-        assert record["effective_ms"] == pytest.approx(
-            record["compute_ms"] + record["wait_ms"], abs=1e-3
-        )
-        assert record["wire_bytes"] == sum(row["wire_bytes"] for row in layers)
-        session = json.loads((out / "session.json").read_text())
-        assert session["status"] == "done"
-        assert session["threads"] == {"requested": 1, "torch": 1}
-        assert session["bytes"]["payload"]["sent"] == record["wire_bytes"] * (devices - 1)
-        assert session["bytes"]["handshake"]["sent"] > 0
-        assert set(session["handshakes"]) == {str(p) for p in range(devices) if p != rank}
-        if rank == 0:
-            predicted = [int(c) for c in record["predicted"].split()]
-            assert predicted == reference.logits.argmax(-1).tolist()
-    if not method.startswith("trace"):
-        check_transfers_before_ffn(outs, devices)
+
+def simulate_input(model, bundle_path, method, params, devices, index):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bundle = tracevq.Bundle.load(bundle_path)
+        inputs = generated_batch(model.config, BATCH, seed=0, index=index)
+        return tracevq.simulate(model, inputs, method, devices, bundle=bundle, **params).logits
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_auto_level_picks_coarsest_on_a_slow_link(tmp_path, model, bundle_path):
     """level_k=auto with a 100 bit/s link: nothing fits under the FFN (even level 0's 24 bits
     take 240 ms, far more than a loaded machine's FFN of this model), so level 0 (1 bit); the
     logits are those of the simulation at that level. Two threads, recorded."""
-    params = {"K": K, "level_k": "auto"}
-    results = run_session(
-        tmp_path, 2, "trace-b", params, bundle_path, "--rate-mbit", "0.0001", "--threads", "2"
-    )
+    run = MethodRun(id="auto", method="trace-b", params={"K": K, "level_k": "auto"},
+                    bundle=bundle_path)  # fmt: skip
+    results = run_session(tmp_path, 2, [run], rate_mbit=0.0001, threads=2)
     for rank, (status, stderr) in enumerate(results):
         assert status == 0, f"worker {rank} failed: {stderr}"
     reference = simulate(model, bundle_path, "trace-b", {"K": K, "level_k": 2}, 2)
-    logits = np.load(tmp_path / "device0" / "logits.npy")
+    logits = np.load(tmp_path / "device0" / "logits" / "auto.npy")
     np.testing.assert_allclose(logits[0], reference.logits.numpy(), atol=1e-5, rtol=0)
     for rank in range(2):
-        out = tmp_path / f"device{rank}"
-        session = json.loads((out / "session.json").read_text())
-        assert session["level"]["mode"] == "auto" and session["level"]["level"] == 0
-        assert session["level"]["ffn_ms"] > 0
-        assert session["threads"]["torch"] == 2
-        (record,) = read_csv(out / "inferences.csv")
-        assert (record["level"], record["r_bits"]) == (0, 1)
+        device = read_records(tmp_path / f"device{rank}")
+        choice = device.session.runs["auto"]["level_choice"]
+        assert choice["mode"] == "auto" and choice["level"] == 0 and choice["ffn_ms"] > 0
+        assert device.session.threads["torch"] == 2
+        (record,) = device.inferences
+        assert (record.level, record.level_k, record.r_bits) == (0, 2, 1)
 
 
 def test_mismatched_bundle_is_refused_on_both_sides(tmp_path, model, bundle_path):
@@ -296,32 +265,27 @@ def test_mismatched_bundle_is_refused_on_both_sides(tmp_path, model, bundle_path
     processes = []
     try:
         for rank, bundle in enumerate((bundle_path, other_path)):
-            processes.append(start(worker_args(rank, peers, tmp_path, "astra", {"K": K}, bundle)))
+            path = write_spec(tmp_path, rank, peers, [method_run("astra", bundle)])
+            processes.append(start([sys.executable, "-m", "devices.worker", str(path)]))
     finally:
         results = finish(processes, SESSION_TIMEOUT_S)
     for rank, (status, stderr) in enumerate(results):
         assert status != 0
         (line,) = stderr.strip().splitlines()  # one line, no traceback
         assert line.startswith(f"worker {rank}: ")
-        assert "bundle fingerprint" in line and f"device {1 - rank}" in line
+        assert "bundle_fingerprint" in line and f"device {1 - rank}" in line
 
 
 def test_peer_that_never_starts_times_out_naming_it(tmp_path):
     lonely_connector = [f"127.0.0.1:{port}" for port in free_ports(2)]  # rank 0 never runs
     lonely_listener = [f"127.0.0.1:{port}" for port in free_ports(2)]  # rank 1 never runs
+    runs = [method_run("voltage", None)]
     began = time.monotonic()
-    processes = [
-        start(
-            worker_args(
-                1, lonely_connector, tmp_path / "a", "voltage", {}, None, "--connect-timeout-s", "1"
-            )
-        ),
-        start(
-            worker_args(
-                0, lonely_listener, tmp_path / "b", "voltage", {}, None, "--connect-timeout-s", "1"
-            )
-        ),
+    paths = [
+        write_spec(tmp_path / "a", 1, lonely_connector, runs, connect_timeout_s=1),
+        write_spec(tmp_path / "b", 0, lonely_listener, runs, connect_timeout_s=1),
     ]
+    processes = [start([sys.executable, "-m", "devices.worker", str(p)]) for p in paths]
     (status_a, stderr_a), (status_b, stderr_b) = finish(processes, SESSION_TIMEOUT_S)
     assert time.monotonic() - began < 30
     assert status_a != 0 and status_b != 0
@@ -337,11 +301,12 @@ def test_stopped_worker_fails_the_others_promptly(tmp_path, bundle_path, stop):
     the lost device and the block they needed its message for. On SIGTERM device 1 itself
     unwinds: one line, status 143, session.json says failed."""
     peers = [f"127.0.0.1:{port}" for port in free_ports(3)]
+    runs = [method_run("trace-b", bundle_path, inferences=1_000_000)]
     processes = []
     try:
         for rank in range(3):
-            args = worker_args(rank, peers, tmp_path, "trace-b", {"K": K}, bundle_path)
-            processes.append(start(args + ["--inferences", "1000000"]))
+            path = write_spec(tmp_path, rank, peers, runs)
+            processes.append(start([sys.executable, "-m", "devices.worker", str(path)]))
         sessions = [tmp_path / f"device{rank}" / "session.json" for rank in range(3)]
         deadline = time.monotonic() + SESSION_TIMEOUT_S
         while not all(path.exists() for path in sessions):
@@ -360,11 +325,11 @@ def test_stopped_worker_fails_the_others_promptly(tmp_path, bundle_path, stop):
         assert status != 0
         assert stderr.startswith(f"worker {rank}: lost device 1 ({peers[1]})"), stderr
         assert "block" in stderr and "inference" in stderr
-        session = json.loads(sessions[rank].read_text())
-        assert session["status"] == "failed" and "device 1" in session["error"]
+        session = read_session(tmp_path / f"device{rank}")
+        assert session.status == "failed" and "device 1" in session.error
     if stop == signal.SIGTERM:
         assert results[1] == (143, "worker 1: terminated by SIGTERM\n")
-        assert json.loads(sessions[1].read_text())["status"] == "failed"
+        assert read_session(tmp_path / "device1").status == "failed"
 
 
 def corrupted(case: str) -> bytes:
@@ -384,20 +349,23 @@ def corrupted(case: str) -> bytes:
     [
         (
             "block-counter",
-            r"inference 0: trace-b message from device 1 for block 0: block counter "
-            r"mismatch: expected 0 .* received 5",
+            r"inference 0 of run trace-b: trace-b message from device 1 for block 0: block "
+            r"counter mismatch: expected 0 .* received 5",
         ),
         (
             "too-long",
-            r"inference 0: trace-b message from device 1 for block 1: block counter "
-            r"mismatch: expected 1",
+            r"inference 0 of run trace-b: trace-b message from device 1 for block 1: block "
+            r"counter mismatch: expected 1",
         ),
         (
             "unknown-level",
-            r"inference 0: trace-b message from device 1 for block 0: level 15 not in the "
-            r"codebook tree",
+            r"inference 0 of run trace-b: trace-b message from device 1 for block 0: level 15 "
+            r"not in the codebook tree",
         ),
-        ("too-short", r"no message from device 1 .* for block 0 of inference 0 within 3 s"),
+        (
+            "too-short",
+            r"no message from device 1 .* for block 0 of inference 0 of run trace-b within 3 s",
+        ),
     ],
     ids=["block-counter", "too-long", "unknown-level", "too-short"],
 )
@@ -405,29 +373,20 @@ def test_corrupted_message_fails_the_worker_naming_peer_and_block(
     tmp_path, bundle_path, case, expected
 ):
     peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    spec = resolve_spec(
-        None,
-        {
-            "rank": 1,
-            "peers": ",".join(peers),
-            "model": MODEL,
-            "bundle": bundle_path,
-            "method": "trace-b",
-            "batch": 2,
-            "out": tmp_path / "fake",
-        },
-        [f"K={K}"],
-    )
-    method, bundle = load_method(spec, tracevq.build_model(MODEL))
-    fake = Device(spec, method, bundle)
+    runs = [method_run("trace-b", bundle_path)]
+    spec = RunSpec.model_validate_json(write_spec(tmp_path / "fake", 1, peers, runs).read_text())
+    model = tracevq.build_model(MODEL)
+    fake = Device(spec, model, load_methods(spec, model))
     hello, names = fake.hello(), [fake.mesh.name(p) for p in range(2)]
-    worker = start(
-        worker_args(0, peers, tmp_path, "trace-b", {"K": K}, bundle_path, "--recv-timeout-s", "3")
-    )
+    worker_spec = write_spec(tmp_path, 0, peers, runs, recv_timeout_s=3)
+    worker = start([sys.executable, "-m", "devices.worker", str(worker_spec)])
     try:
         with fake.mesh as mesh:
             mesh.open(
-                30, lambda conn, wanted, connected: shake(conn, hello, wanted, connected, names)
+                30,
+                lambda conn, wanted, connected: shake(
+                    conn, hello, wanted, connected, names, fake.clock
+                ),
             )
             mesh.barrier(30)
             mesh.links[0].sock.sendall(corrupted(case))
@@ -451,27 +410,17 @@ def test_single_device_with_checkpoint_and_inputs_file_records_accuracy(tmp_path
     labels = expected.argmax(-1).clone()
     labels[0] = (labels[0] + 1) % model.config.num_classes  # one miss in the first batch
     torch.save({"inputs": images, "labels": labels}, tmp_path / "inputs.pt")
+    run = MethodRun(id="single", method="voltage", inferences=2)
     ((status, stderr),) = run_session(
-        tmp_path,
-        1,
-        "voltage",
-        {},
-        None,
-        "--inputs",
-        str(tmp_path / "inputs.pt"),
-        "--inferences",
-        "2",
-        "--checkpoint",
-        str(tmp_path / "weights.pth"),
+        tmp_path, 1, [run], inputs=tmp_path / "inputs.pt", checkpoint=tmp_path / "weights.pth"
     )
     assert status == 0, stderr
-    logits = np.load(tmp_path / "device0" / "logits.npy")
+    logits = np.load(tmp_path / "device0" / "logits" / "single.npy")
     np.testing.assert_allclose(logits.reshape(4, -1), expected.numpy(), atol=1e-5, rtol=0)
-    records = read_csv(tmp_path / "device0" / "inferences.csv")
-    assert [r["correct"] for r in records] == [1, 2]
-    predicted = " ".join(r["predicted"] for r in records).split()
-    assert [int(c) for c in predicted] == expected.argmax(-1).tolist()
-    layers = read_csv(tmp_path / "device0" / "layers.csv")
-    assert all(row["wire_bytes"] == 0 and row["wait_ms"] == 0 for row in layers)
-    session = json.loads((tmp_path / "device0" / "session.json").read_text())
-    assert session["inputs"].startswith("file ")
+    device = read_records(tmp_path / "device0")
+    assert [r.correct for r in device.inferences] == [1, 2]
+    predicted = [c for r in device.inferences for c in r.predicted]
+    assert predicted == expected.argmax(-1).tolist()
+    assert all(b.message_bytes == 0 and b.wait_ms == 0 for b in device.blocks)
+    assert not device.arrivals
+    assert device.session.inputs.startswith("file ")

@@ -1,4 +1,5 @@
-"""The worker's protocol pieces in one process: handshake, clock estimate, mesh set-up, links."""
+"""The worker's protocol pieces in one process: handshake, clock estimate, mesh set-up, links,
+kernel receive timestamps."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 
 import pytest
 
+from devices.clock import Clock
 from devices.errors import PeerLostError, ProtocolError
 from devices.handshake import CLOCK_ROUNDS, make_hello, shake
 from devices.mesh import Mesh
@@ -23,23 +25,24 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
+RUN = {"id": "t", "method": "trace-b", "params": {"K": 16}, "bundle_fingerprint": "bb",
+       "inferences": 1}  # fmt: skip
 FIELDS = dict(
     devices=2,
-    method="trace-b",
-    params={"K": 16},
+    runs=[RUN],
     partition=[9, 8],
     batch=2,
     model="vit-tiny",
     model_fingerprint="aa",
-    bundle_fingerprint="bb",
     warmup=0,
-    inferences=1,
     inputs="generated seed 0",
 )
 NAMES = ["device 0 (a:1)", "device 1 (b:2)"]
 
 
-def run_pair(hello0: dict, hello1: dict) -> tuple[object, object]:
+def run_pair(
+    hello0: dict, hello1: dict, clocks: tuple[Clock, Clock] = (Clock(), Clock())
+) -> tuple[object, object]:
     """Handshake over a socket pair; device 1 is the side that connected. Returns each side's
     result or the exception it raised."""
     left, right = socket.socketpair()
@@ -48,7 +51,9 @@ def run_pair(hello0: dict, hello1: dict) -> tuple[object, object]:
     def side(index: int, sock: socket.socket, hello: dict, expected: set[int]) -> None:
         sock.settimeout(10)
         try:
-            results[index] = shake(CountingSocket(sock), hello, expected, index == 1, NAMES)
+            results[index] = shake(
+                CountingSocket(sock), hello, expected, index == 1, NAMES, clocks[index]
+            )
         except Exception as error:  # noqa: BLE001 - the test inspects it
             results[index] = error
 
@@ -65,22 +70,26 @@ def run_pair(hello0: dict, hello1: dict) -> tuple[object, object]:
     return results[0], results[1]
 
 
-def test_handshake_agrees_and_estimates_the_clock_offset():
-    first, second = run_pair(make_hello(0, **FIELDS), make_hello(1, **FIELDS))
+@pytest.mark.parametrize("skew_s", [0.0, -3.5, 1234.25])
+def test_handshake_agrees_and_estimates_the_clock_offset(skew_s):
+    """Device 0's clock runs `skew_s` ahead of device 1's: both sides learn that offset
+    within the uncertainty (half the best round trip)."""
+    hellos = make_hello(0, **FIELDS), make_hello(1, **FIELDS)
+    first, second = run_pair(*hellos, clocks=(Clock(skew_s), Clock()))
     assert first.peer == 1 and second.peer == 0
-    assert len(second.round_trips_s) == CLOCK_ROUNDS
-    assert second.clock_uncertainty_s == pytest.approx(min(second.round_trips_s) / 2)
-    # one process, one clock: the offset is zero within the uncertainty
-    assert abs(second.clock_offset_s) <= second.clock_uncertainty_s + 1e-4
-    assert first.clock_offset_s == pytest.approx(-second.clock_offset_s)
+    assert len(second.round_trips_ns) == CLOCK_ROUNDS
+    assert second.clock_uncertainty_ns == min(second.round_trips_ns) // 2
+    assert abs(second.clock_offset_ns - skew_s * 1e9) <= second.clock_uncertainty_ns + 1e5
+    assert first.clock_offset_ns == -second.clock_offset_ns
+    assert first.clock_uncertainty_ns == second.clock_uncertainty_ns
 
 
 def test_handshake_names_the_differing_field_on_both_sides():
-    other = {**FIELDS, "bundle_fingerprint": "cc"}
+    other = {**FIELDS, "runs": [{**RUN, "bundle_fingerprint": "cc"}]}
     first, second = run_pair(make_hello(0, **FIELDS), make_hello(1, **other))
     assert isinstance(first, ProtocolError) and isinstance(second, ProtocolError)
-    assert "device 1 has bundle fingerprint cc, device 0 has bb" in str(first)
-    assert "device 0 has bundle fingerprint bb, device 1 has cc" in str(second)
+    assert "device 1 has runs (method, parameters, bundle fingerprint, inferences)" in str(first)
+    assert "'bundle_fingerprint': 'cc'" in str(first) and "'bb'" in str(second)
     assert str(first).startswith("handshake with device 1 (b:2)")
 
 
@@ -94,7 +103,7 @@ def test_mesh_of_three_connects_exchanges_and_counts_bytes():
     """Three meshes in threads: set-up without deadlock, the start barrier, then messages of
     header-derived size (first byte = payload length) with exact byte counts."""
     addresses = [("127.0.0.1", port) for port in free_ports(3)]
-    meshes = [Mesh(rank, addresses) for rank in range(3)]
+    meshes = [Mesh(rank, addresses, Clock()) for rank in range(3)]
     errors: list[BaseException] = []
 
     def setup(mesh: Mesh) -> None:
@@ -102,10 +111,13 @@ def test_mesh_of_three_connects_exchanges_and_counts_bytes():
         names = [mesh.name(p) for p in range(3)]
         try:
             mesh.open(
-                10, lambda conn, expected, connected: shake(conn, hello, expected, connected, names)
+                10,
+                lambda conn, expected, connected: shake(
+                    conn, hello, expected, connected, names, mesh.clock
+                ),
             )
             mesh.barrier(10)
-            mesh.start(1, lambda peer: lambda header: 1 + header[0])
+            mesh.start(lambda peer: iter([(1, lambda header: 1 + header[0])]))
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
@@ -124,10 +136,17 @@ def test_mesh_of_three_connects_exchanges_and_counts_bytes():
             mesh.post(message)
         for mesh in meshes:
             for peer, link in mesh.links.items():
-                assert link.take(5, "block 0").message == messages[peer].message
+                incoming = link.take(5, "block 0")
+                assert incoming.message == messages[peer].message
+                # the kernel stamped the last byte before the receiver thread read it
+                assert link.kernel_timestamps and incoming.kernel_ns is not None
+                assert 0 <= incoming.read_ns - incoming.kernel_ns < 1e9
+                assert incoming.kernel_ns >= min(messages[peer].departed_ns.values())
         for message in messages:
             assert message.done.wait(5) and not message.errors
             assert set(message.bytes_written.values()) == {len(message.message)}
+            for peer, departed in message.departed_ns.items():
+                assert departed <= message.written_ns[peer]
         assert meshes[0].links[2].bytes_received == 4
     finally:  # graceful closes wait for the peers' EOFs: close all three at once
         closers = [threading.Thread(target=mesh.close, args=(True, 5)) for mesh in meshes]
@@ -139,20 +158,20 @@ def test_mesh_of_three_connects_exchanges_and_counts_bytes():
 
 def test_lost_peer_is_named_with_the_context():
     addresses = [("127.0.0.1", port) for port in free_ports(2)]
-    meshes = [Mesh(rank, addresses) for rank in range(2)]
+    meshes = [Mesh(rank, addresses, Clock()) for rank in range(2)]
+
+    def handshake(rank: int):
+        return lambda c, e, k: shake(c, make_hello(rank, **FIELDS), e, k, NAMES, Clock())
+
     threads = [
-        threading.Thread(
-            target=mesh.open,
-            args=(10, lambda c, e, k, r=mesh.rank: shake(c, make_hello(r, **FIELDS), e, k, NAMES)),
-        )
-        for mesh in meshes
+        threading.Thread(target=mesh.open, args=(10, handshake(mesh.rank))) for mesh in meshes
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(20)
     for mesh in meshes:
-        mesh.start(0, lambda peer: lambda header: 4)
+        mesh.start(lambda peer: iter([(0, lambda header: 4)] * 10))
     meshes[1].close(graceful=False)
     with pytest.raises(
         PeerLostError,
@@ -161,3 +180,29 @@ def test_lost_peer_is_named_with_the_context():
     ):
         meshes[0].links[1].take(5, "block 3 of inference 7")
     meshes[0].close(graceful=False)
+
+
+def test_data_after_the_last_expected_message_is_named():
+    """The receiver follows the agreed schedule: a peer that sends more is out of step."""
+    addresses = [("127.0.0.1", port) for port in free_ports(2)]
+    meshes = [Mesh(rank, addresses, Clock()) for rank in range(2)]
+
+    def handshake(rank: int):
+        return lambda c, e, k: shake(c, make_hello(rank, **FIELDS), e, k, NAMES, Clock())
+
+    threads = [
+        threading.Thread(target=mesh.open, args=(10, handshake(mesh.rank))) for mesh in meshes
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    try:
+        meshes[0].start(lambda peer: iter([(0, lambda header: 2)]))
+        meshes[1].links[0].sock.sendall(b"okX")
+        assert meshes[0].links[1].take(5, "block 0").message == b"ok"
+        with pytest.raises(PeerLostError, match=r"sent data after its last message \(b'X'\.\.\.\)"):
+            meshes[0].links[1].take(5, "block 1")
+    finally:
+        for mesh in meshes:
+            mesh.close(graceful=False)
