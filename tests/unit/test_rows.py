@@ -1,0 +1,104 @@
+"""The result rows from the devices' records: columns defined once and documented, clocks
+aligned, comm from departure to the kernel's arrival, the wait split by cause."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
+from testbed.columns import LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, readme_tables
+from testbed.rows import frame_bytes, trial_rows, wire_ms
+
+MS = 1_000_000  # ns
+README = Path(__file__).resolve().parents[2] / "results" / "README.md"
+
+
+def test_readme_documents_exactly_the_columns():
+    text = README.read_text()
+    assert readme_tables() in text
+    for column in TRIAL_COLUMNS:
+        unit = column.unit or ""
+        assert f"| `{column.name}` | {column.dtype} | {unit} |" in text
+
+
+def test_units_are_in_the_names():
+    for column in TRIAL_COLUMNS:
+        if column.name.endswith("_ms"):
+            assert column.unit == "ms", column.name
+        if column.name.endswith("_bytes"):
+            assert column.unit == "B", column.name
+
+
+@pytest.mark.parametrize(
+    ("message", "frames"), [(0, 0), (14, 80), (1448, 1514), (1449, 1449 + 132)]
+)
+def test_frame_bytes_count_a_header_per_segment(message, frames):
+    assert frame_bytes(message) == frames
+
+
+def test_wire_time_at_the_rate():
+    assert wire_ms(1_000_000 // 8, 1.0) == pytest.approx(1000.0)
+
+
+def block(rank_clock: int, block: int, **marks) -> BlockRecord:
+    """A block of inference 0 whose marks are `rank_clock` + ms offsets."""
+    base = dict(run="t", inference=0, block=block, compute_ms=1.0, wait_ms=0.0,
+                payload_bits=107, message_bytes=14, received_bytes=14, start_ns=0,
+                departed_ns=None, written_ns=None, wait_start_ns=None, wait_end_ns=None,
+                attn_start_ns=0, ffn_start_ns=0, ffn_end_ns=0)  # fmt: skip
+    for key, value in marks.items():
+        base[key] = None if value is None else rank_clock + round(value * MS)
+    if "wait_start_ns" in marks:
+        base["wait_ms"] = (base["wait_end_ns"] - base["wait_start_ns"]) / MS
+    return BlockRecord(**base)
+
+
+def device(rank: int, clock_ns: int, offset_to_0_ns: int, blocks, arrivals) -> DeviceRecords:
+    session = SessionFacts(status="done", rank=rank, devices=2, spec={},
+                           clock_offset_ns={1 - rank: offset_to_0_ns if rank else -offset_to_0_ns},
+                           clock_uncertainty_ns={1 - rank: 20_000}, kernel_timestamps=True)  # fmt: skip
+    inference = InferenceRecord(run="t", inference=0, start_ns=clock_ns,
+                                end_ns=clock_ns + 10 * MS, compute_ms=8.0, wait_ms=2.0,
+                                effective_ms=10.0)  # fmt: skip
+    return DeviceRecords(session, [inference], blocks, arrivals)
+
+
+@pytest.mark.parametrize("skew_s", [0.0, 7.25, -1000.0])
+def test_comm_and_wait_split_on_aligned_clocks(skew_s):
+    """Device 1's clock reads `skew_s` more than device 0's; the handshake measured it.
+
+    Device 0 sends block 0's message at 1 ms, its last byte reaches device 1's kernel at 3 ms;
+    device 1 waits from 0.5 ms to 3.4 ms: 0.5 ms for device 0 to send, 2 ms on the link,
+    0.4 ms of wake-up. Device 1's message leaves at 0.2 ms and arrives at 0.4 ms, before
+    device 0 waits (from 2 to 2.1 ms: all wake-up)."""
+    skew = round(skew_s * 1e9)
+    zero = 1_000_000_000_000_000
+    one = zero + skew
+    records = {
+        0: device(0, zero, 0, [block(zero, 0, start_ns=0, departed_ns=1.0, written_ns=1.1,
+                                     wait_start_ns=2.0, wait_end_ns=2.1)],
+                  [ArrivalRecord("t", 0, 0, 1, 14, zero + round(0.4 * MS), zero + 2 * MS)]),
+        1: device(1, one, -skew, [block(one, 0, start_ns=0, departed_ns=0.2, written_ns=0.3,
+                                        wait_start_ns=0.5, wait_end_ns=3.4)],
+                  [ArrivalRecord("t", 0, 0, 0, 14, one + 3 * MS, one + round(3.3 * MS))]),
+    }  # fmt: skip
+    facts = {"bandwidth_mbit": 1.0, "level_k": None, "r_bits": None}
+    trials, layers = trial_rows({0: dict(facts), 1: dict(facts)}, records)
+    assert list(trials.columns) == TRIAL_NAMES and list(layers.columns) == LAYER_NAMES
+    zero_row, one_row = trials.iloc[0], trials.iloc[1]
+    assert zero_row["comm_ms"] == pytest.approx(2.0)  # departed 1.0, arrived 3.0
+    assert one_row["comm_ms"] == pytest.approx(0.2)
+    assert zero_row["send_ms"] == pytest.approx(0.1)
+    assert one_row["clock_offset_ms"] == pytest.approx(-skew / MS)
+    assert one_row["clock_uncertainty_ms"] == pytest.approx(0.02)
+    assert (one_row["wait_peer_ms"], one_row["wait_link_ms"], one_row["wait_wakeup_ms"]) == (
+        pytest.approx(0.5), pytest.approx(2.0), pytest.approx(0.4))  # fmt: skip
+    assert (zero_row["wait_peer_ms"], zero_row["wait_link_ms"]) == (0.0, 0.0)
+    assert zero_row["wait_wakeup_ms"] == pytest.approx(0.1)
+    assert zero_row["wire_comm_ms"] == pytest.approx(80 * 8 / 1e3)  # 14 B + 66 B of headers
+    assert zero_row["frame_bytes"] == 80 and zero_row["message_bytes"] == 14
+    layer = layers.iloc[0]
+    assert layer["departed_ms"] == pytest.approx(1.0) and layer["arrived_ms"] == pytest.approx(3.0)
+    assert trials["wait_ms"].tolist() == [2.0, 2.0]  # the device's own figure, as recorded
