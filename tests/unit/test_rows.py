@@ -56,9 +56,11 @@ def block(rank_clock: int, block: int, **marks) -> BlockRecord:
 
 
 def device(rank: int, clock_ns: int, offset_to_0_ns: int, blocks, arrivals) -> DeviceRecords:
+    offset = offset_to_0_ns if rank else -offset_to_0_ns
     session = SessionFacts(status="done", rank=rank, devices=2, spec={},
-                           clock_offset_ns={1 - rank: offset_to_0_ns if rank else -offset_to_0_ns},
-                           clock_uncertainty_ns={1 - rank: 20_000}, kernel_timestamps=True)  # fmt: skip
+                           clock_offset_ns={1 - rank: offset},
+                           clock_uncertainty_ns={1 - rank: 20_000},
+                           kernel_timestamps=True)  # fmt: skip
     inference = InferenceRecord(run="t", inference=0, start_ns=clock_ns,
                                 end_ns=clock_ns + 10 * MS, compute_ms=8.0, wait_ms=2.0,
                                 effective_ms=10.0)  # fmt: skip
