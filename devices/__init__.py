@@ -1,14 +1,17 @@
 """What runs on a device: the network worker of a P-device sequence-parallel session.
 
-- `devices.spec`: the run spec (a typed file and/or CLI flags), loaded in one place.
+- `devices.spec`: the run spec (one typed file per device: the runs of its session).
 - `devices.inputs`: the inputs every device generates (or loads) identically.
-- `devices.transport`: the TCP mesh between the P workers; per-peer sender and receiver
-  threads; messages without length prefix; byte counters.
+- `devices.clock`: the clock of every mark (CLOCK_REALTIME, ns) and the kernel's receive
+  timestamps.
+- `devices.transport`, `devices.mesh`: the TCP mesh between the P workers; sends from the
+  compute thread (a sender thread for what does not fit at once), a receiver thread per peer;
+  messages without length prefix; byte counters.
 - `devices.handshake`: the once-per-connection agreement (fingerprints, partition, method)
   and the clock ping-pong.
 - `devices.session`: the inference loop that drives `tracevq.engine.DeviceRun` over the mesh
   and times compute, send and wait per block.
-- `devices.records`: the CSV / JSON records a device writes.
+- `devices.records`: the typed records a device writes, and their reader.
 - `devices.worker`: the CLI (`python -m devices.worker`).
 - `devices.probe`: bulk TCP throughput between two hosts (`python -m devices.probe`).
 

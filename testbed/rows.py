@@ -108,6 +108,7 @@ def trial_rows(
         peers = [p for p in ranks if p != rank]
         context = {
             **facts,
+            "rank": rank,
             "clock_offset_ms": timeline.offset_ns[rank] / 1e6,
             "clock_uncertainty_ms": (
                 0.0 if rank == 0 else device.session.clock_uncertainty_ns.get(0, 0) / 1e6

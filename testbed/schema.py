@@ -55,11 +55,19 @@ class DevicesSection(Strict):
         return counts
 
 
+EMULATORS = ("tbf", "serial")
+
+
 class LinkSection(Strict):
     profile: str = "ideal"
     bandwidth_mbit: list[float] = Field(default_factory=lambda: [10.0])
     # traffic per rate probe, in seconds at the target rate (timed after its first tenth)
     probe_s: float = Field(0.5, gt=0, le=60)
+    # what shapes the links: `serial` clocks every frame out at the rate in a userspace link
+    # between the devices (a lone small message takes its wire time, as on a real link);
+    # `tbf` is the kernel's token bucket on each device's egress (holds the rate, but lets a
+    # small message through at once). Default: serial, except on ssh boards (tbf).
+    emulator: Literal["tbf", "serial"] | None = None
 
     _list = field_validator("bandwidth_mbit", mode="before")(_as_list)
 
@@ -110,6 +118,15 @@ class Experiment(Strict):
     timeout_s: float = Field(600.0, gt=0)
 
     _inventory = field_validator("inventory", mode="before")(inventory_input)
+
+    @model_validator(mode="after")
+    def _emulator_fits_backend(self) -> Experiment:
+        if self.backend == "ssh" and self.link.emulator == "serial":
+            raise ValueError(
+                "link.emulator: serial needs the devices on this host (docker or local "
+                "backend); boards over ssh are shaped with tbf"
+            )
+        return self
 
     @model_validator(mode="after")
     def _methods_valid(self) -> Experiment:

@@ -43,6 +43,7 @@ SSHD = "/usr/sbin/sshd"
 BOARD_INTERFACE = "lan0"  # no such interface on the host
 BOARDS = 2
 RATE_MBIT = 5.0
+CLOCK_SKEW_S = 3.25  # board 1's clock reads this much more than board 0's
 SSHD_CONFIG = """\
 ListenAddress {address}
 Port 22
@@ -405,39 +406,49 @@ def simulated_logits(experiment, trial, bundle_path: Path | None) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_workers_on_boards_give_the_simulated_logits(lab: Lab, backends):
+def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab, backends):
+    """One session of both trials on the boards, board 1's clock reading CLOCK_SKEW_S more
+    than board 0's (as an unsynchronised board's may): the logits are the simulation's, the
+    handshake measures the skew, and comm, measured across the two clocks, stays what the
+    link gives (the skew would otherwise add or remove seconds per message)."""
     from testbed.bundles import prepare_run_files
     from testbed.link import LinkState
     from testbed.plan import plan_trials
     from testbed.schema import parse_experiment
-    from testbed.trial import WORKER_PORT, run_workers, worker_argv
+    from testbed.sessions import WORKER_PORT, run_session
 
     experiment = parse_experiment(small_experiment())
     trials = plan_trials(experiment)
     backend = backends(lab.inventory())
+    backend.clock_skews_s = {1: CLOCK_SKEW_S}
     files = prepare_run_files(experiment, trials, backend.run_dir)
-    devices = backend.start(DeviceSpec(count=2, cpus=1))
-    link = LinkState(RATE_MBIT)
-    for index, trial in enumerate(trials):
-        peers = ",".join(f"{d.address}:{WORKER_PORT + index}" for d in devices)
-        outs = [backend.run_dir / "trials" / trial.trial_id / f"rank{d.rank}" for d in devices]
-        argvs = [
-            worker_argv(backend, experiment, trial, d, peers, outs[d.rank], files, link)
-            for d in devices
-        ]
-        results = run_workers(backend, argvs, experiment.timeout_s)
-        assert all(r.ok for r in results), [r.tail(5) for r in results]
-        assert not any(out.exists() for out in outs)  # written on the boards, not here
-        for device, out in zip(devices, outs, strict=True):
-            backend.collect(device, out)
-            assert {"session.json", "layers.csv", "inferences.csv"} <= {
-                p.name for p in out.iterdir()
-            }
-        logits = np.load(outs[0] / "logits.npy")
+    backend.start(DeviceSpec(count=2, cpus=1))
+    identity = {
+        t.trial_id: {r: {"bandwidth_mbit": RATE_MBIT, "level_k": None, "r_bits": None}
+                     for r in range(2)}
+        for t in trials
+    }  # fmt: skip
+    directory = backend.run_dir / "sessions" / "s"
+    outcome = run_session(backend, experiment, trials, directory, WORKER_PORT, identity,
+                          LinkState(RATE_MBIT), files, lambda: {0: 0, 1: 0})  # fmt: skip
+    assert outcome.ok, outcome.error
+    assert {"session.json", "records.json", "spec.json"} <= {
+        p.name for p in (directory / "rank1").iterdir()
+    }
+    for trial in trials:
+        logits = np.load(directory / "rank0" / "logits" / f"{trial.trial_id}.npy")
         expected = simulated_logits(experiment, trial, files.bundle_for(trial))
         np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
-        session = json.loads((outs[1] / "session.json").read_text())
-        assert session["status"] == "done"
+        rows, layers = outcome.rows[trial.trial_id]
+        board1 = rows[rows["rank"] == 1]
+        uncertainty_ms = board1["clock_uncertainty_ms"].max()
+        assert (board1["clock_offset_ms"] + 1000 * CLOCK_SKEW_S).abs().max() <= uncertainty_ms + 1
+        # per message: after its departure, and no later than a loaded host could deliver it
+        assert (layers["comm_ms"] >= -(uncertainty_ms + 0.05)).all(), layers["comm_ms"].min()
+        assert (layers["comm_ms"] <= layers["wire_comm_ms"] + 100).all(), layers["comm_ms"].max()
+        # both directions alike: the skew is not in one device's comm
+        by_rank = layers.groupby("rank")["comm_ms"].median()
+        assert abs(by_rank[0] - by_rank[1]) <= max(5.0, 0.5 * by_rank.max()), by_rank
     backend.stop()
     assert lab.wait_until_clean() == {} and remote_run_dirs(lab) == []
 
@@ -518,7 +529,8 @@ def test_the_experiment_runs_on_the_boards_through_testbed_run(lab: Lab, tmp_pat
     for trial in plan_trials(experiment):
         uses = trial.spec.uses_codebooks
         bundle = run_dir / "bundles" / f"bundle-K{trial.spec.K}.pt" if uses else None
-        logits = np.load(run_dir / "trials" / trial.trial_id / "rank0" / "logits.npy")
+        session = run_dir / "sessions" / "p2-5mbit" / "rank0"
+        logits = np.load(session / "logits" / f"{trial.trial_id}.npy")
         expected = simulated_logits(experiment, trial, bundle)
         np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
     assert lab.wait_until_clean() == {} and remote_run_dirs(lab) == []
