@@ -1,4 +1,5 @@
-"""The Trace level of a session when `level_k=auto` (DESIGN 3.5), kept simple.
+"""The Trace level of a session when `level_k=auto`, kept simple (docs/method.md, Level
+selection).
 
 The finest tree level whose message crosses the link within this device's local FFN time
 (so that communication stays hidden behind it), via `tracevq.methods.auto_level`. The FFN

@@ -39,7 +39,8 @@ class BlockRecord:
 
     compute_ms: from the block's start to the end of its FFN, less wait_ms.
     wait_ms: time the compute thread was blocked until the peers' messages had been read.
-    payload_bits: the method's bits of the message (DESIGN 3.2); 0 when none was sent.
+    payload_bits: the method's bits of the message (docs/method.md, The five methods); 0 when
+        none was sent.
     message_bytes: bytes of the message, one copy (each peer gets one).
     received_bytes: bytes of the peers' messages for this block, all peers together.
     departed_ns: the first byte of the message was offered to the kernel (first copy).

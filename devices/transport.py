@@ -11,7 +11,7 @@
   message's last byte (devices.clock), and queues them for the compute thread, which blocks
   only when a block needs them.
 - Messages carry no length prefix: the receiver reads the method's header bytes, then the
-  rest of the size that the method derives from the header (DESIGN 3.6).
+  rest of the size that the method derives from the header (docs/method.md, Wire format).
 """
 
 from __future__ import annotations

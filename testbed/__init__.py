@@ -1,1 +1,1 @@
-"""The testbed orchestrator (DESIGN.md section 5). Must not import torch at import time."""
+"""The testbed orchestrator (docs/architecture.md). Must not import torch at import time."""

@@ -5,8 +5,9 @@
 For every table: the paper's value, ours, and ours / paper, with the conventions stated and a
 sentence on every difference larger than 10%. The paper's figures come from its text; where
 it prints no number (Table II, Fig. 6), its number is derived with its own arithmetic
-(DESIGN 3.6): 1 Mbit/s = 2^20 bit/s, N_p = N / P = 98.5 for Voltage and Prism, ceil = 99 for
-the index methods, 16-bit Astra indices and Prism means, s = 10.
+(docs/method.md, The paper's arithmetic): 1 Mbit/s = 2^20 bit/s, N_p = N / P = 98.5 for
+Voltage and Prism, ceil = 99 for the index methods, 16-bit Astra indices and Prism means,
+s = 10.
 """
 
 from __future__ import annotations
@@ -330,9 +331,9 @@ def conventions(latency: Results) -> list[str]:
         "Conventions: links are shaped with tc in 10^6 bit/s and measured on the wire; the "
         "paper's numbers use 2^20 bit/s per Mbit/s, N_p = 98.5 for Voltage and Prism, 99 for "
         "the index methods, 16-bit Astra indices and 16-bit Prism means with s = 10 "
-        "(DESIGN 3.6). Ours: devices of one core each, K = 1024 codebooks fitted by k-means on "
-        "the model's activations (latency does not depend on trained weights), means over "
-        "devices and repetitions.", "",
+        "(docs/method.md, The paper's arithmetic). Ours: devices of one core each, K = 1024 "
+        "codebooks fitted by k-means on the model's activations (latency does not depend on "
+        "trained weights), means over devices and repetitions.", "",
     ]  # fmt: skip
 
 

@@ -1,10 +1,10 @@
 """The Trace wire codec: a header byte, then codeword indices bit-packed at r bits each.
 
-A Trace message is exactly the paper's payload (DESIGN.md 3.6): one header byte (low 4 bits =
-level index m, high 4 bits = block number mod 16), then N_p indices packed at r bits in
-little-endian bit order with zero padding up to the byte. Lengths follow from values agreed at
-the session handshake, so a message carries no length prefix. Pure numpy: torch tensors are
-accepted wherever indices are.
+A Trace message is exactly the paper's payload (docs/method.md, Wire format): one header byte
+(low 4 bits = level index m, high 4 bits = block number mod 16), then N_p indices packed at r
+bits in little-endian bit order with zero padding up to the byte. Lengths follow from values
+agreed at the session handshake, so a message carries no length prefix. Pure numpy: torch
+tensors are accepted wherever indices are.
 """
 
 from __future__ import annotations

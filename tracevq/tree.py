@@ -1,4 +1,5 @@
-"""Hierarchical codebook: recursive k-medoids over a VQ codebook (DESIGN.md 3.5).
+"""Hierarchical codebook: recursive k-medoids over a VQ codebook (docs/method.md, Codebook
+tree and levels).
 
 The finest level holds all K codewords; each coarser level clusters the medoids of the level
 just finer, so every medoid at every level is an existing codeword and a coarse index maps to an

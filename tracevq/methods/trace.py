@@ -6,10 +6,11 @@ travels while its FFN runs.
 
 - trace-b codes Z^(b-1). The next block input of a codeword c is g(c) = c + FFN(LN2(c)), a
   function of c alone, so the receiver gathers rows of precomputed K/V buffers
-  (DESIGN 3.3). `buffers=False` runs the same chain at the receiver instead.
+  (docs/method.md, Trace-b: why the K/V buffers work). `buffers=False` runs the same chain
+  at the receiver instead.
 - trace-nb codes the attention update A = Z - X. The receiver keeps a shadow stream per remote
   token that starts at the VQ_0 codeword and advances as Z~ = X~ + codeword,
-  X~ = Z~ + FFN(LN2(Z~)) (DESIGN 3.4); remote K/V are projected from LN1(X~).
+  X~ = Z~ + FFN(LN2(Z~)) (docs/method.md, Trace-nb); remote K/V are projected from LN1(X~).
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 workers would exchange, so these figures are the deployed accuracy, not a training proxy.
 
 One row per (method, devices, K, tree level, tree metric). Trace methods are evaluated at every
-level of the codebook tree (the level changes nothing but the encoder's search set, DESIGN
-3.5), with each hierarchy metric for trace-b (Table VII); the finest level is the full
-codebook and does not depend on the metric. Each row also carries the payload bits one
-device (device 0) sends per layer for one image, to set accuracy against communication.
+level of the codebook tree (the level changes nothing but the encoder's search set: see
+docs/method.md, Codebook tree and levels), with each hierarchy metric for trace-b (Table VII);
+the finest level is the full codebook and does not depend on the metric. Each row also carries
+the payload bits one device (device 0) sends per layer for one image, to set accuracy against
+communication.
 """
 
 from __future__ import annotations

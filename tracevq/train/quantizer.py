@@ -2,7 +2,8 @@
 codebook update rule.
 
 The wrapped quantizer's own buffers are what gets trained, so after fine-tuning the very same
-`VectorQuantizer` objects go into the bundle. Two update rules (DESIGN 3.5, Table VIII):
+`VectorQuantizer` objects go into the bundle. Two update rules (docs/method.md, Vector
+quantiser; the paper's Table VIII):
 
 - `ema` (default): per code, exponential moving averages of the assignment count N and of the
   sum S of assigned rows (decay ~0.99); codeword = S / N~ with N~ the Laplace-smoothed count

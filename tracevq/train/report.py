@@ -1,5 +1,5 @@
 """Tables and figures of an accuracy study, mirroring the paper's Tables III, VII and VIII,
-plus the comparison across codebook sizes that digits needs (DESIGN 6, issue 6).
+plus the comparison across codebook sizes that digits needs (README.md, Accuracy; issue 6).
 
 Every table aggregates over seeds: mean, sample standard deviation (the spread quoted as
 mean ± std), min, max and the number of seeds. Baselines without codebooks (single, voltage,
