@@ -14,7 +14,6 @@ The only place that turns what the workers measured into the columns of `testbed
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -23,20 +22,9 @@ import pandas as pd
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
 from testbed.columns import LAYER_COLUMNS, LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, Column
+from testbed.wire import tcp_frame_bytes, wire_time_s
 
-MSS_BYTES = 1448  # TCP payload per segment: MTU 1500 - 20 (IP) - 32 (TCP with timestamps)
-FRAME_HEADER_BYTES = 66  # Ethernet 14 + IP 20 + TCP 32 per segment
 TC_MEGABIT = 10**6
-
-
-def frame_bytes(message_bytes: int) -> int:
-    """Bytes of the Ethernet frames that carry a message of `message_bytes` over TCP."""
-    segments = max(1, math.ceil(message_bytes / MSS_BYTES)) if message_bytes else 0
-    return message_bytes + FRAME_HEADER_BYTES * segments
-
-
-def wire_ms(frame_total_bytes: int, rate_mbit: float) -> float:
-    return 1000 * 8 * frame_total_bytes / (rate_mbit * TC_MEGABIT)
 
 
 @dataclass(frozen=True)
@@ -161,7 +149,7 @@ def layer_row(
     copies = len(peers)
     sent = block.message_bytes > 0
     wait_peer, wait_link, wait_wakeup = timeline.wait_split_ms(rank, block, peers)
-    frames = frame_bytes(block.message_bytes) * copies
+    frames = tcp_frame_bytes(block.message_bytes) * copies
     shift = timeline.offset_ns[rank]
     comm = timeline.comm_ms(rank, block.inference, block.block) if sent and copies else None
     origin = timeline.starts[(rank, block.inference)]
@@ -181,7 +169,7 @@ def layer_row(
         "wait_wakeup_ms": wait_wakeup,
         "comm_ms": comm if sent and copies else 0.0,
         "send_ms": (block.written_ns - block.departed_ns) / 1e6 if sent and copies else 0.0,
-        "wire_comm_ms": wire_ms(frames, context["bandwidth_mbit"]),
+        "wire_comm_ms": 1000 * wire_time_s(frames, context["bandwidth_mbit"] * TC_MEGABIT),
         "payload_bits": block.payload_bits,
         "message_bytes": block.message_bytes * copies,
         "frame_bytes": frames,

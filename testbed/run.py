@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from testbed.link import emulator_for
     from testbed.plan import plan_rows, plan_trials
     from testbed.runner import Runner, new_run_id, prepare_run_dir
     from testbed.schema import load_experiment
@@ -115,6 +116,7 @@ def _run(args: argparse.Namespace) -> int:
         run_id = new_run_id()
         run_dir = (args.out / experiment.name / run_id).resolve()
     backend = args.backend or experiment.backend
+    emulator_for(experiment.link.emulator, backend)  # refuses serial on ssh boards
     trials = plan_trials(experiment)
     if args.dry_run:
         prepare_run_dir(experiment, run_dir, trials)

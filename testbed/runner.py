@@ -26,7 +26,7 @@ from testbed import environment
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
-from testbed.link import LinkState, shape_and_probe
+from testbed.link import Links, LinkState, emulator_for
 from testbed.plan import Trial, plan_rows, plan_trials
 from testbed.plots import make_figures
 from testbed.profiles import load_profile
@@ -86,6 +86,7 @@ class Runner:
         self.backend_name, self.run_id = backend, run_id
         self.trials = plan_trials(experiment)
         self.profile = load_profile(experiment.link.profile)
+        self.emulator = emulator_for(experiment.link.emulator, backend)
         self.sessions = 0  # sessions started: each gets its own worker port
 
     def run(self, resume: bool = False) -> RunOutcome:
@@ -118,19 +119,20 @@ class Runner:
         inventory = self.experiment.inventory
         with make_backend(self.backend_name, self.run_id, self.run_dir, inventory) as backend:
             backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
-            self._write_environment(backend, count)
-            for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
-                group = list(grouped)
-                progress.set_postfix_str(f"P={count} shaping {rate:g} Mbit/s")
-                link = shape_and_probe(backend, self.profile, rate, self.experiment.link.probe_s)
-                self._save_link(link, count)
-                progress.set_postfix_str(f"P={count} at {rate:g} Mbit/s")
-                self._run_session(backend, group, plan, files, link, outcome)
-                progress.update(len(group))
+            with Links(backend, self.profile, self.emulator, self.run_id) as links:
+                self._write_environment(backend, count)
+                for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
+                    group = list(grouped)
+                    progress.set_postfix_str(f"P={count} shaping {rate:g} Mbit/s")
+                    link = links.shape(rate, self.experiment.link.probe_s)
+                    self._save_link(link, count)
+                    progress.set_postfix_str(f"P={count} at {rate:g} Mbit/s")
+                    self._run_session(links, group, plan, files, link, outcome)
+                    progress.update(len(group))
 
     def _run_session(
         self,
-        backend: Backend,
+        links: Links,
         trials: list[Trial],
         plan: PlanRows,
         files: RunFiles,
@@ -142,12 +144,13 @@ class Runner:
         if directory.exists():  # a resumed run: keep the earlier session's files
             name += f"-{secrets.token_hex(2)}"
             directory = directory.with_name(name)
+        backend = links.backend
         identity = {t.trial_id: self._identity(backend, t, plan, link, name) for t in trials}
         port = WORKER_PORT + self.sessions % 1000
         self.sessions += 1
         result = run_session(
             backend, self.experiment, trials, directory, port, identity, link, files,
-            lambda: {d.rank: _qdisc_sent(backend, d) for d in backend.devices},
+            links.sent_bytes,
         )  # fmt: skip
         for trial in trials:
             trial_rows, layer_rows = result.rows[trial.trial_id]
@@ -167,7 +170,7 @@ class Runner:
         """Per rank, every column of the trial's rows that the workers do not measure."""
         facts = {
             "run_id": self.run_id, "session_id": session, "backend": backend.name,
-            "emulator": "tbf", "batch": self.experiment.batch,
+            "emulator": self.emulator, "batch": self.experiment.batch,
             "cpus": self.experiment.devices.cpus, "threads": backend.devices[0].threads,
             "oversubscribed": backend.oversubscribed,
         }  # fmt: skip
@@ -200,12 +203,3 @@ class Runner:
     def _save_link(self, link: LinkState, count: int) -> None:
         path = self.run_dir / "links" / f"p{count}-{link.rate_mbit:g}mbit.json"
         write_text(path, json.dumps(link.__dict__, indent=2, default=str))
-
-
-def _qdisc_sent(backend: Backend, device) -> int:
-    text = backend.qdisc_stats(device)
-    for line in text.splitlines():
-        parts = line.split()
-        if parts[:1] == ["Sent"] and len(parts) > 1 and parts[1].isdigit():
-            return int(parts[1])
-    return 0

@@ -51,8 +51,11 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]  # holds testbed/ and devices/
 KILL_WAIT_S = 5.0
 NO_LINK_LOCAL = {"attrs": [("AF_INET6", {"attrs": [("IFLA_INET6_ADDR_GEN_MODE", 1)]})]}  # none
 
-NETNS_PATTERN = re.compile(r"^tb-(?P<tag>[0-9a-f]{8})-(?:sw|d\d+)$")
-LINK_PATTERN = re.compile(r"^tb(?P<tag>[0-9a-f]{8})(?P<port>h\d+)?$")
+# the run's namespaces: its switch (sw), its devices (d<N>) and its serial link (sl, made by
+# testbed.serial_switch on either backend); its bridge, the bridge's ports (h<N>) and the
+# serial link's ports (s<N>)
+NETNS_PATTERN = re.compile(r"^tb-(?P<tag>[0-9a-f]{8})-(?:sw|sl|d\d+)$")
+LINK_PATTERN = re.compile(r"^tb(?P<tag>[0-9a-f]{8})(?P<port>[hs]\d+)?$")
 
 
 def run_tag(run_id: str) -> str:
@@ -394,7 +397,7 @@ def remove_namespaces(names: Sequence[str]) -> list[str]:
                 removed.append(f"process {pid}")
     for name in names:
         match = NETNS_PATTERN.match(name)
-        if match and name.endswith("-sw"):
+        if match and name.endswith(("-sw", "-sl")):
             removed += _delete_links(name, match["tag"])
     for name in reversed(names):  # devices before the switch
         log.debug("netlink: remove namespace %s", name)
@@ -421,6 +424,6 @@ def remove_leftovers(run_id: str | None = None) -> list[str]:
         match = NETNS_PATTERN.match(name)
         if match and tag in (None, match["tag"]):
             names.append(name)
-    switches = [name for name in names if name.endswith("-sw")]
+    switches = [name for name in names if name.endswith(("-sw", "-sl"))]
     removed = remove_namespaces(switches + [name for name in names if name not in switches])
     return removed + _delete_links(None, tag)

@@ -9,7 +9,8 @@ import pytest
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
 from testbed.columns import LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, readme_tables
-from testbed.rows import frame_bytes, trial_rows, wire_ms
+from testbed.rows import trial_rows
+from testbed.wire import tcp_frame_bytes
 
 MS = 1_000_000  # ns
 README = Path(__file__).resolve().parents[2] / "results" / "README.md"
@@ -35,11 +36,7 @@ def test_units_are_in_the_names():
     ("message", "frames"), [(0, 0), (14, 80), (1448, 1514), (1449, 1449 + 132)]
 )
 def test_frame_bytes_count_a_header_per_segment(message, frames):
-    assert frame_bytes(message) == frames
-
-
-def test_wire_time_at_the_rate():
-    assert wire_ms(1_000_000 // 8, 1.0) == pytest.approx(1000.0)
+    assert tcp_frame_bytes(message) == frames
 
 
 def block(rank_clock: int, block: int, **marks) -> BlockRecord:

@@ -1,0 +1,260 @@
+"""The serial link for real: two device namespaces joined by a `SerialSwitch`.
+
+What is judged, all by the receiver's kernel receive timestamps (SO_TIMESTAMPNS), so that a
+receiver the scheduler delays does not skew it:
+
+- An isolated 200-byte TCP message at 1 Mbit/s takes its wire time, (200 + 66) x 8 / rate (66:
+  Ethernet, IP and TCP headers with timestamps), where tbf lets it through at once: never less
+  (the emulator cannot send a frame before its last bit would have left), and the median within
+  1.3 x wire + 0.3 ms. Latency = arrival of the last byte - the sender's time.time() before
+  `sendall`, on one CLOCK_REALTIME.
+- A bulk transfer, timed after its first tenth of the bytes (TCP's start-up), runs within 1 %
+  of rate x MSS / 1514 (the payload share of full frames), without retransmissions.
+- `set_rate` changes what a 15 KB message takes, down and up.
+- `stop()` leaves no namespace, link or process behind.
+
+Device `a` is given to the switch as /var/run/netns/<name> (the local backend's kind of path),
+device `b` as /proc/<pid>/ns/net of a process holding it (a container's kind).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from testbed.serial_switch import SerialSwitch
+from testbed.wire import FULL_FRAME_BYTES, tcp_message_wire_s
+
+pytestmark = pytest.mark.netns
+
+SUBNET = ipaddress.IPv4Network("10.214.77.0/24")
+PORT = 5311
+MBIT = 1_000_000
+BULK_S = 2.0
+RATE_TOLERANCE = 0.01
+
+TIMESTAMPS = """
+import socket, struct
+SO_TIMESTAMPNS = 35  # the asm-generic value (x86-64, arm64); the socket module lacks it
+def arrival_s(ancillary):
+    for level, kind, data in ancillary:
+        if (level, kind) == (socket.SOL_SOCKET, SO_TIMESTAMPNS):
+            seconds, nanoseconds = struct.unpack("qq", data[:16])
+            return seconds + nanoseconds / 1e9
+def server(address, port):
+    server = socket.create_server((address, int(port)))
+    server.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # inherited by the connection
+    server.settimeout(15)
+    print("ready", flush=True)
+    conn, _ = server.accept()
+    conn.settimeout(15)
+    return conn
+"""
+
+MESSAGE_RECEIVER = (
+    TIMESTAMPS
+    + """
+import json, sys
+conn = server(sys.argv[1], sys.argv[2])
+size, arrivals = int(sys.argv[3]), []
+buffer = memoryview(bytearray(size))
+for _ in range(int(sys.argv[4])):
+    got = 0
+    while got < size:
+        n, ancillary, _, _ = conn.recvmsg_into([buffer[got:]], socket.CMSG_SPACE(16))
+        assert n, "connection closed early"
+        got, stamp = got + n, arrival_s(ancillary)
+    arrivals.append(stamp)
+print(json.dumps(arrivals))
+"""
+)
+
+MESSAGE_SENDER = """
+import json, socket, sys, time
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=15)
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+payload, sent = bytes(int(sys.argv[3])), []
+for _ in range(int(sys.argv[4])):
+    time.sleep(float(sys.argv[5]))
+    sent.append(time.time())
+    conn.sendall(payload)
+conn.shutdown(socket.SHUT_WR)
+conn.recv(1)
+print(json.dumps(sent))
+"""
+
+BULK_RECEIVER = (
+    TIMESTAMPS
+    + """
+import json, sys
+conn = server(sys.argv[1], sys.argv[2])
+buffer, total, samples = bytearray(1 << 16), 0, []
+while True:
+    n, ancillary, _, _ = conn.recvmsg_into([buffer], socket.CMSG_SPACE(16))
+    if not n:
+        break
+    total += n
+    samples.append((arrival_s(ancillary), total))
+warm = next(s for s in samples if s[1] >= total / 10)
+end = samples[-1]
+print(json.dumps({"steady_bytes": end[1] - warm[1], "steady_s": end[0] - warm[0]}))
+"""
+)
+
+BULK_SENDER = """
+import json, socket, sys
+def retransmissions():
+    lines = [line.split() for line in open("/proc/net/snmp").read().splitlines()]
+    header, values = (line[1:] for line in lines if line[0] == "Tcp:")
+    return int(dict(zip(header, values))["RetransSegs"])
+before = retransmissions()
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=15)
+left, chunk = int(sys.argv[3]), bytes(1 << 16)
+while left > 0:
+    left -= conn.send(chunk[: min(left, len(chunk))])
+conn.shutdown(socket.SHUT_WR)
+conn.recv(1)
+mss = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+print(json.dumps({"mss": mss, "retransmissions": retransmissions() - before}))
+"""
+
+
+@dataclass(frozen=True)
+class Devices:
+    names: tuple[str, str]
+    paths: tuple[str, str]  # as given to the switch
+
+
+def namespaces() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return {line.split()[0] for line in listing.stdout.splitlines() if line.strip()}
+
+
+@pytest.fixture
+def devices(root: None) -> Iterator[Devices]:
+    """Namespaces `tbsl-<pid>-a|b`, lo up; b held by a process, given by its /proc path."""
+    names = (f"tbsl-{os.getpid()}-a", f"tbsl-{os.getpid()}-b")
+    holder = None
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+            subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, timeout=10)
+        holder = subprocess.Popen(["ip", "netns", "exec", names[1], "sleep", "120"])
+        yield Devices(names, (f"/var/run/netns/{names[0]}", f"/proc/{holder.pid}/ns/net"))
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+        assert not set(names) & namespaces(), "device namespaces left behind"
+
+
+@pytest.fixture
+def switch(devices: Devices) -> Iterator[SerialSwitch]:
+    """The switch at 1 Mbit/s; stopped, and checked gone, whether the test passed or not."""
+    serial = SerialSwitch(f"{os.getpid() & 0xFFFFFFFF:08x}", devices.paths, SUBNET, rate_mbit=1)
+    try:
+        yield serial.start()
+    finally:
+        serial.stop()
+        assert serial.netns not in namespaces(), "switch namespace left behind"
+
+
+def run_pair(devices: Devices, receiver: list[str], sender: list[str]) -> tuple[str, str]:
+    """A receiver script in b, then a sender script in a; their stdout."""
+    exec_in = [["ip", "netns", "exec", name, sys.executable, "-c"] for name in devices.names]
+    rx = subprocess.Popen(
+        [*exec_in[1], *receiver], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert rx.stdout is not None
+        assert rx.stdout.readline().strip() == "ready", rx.communicate()[1]
+        tx = subprocess.run([*exec_in[0], *sender], capture_output=True, text=True, timeout=60)
+        out, err = rx.communicate(timeout=30)
+        assert rx.returncode == 0, f"receiver: {err}"
+        assert tx.returncode == 0, f"sender: {tx.stderr}"
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    return out, tx.stdout
+
+
+def message_latencies_s(
+    devices: Devices, switch: SerialSwitch, size: int, count: int, gap_s: float
+) -> list[float]:
+    to = [switch.address(1), str(PORT), str(size), str(count)]
+    received, sent = run_pair(devices, [MESSAGE_RECEIVER, *to], [MESSAGE_SENDER, *to, str(gap_s)])
+    return [r - s for r, s in zip(json.loads(received), json.loads(sent), strict=True)]
+
+
+def test_an_isolated_message_takes_its_wire_time(devices: Devices, switch: SerialSwitch) -> None:
+    latencies_s = message_latencies_s(devices, switch, size=200, count=30, gap_s=0.04)
+    wire_s = tcp_message_wire_s(200, 1 * MBIT)
+    assert wire_s == pytest.approx(266 * 8 / 1e6)
+    median_s = statistics.median(latencies_s)
+    print(f"\n200 B at 1 Mbit/s: wire {wire_s * 1e3:.3f} ms, median {median_s * 1e3:.3f} ms")
+    assert min(latencies_s) >= wire_s
+    assert median_s <= 1.3 * wire_s + 0.3e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rate_mbit", [1, 20])
+def test_bulk_runs_at_the_rate(devices: Devices, switch: SerialSwitch, rate_mbit: float) -> None:
+    for rank in (0, 1):
+        switch.set_rate(rank, rate_mbit)  # the switch started at 1 Mbit/s
+    payload_bytes = int(rate_mbit * MBIT / 8 * BULK_S)
+    to = [switch.address(1), str(PORT)]
+    received, sent = run_pair(devices, [BULK_RECEIVER, *to], [BULK_SENDER, *to, str(payload_bytes)])
+    result = {**json.loads(received), **json.loads(sent)}
+
+    expected_mbit = rate_mbit * result["mss"] / FULL_FRAME_BYTES
+    achieved_mbit = result["steady_bytes"] * 8 / result["steady_s"] / MBIT
+    print(f"\n{rate_mbit} Mbit/s: payload {achieved_mbit:.4f} Mbit/s, expected {expected_mbit:.4f}")
+    assert achieved_mbit == pytest.approx(expected_mbit, rel=RATE_TOLERANCE)
+    assert result["retransmissions"] == 0
+    stats = switch.stats()[0]
+    assert stats["rate_bit_s"] == rate_mbit * MBIT
+    assert stats["drops"] == 0
+    assert stats["bytes"] >= payload_bytes * FULL_FRAME_BYTES / result["mss"]
+
+
+def test_set_rate_changes_a_message_time(devices: Devices, switch: SerialSwitch) -> None:
+    size = 15_000  # 11 segments
+    for rate_mbit in (20, 2):
+        for rank in (0, 1):
+            switch.set_rate(rank, rate_mbit)
+        wire_s = tcp_message_wire_s(size, rate_mbit * MBIT)
+        latencies_s = message_latencies_s(devices, switch, size, count=6, gap_s=3 * wire_s + 0.02)
+        median_s = statistics.median(latencies_s)
+        print(f"\n15 KB, {rate_mbit} Mbit/s: wire {wire_s:.5f} s, median {median_s:.5f} s")
+        assert median_s == pytest.approx(wire_s, rel=0.05, abs=0.3e-3)
+
+
+def test_stop_leaves_nothing_behind(devices: Devices) -> None:
+    serial = SerialSwitch(f"{os.getpid() & 0xFFFFFFFF:08x}", devices.paths, SUBNET, rate_mbit=5)
+    serial.start()
+    assert serial.process is not None
+    pid = serial.process.pid
+    assert serial.netns in namespaces()
+    serial.stop()
+    serial.stop()  # idempotent
+    assert serial.netns not in namespaces()
+    assert not Path(f"/proc/{pid}").exists(), "the emulator survived stop()"
+    for name in devices.names:
+        links = subprocess.run(
+            ["ip", "-n", name, "-o", "link", "show"], capture_output=True, text=True, timeout=10
+        ).stdout
+        assert "sl0" not in links, links
+    host_links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
+    assert f"tb{serial.tag}s" not in host_links.stdout

@@ -1,0 +1,258 @@
+"""The serial link's arithmetic, parsing and forwarding, without root or sockets."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import socket
+import struct
+import sys
+import time
+
+import pytest
+
+from testbed.errors import ShapingError
+from testbed.serial_link import (
+    SO_TIMESTAMPNS_NEW,
+    SO_TIMESTAMPNS_OLD,
+    Command,
+    PortCounters,
+    Switch,
+    kernel_timestamp_s,
+    parse_args,
+    parse_command,
+    parse_port,
+    wait_until,
+)
+from testbed.serial_switch import SWITCH_SUFFIX, SerialSwitch, offload_argv
+from testbed.wire import (
+    MIN_QUEUE_FRAMES,
+    TRUESIZE_BYTES,
+    departure_s,
+    queue_frames,
+    rcvbuf_request_bytes,
+    tcp_message_wire_s,
+    wire_time_s,
+)
+
+MBIT = 1_000_000
+
+
+def test_wire_time_counts_every_byte_of_the_frame() -> None:
+    assert wire_time_s(1514, 1 * MBIT) == pytest.approx(12.112e-3)
+    assert wire_time_s(60, 20 * MBIT) == pytest.approx(24e-6)
+    with pytest.raises(ShapingError, match="positive"):
+        wire_time_s(100, 0)
+
+
+def test_an_idle_line_starts_a_frame_when_it_arrives() -> None:
+    start, end = departure_s(arrival_s=10.0, free_at_s=9.0, frame_bytes=250, rate_bit_s=MBIT)
+    assert start == 10.0
+    assert end == pytest.approx(10.002)
+
+
+def test_back_to_back_frames_leave_one_wire_time_apart() -> None:
+    free_at, ends = 0.0, []
+    for _ in range(100):  # all arrived together: a burst waits in the queue
+        _, free_at = departure_s(0.0, free_at, 1514, 10 * MBIT)
+        ends.append(free_at)
+    gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    assert gaps == pytest.approx([1.2112e-3] * 99)
+    assert ends[-1] == pytest.approx(100 * 1.2112e-3)  # nothing adds up beyond the wire
+
+
+def test_the_schedule_ignores_how_late_frames_were_read() -> None:
+    """Frames arriving at the rate keep their schedule; only timestamps and ends matter."""
+    wire = wire_time_s(1514, 20 * MBIT)
+    free_at = 0.0
+    for k in range(1000):
+        start, free_at = departure_s(k * wire, free_at, 1514, 20 * MBIT)
+        assert start == pytest.approx(k * wire)
+    assert free_at == pytest.approx(1000 * wire)
+
+
+def test_an_idle_gap_resets_the_schedule() -> None:
+    _, first_end = departure_s(0.0, 0.0, 1514, MBIT)
+    start, _ = departure_s(1.0, first_end, 1514, MBIT)
+    assert start == 1.0
+
+
+def test_a_rate_change_applies_from_the_next_frame() -> None:
+    _, end_1 = departure_s(0.0, 0.0, 1250, 1 * MBIT)  # 10 ms
+    start_2, end_2 = departure_s(0.0, end_1, 1250, 10 * MBIT)  # queued behind it: 1 ms
+    assert (end_1, start_2, end_2) == pytest.approx((0.010, 0.010, 0.011))
+
+
+@pytest.mark.parametrize(
+    ("payload_bytes", "wire_bytes"),
+    [(14, 80), (200, 266), (1448, 1514), (1449, 1449 + 2 * 66), (15000, 15000 + 11 * 66)],
+)
+def test_tcp_message_wire_time_counts_headers_of_every_segment(
+    payload_bytes: int, wire_bytes: int
+) -> None:
+    assert tcp_message_wire_s(payload_bytes, 2 * MBIT) == pytest.approx(wire_bytes * 8 / 2e6)
+
+
+def test_queue_holds_tbf_latency_and_at_least_the_minimum() -> None:
+    assert queue_frames(1 * MBIT) == MIN_QUEUE_FRAMES  # 50 ms at 1 Mbit/s is 5 frames
+    assert queue_frames(100 * MBIT) == math.ceil(100e6 / 8 * 0.05 / 1514) + 2
+    assert queue_frames(100 * MBIT, queue_ms=100) > queue_frames(100 * MBIT)
+    assert rcvbuf_request_bytes(10) * 2 == 10 * TRUESIZE_BYTES  # the kernel doubles it
+
+
+def test_kernel_timestamps_of_both_layouts() -> None:
+    new = (socket.SOL_SOCKET, SO_TIMESTAMPNS_NEW, struct.pack("=qq", 1_700_000_000, 250_000_000))
+    old = (socket.SOL_SOCKET, SO_TIMESTAMPNS_OLD, struct.pack("@ll", 1_700_000_001, 5))
+    other = (socket.IPPROTO_IP, SO_TIMESTAMPNS_NEW, struct.pack("=qq", 1, 1))
+    assert kernel_timestamp_s([new]) == pytest.approx(1_700_000_000.25)
+    assert kernel_timestamp_s([other, old]) == pytest.approx(1_700_000_001.000000005)
+    assert kernel_timestamp_s([other]) is None
+    assert kernel_timestamp_s([]) is None
+
+
+def test_wait_until_returns_at_or_after_the_deadline() -> None:
+    deadline = time.time() + 0.002
+    wait_until(deadline, spin_s=150e-6)
+    assert time.time() >= deadline
+    began = time.time()
+    wait_until(began - 1.0, spin_s=150e-6)  # already past: no sleep
+    assert time.time() - began < 0.01
+
+
+def test_port_arguments() -> None:
+    assert parse_port("tb0123abcds0=1000000") == ("tb0123abcds0", 1e6)
+    assert parse_port("eth0=2.5e6") == ("eth0", 2.5e6)
+    for bad in ("eth0", "=5", "a-name-that-is-too-long=5", "eth0=0", "eth0=-1", "eth0=fast"):
+        with pytest.raises(ShapingError, match="port"):
+            parse_port(bad)
+    with pytest.raises(ShapingError, match="positive"):
+        parse_port("eth0=nan")
+
+
+def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(["serve", "a=1e6", "b=2000000", "--spin-us", "0"])
+    assert args.ports == [("a", 1e6), ("b", 2e6)] and args.spin_us == 0
+    assert args.queue_ms == 50
+    bad_argvs = [["serve", "a=1", "a=2"], ["serve", "a=x"], ["serve"]]
+    for bad in [*bad_argvs, ["serve", "a=1", "--queue-ms", "0"]]:
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert "given twice" in capsys.readouterr().err
+
+
+def test_commands() -> None:
+    ports = ["p0", "p1"]
+    assert parse_command("stats\n", ports) == Command("stats")
+    assert parse_command("rate p1 5000000", ports) == Command("rate", "p1", 5e6)
+    with pytest.raises(ShapingError, match="unknown port 'p9'.*p0, p1"):
+        parse_command("rate p9 5", ports)
+    with pytest.raises(ShapingError, match="rate p0: the rate must be a positive number"):
+        parse_command("rate p0 -5", ports)
+    with pytest.raises(ShapingError, match="unknown command 'speed p0 5'"):
+        parse_command("speed p0 5", ports)
+
+
+def test_counters_keep_totals_means_and_maxima() -> None:
+    counters = PortCounters()
+    counters.record(1514, queued_s=0.0, late_s=10e-6)
+    counters.record(66, queued_s=2e-3, late_s=30e-6)
+    stats = counters.as_dict()
+    assert (stats["frames"], stats["bytes"]) == (2, 1580)
+    assert (stats["queued_us_mean"], stats["queued_us_max"]) == (1000.0, 2000.0)
+    assert (stats["late_us_mean"], stats["late_us_max"]) == (20.0, 30.0)
+    assert PortCounters().as_dict()["late_us_mean"] == 0.0
+
+
+class FakePort:
+    def __init__(self, name: str):
+        self.name, self.sent, self.rates = name, [], []
+
+    def transmit(self, frame: bytes) -> None:
+        self.sent.append(frame)
+
+    def set_rate(self, rate_bit_s: float) -> None:
+        self.rates.append(rate_bit_s)
+
+    def stats(self) -> dict[str, float]:
+        return {"frames": len(self.sent)}
+
+
+def frame(destination: str, source: str) -> bytes:
+    return bytes.fromhex(destination.replace(":", "")) + bytes.fromhex(source.replace(":", ""))
+
+
+A, B, BROADCAST = "02:00:00:00:00:0a", "02:00:00:00:00:0b", "ff:ff:ff:ff:ff:ff"
+
+
+def test_the_switch_floods_unknown_and_broadcast_then_learns() -> None:
+    ports = [FakePort(name) for name in ("p0", "p1", "p2")]
+    switch = Switch(ports)  # type: ignore[arg-type]
+    switch.forward(ports[0], frame(BROADCAST, A))  # ARP request from A
+    assert [len(p.sent) for p in ports] == [0, 1, 1]
+    switch.forward(ports[1], frame(A, B))  # reply: A is known
+    assert [len(p.sent) for p in ports] == [1, 1, 1]
+    switch.forward(ports[0], frame(B, A))
+    assert [len(p.sent) for p in ports] == [1, 2, 1]
+    switch.forward(ports[0], frame("02:00:00:00:00:0c", A))  # unknown: flooded
+    assert [len(p.sent) for p in ports] == [1, 3, 2]
+    switch.forward(ports[0], frame("01:00:5e:00:00:01", A))  # multicast: flooded
+    assert [len(p.sent) for p in ports] == [1, 4, 3]
+
+
+def test_the_switch_drops_a_frame_for_the_port_it_came_from() -> None:
+    ports = [FakePort("p0"), FakePort("p1")]
+    switch = Switch(ports)  # type: ignore[arg-type]
+    switch.forward(ports[0], frame(BROADCAST, A))
+    switch.forward(ports[0], frame(BROADCAST, B))  # B sits behind port 0 too
+    switch.forward(ports[0], frame(B, A))
+    assert [len(p.sent) for p in ports] == [0, 2]
+
+
+def test_the_switch_answers_commands() -> None:
+    ports = [FakePort("p0"), FakePort("p1")]
+    switch = Switch(ports)  # type: ignore[arg-type]
+    assert switch.execute("rate p1 2000000\n") == "ok"
+    assert ports[1].rates == [2e6]
+    assert json.loads(switch.execute("stats")) == {"p0": {"frames": 0}, "p1": {"frames": 0}}
+    assert switch.execute("rate p1 zero").startswith("error rate p1:")
+
+
+SUBNET = ipaddress.IPv4Network("10.214.3.0/24")
+
+
+def test_serial_switch_names_and_addresses() -> None:
+    switch = SerialSwitch("0123abcd", ["/proc/1/ns/net", "/var/run/netns/x"], SUBNET, 2.5)
+    assert switch.netns == f"tb-0123abcd-{SWITCH_SUFFIX}" == "tb-0123abcd-sl"
+    assert switch.netns_path == "/var/run/netns/tb-0123abcd-sl"
+    assert [switch.port(r) for r in (0, 1)] == ["tb0123abcds0", "tb0123abcds1"]
+    assert [switch.address(r) for r in (0, 1)] == ["10.214.3.1", "10.214.3.2"]
+    assert switch.interface == "sl0"
+    argv = switch.emulator_argv()
+    assert argv[:5] == ["ip", "netns", "exec", "tb-0123abcd-sl", sys.executable]
+    ports = [f"tb0123abcds{rank}=2500000" for rank in (0, 1)]
+    assert argv[5:] == ["-m", "testbed.serial_link", "serve", *ports]
+    assert "--spin-us" in SerialSwitch("0123abcd", ["/x"], SUBNET, 1, spin_us=0).emulator_argv()
+
+
+def test_serial_switch_refuses_bad_input() -> None:
+    with pytest.raises(ShapingError, match="tag 'run-1'"):
+        SerialSwitch("run-1", ["/x"], SUBNET, 1)
+    with pytest.raises(ShapingError, match="255 devices do not fit"):
+        SerialSwitch("0123abcd", ["/x"] * 255, SUBNET, 1)
+    with pytest.raises(ShapingError, match="rate must be positive"):
+        SerialSwitch("0123abcd", ["/x"], SUBNET, 0)
+    switch = SerialSwitch("0123abcd", ["/x"], SUBNET, 1)
+    with pytest.raises(ShapingError, match="too long"):
+        switch.port(10_000)
+    with pytest.raises(ShapingError, match="cannot set rank 3"):
+        switch.set_rate(3, 5)
+    with pytest.raises(ShapingError, match="is not running"):
+        switch.set_rate(0, 5)
+    switch.stop()  # nothing was started: nothing to do
+
+
+def test_offloads_include_transmit_checksums() -> None:
+    argv = offload_argv("/proc/7/ns/net", "sl0")
+    assert argv[:4] == ["nsenter", "--net=/proc/7/ns/net", "ethtool", "-K"]
+    assert " ".join(argv[4:]) == "sl0 gso off tso off gro off tx off"
