@@ -1,17 +1,24 @@
-"""`make bench`: the project's speed targets, measured side by side in one run on this machine.
+"""`make bench`: the project's speed and measurement targets, measured side by side in one run.
 
-1. In process (one thread, device 0 of P = 2, methods alternating, medians):
-   Trace-b compute / Voltage compute (goal <= 1.0) on ViT-B/16; buffers off / on compute
-   (goal >= 1.5) on ViT-B/16 and ViViT-B.
-2. On the testbed (real devices, shaped links), per repetition the slowest device's times,
-   medians over 5 repetitions:
-   Trace-b effective / compute at 10 Mbit/s (goal <= 1.02: communication hidden); Trace-b's
-   effective speedup over Astra (goal >= 1.15, the paper 1.10) and over Voltage (the paper
-   27x) at 10 Mbit/s; achieved / target rate at 1, 2, 5, 10 and 20 Mbit/s (goal within 5%);
-   sweep wall time / sum of trial times (goal <= 1.2).
+Every figure is a median over repetitions with its distribution-free 95% interval
+(testbed.stats); ratios between methods pair repetitions that ran next to each other in time
+(methods are interleaved: in process round by round, on the testbed inference by inference).
+
+1. In process (one thread, device 0 of P = 2, methods alternating): Trace-b compute /
+   Voltage compute (goal <= 1.0) on ViT-B/16; buffers off / on compute (goal >= 1.5) on
+   ViT-B/16 and ViViT-B.
+2. On the testbed at 10 Mbit/s (per repetition the slowest device's times: an inference
+   ends when its slowest device does): Trace-b effective / compute (goal <= 1.02:
+   communication hidden); Trace-b's effective speedup over Astra (goal >= 1.15, the paper
+   1.10) and over Voltage (the paper 27x).
+3. On the testbed at 1, 2, 5, 10 and 20 Mbit/s, every method (the link emulator of the
+   experiment's default, serial): measured comm / wire time (goal: between 0.8 and 1.5 once a
+   fixed path cost of at most 0.3 ms per message is allowed), the bandwidth-dependent part
+   [comm(1) - comm(20)] / [wire(1) - wire(20)] (goal 0.8..1.2), achieved / target rate
+   (goal within 5%) and sweep wall time / sum of session times (goal <= 1.2).
 
 Usage: python -m bench.bench_trace [--quick] [--backend auto|docker|local] [--out DIR]
-`--quick` swaps in tiny models (a check that the bench runs, not a measurement).
+`--quick` swaps in tiny models and few repetitions (a check that the bench runs).
 """
 
 from __future__ import annotations
@@ -21,20 +28,25 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import torch
 
 from bench.compute import bundle_for, compare
 from testbed.results import load
 from testbed.runner import Runner, new_run_id
 from testbed.schema import parse_experiment
+from testbed.stats import Interval, by_repetition, median_interval, paired_ratio_interval
 from tracevq.models import build_model
 
-RESULTS = []
+PATH_COST_MS = 0.3  # per message: what a real path adds to the wire time at most
+RESULTS: list[str] = []
 
 
-def report(name: str, value: float, goal: str, ok: bool | None) -> None:
+def report(name: str, value: Interval, goal: str, ok: bool | None) -> None:
     verdict = "" if ok is None else ("  ok" if ok else "  MISSED")
-    line = f"{name:58} {value:10.3f}   goal {goal}{verdict}"
+    spread = f"[{value.low:.3f}, {value.high:.3f}] n={value.n}"
+    line = f"{name:54} {value.median:9.3f} {spread:26} goal {goal}{verdict}"
     RESULTS.append(line)
     print(line, flush=True)
 
@@ -48,85 +60,118 @@ def in_process(quick: bool) -> None:
         "voltage": {"name": "voltage"},
         "trace-b": {"name": "trace-b", "K": K},
         "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False},
-    })  # fmt: skip
-    print(
-        f"  device-0 compute ms ({vit.config.name}): "
-        + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
-    )
-    ratio = times["trace-b"] / times["voltage"]
-    report(f"trace-b compute / voltage compute ({vit.config.name})", ratio, "<= 1.0", ratio <= 1.0)
-    gain = times["trace-b buffers off"] / times["trace-b"]
-    report(f"buffers off / on compute ({vit.config.name})", gain, ">= 1.5", gain >= 1.5)
+    }, rounds=4 if quick else 8)  # fmt: skip
+    show_times(vit.config.name, times)
+    ratio = paired_ratio_interval(times["trace-b"], times["voltage"])
+    name = f"trace-b compute / voltage compute ({vit.config.name})"
+    report(name, ratio, "<= 1.0", ratio.median <= 1.0)
+    gain = paired_ratio_interval(times["trace-b buffers off"], times["trace-b"])
+    report(f"buffers off / on compute ({vit.config.name})", gain, ">= 1.5", gain.median >= 1.5)
     vivit = build_model("vivit-tiny" if quick else "vivit-b")
     bundle = bundle_for(vivit, K, 4 if quick else 1)
     times = compare(vivit, bundle, {
         "trace-b": {"name": "trace-b", "K": K},
         "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False},
-    }, rounds=2 if not quick else 5)  # fmt: skip
-    print(
-        f"  device-0 compute ms ({vivit.config.name}): "
-        + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
-    )
-    gain = times["trace-b buffers off"] / times["trace-b"]
-    report(f"buffers off / on compute ({vivit.config.name})", gain, ">= 1.5", gain >= 1.5)
+    }, rounds=4 if quick else 6)  # fmt: skip
+    show_times(vivit.config.name, times)
+    gain = paired_ratio_interval(times["trace-b buffers off"], times["trace-b"])
+    report(f"buffers off / on compute ({vivit.config.name})", gain, ">= 1.5", gain.median >= 1.5)
 
 
-def on_testbed(quick: bool, backend: str, out: Path) -> None:
-    model, K = ("vit-tiny", 64) if quick else ("vit-b16", 1024)
-    latency = parse_experiment({
-        "name": "bench-latency", "model": {"name": model},
+def show_times(model: str, times: dict[str, pd.Series]) -> None:
+    cells = [f"{k} {median_interval(v).median:.1f}" for k, v in times.items()]
+    print(f"  device-0 compute ms ({model}): " + ", ".join(cells), flush=True)
+
+
+def experiment(name: str, model: str, rates: list[float], methods: list[dict], repeats: int):
+    return parse_experiment({
+        "name": name, "model": {"name": model},
         "devices": {"count": [2], "cpus": 1, "memory_mb": 3072},
-        "link": {"profile": "ideal", "bandwidth_mbit": [10]},
-        "methods": [{"name": "voltage"}, {"name": "astra", "K": K}, {"name": "trace-b", "K": K}],
-        "repeats": 5, "warmup": 1,
+        "link": {"profile": "ideal", "bandwidth_mbit": rates},
+        "methods": methods, "repeats": repeats, "warmup": 1,
     })  # fmt: skip
-    run_dir = run(latency, backend, out)
-    trials = load(run_dir).trials
-    ok = trials[trials["status"] == "ok"]
-    # an inference ends when its slowest device does: per repetition, the largest effective
-    # time against the largest compute time (a device that waits for a slower peer's
-    # computing is not waiting for the link); the median over repetitions, so that one
-    # hiccup of this shared machine does not decide a ratio
-    slowest = ok.groupby(["method", "repeat"])[["effective_ms", "compute_ms"]].max()
-    effective = slowest["effective_ms"].groupby("method").median()
-    compute = slowest["compute_ms"].groupby("method").median()
-    print(
-        "  at 10 Mbit/s, effective ms: " + ", ".join(f"{k} {v:.1f}" for k, v in effective.items())
-    )
-    hidden = effective["trace-b"] / compute["trace-b"]
-    report("trace-b effective / compute at 10 Mbit/s", hidden, "<= 1.02", hidden <= 1.02)
-    speedup = effective["astra"] / effective["trace-b"]
-    report(
-        "trace-b speedup over astra (effective) at 10 Mbit/s",
-        speedup,
-        ">= 1.15 (paper 1.10)",
-        speedup >= 1.15,
-    )
-    speedup = effective["voltage"] / effective["trace-b"]
+
+
+def variant(frame: pd.DataFrame) -> pd.Series:
+    params = frame["params"].fillna("").str.replace(",", " ")
+    return (frame["method"] + " " + params).str.strip()
+
+
+def latency_at_10(quick: bool, backend: str, out: Path) -> None:
+    model, K = ("vit-tiny", 64) if quick else ("vit-b16", 1024)
+    methods = [{"name": "voltage"}, {"name": "astra", "K": K}, {"name": "trace-b", "K": K}]
+    trials = load(run(experiment("bench-latency", model, [10], methods, 4 if quick else 12),
+                      backend, out)).trials  # fmt: skip
+    slowest = by_repetition(trials, ["method"], ["effective_ms", "compute_ms"], how="max")
+    per = {m: part.set_index("repeat") for m, part in slowest.groupby("method")}
+    cells = [f"{m} {median_interval(p['effective_ms']).median:.1f}" for m, p in per.items()]
+    print("  at 10 Mbit/s, effective ms (slowest device): " + ", ".join(cells), flush=True)
+    trace, astra, voltage = per["trace-b"], per["astra"], per["voltage"]
+    hidden = paired_ratio_interval(trace["effective_ms"], trace["compute_ms"])
+    report("trace-b effective / compute at 10 Mbit/s", hidden, "<= 1.02", hidden.median <= 1.02)
+    speedup = paired_ratio_interval(astra["effective_ms"], trace["effective_ms"])
+    report("trace-b speedup over astra (effective) at 10 Mbit/s", speedup,
+           ">= 1.15 (paper 1.10)", speedup.median >= 1.15)  # fmt: skip
+    speedup = paired_ratio_interval(voltage["effective_ms"], trace["effective_ms"])
     report("trace-b speedup over voltage (effective) at 10 Mbit/s", speedup, "(paper 27x)", None)
 
-    links = parse_experiment({
-        "name": "bench-links", "model": {"name": model},
-        "devices": {"count": [2], "cpus": 1, "memory_mb": 3072},
-        "link": {"profile": "ideal", "bandwidth_mbit": [1, 2, 5, 10, 20]},
-        "methods": [{"name": "trace-b", "K": K, "level_k": 2}],
-        "repeats": 3, "warmup": 1,
-    })  # fmt: skip
+
+def links(quick: bool, backend: str, out: Path) -> None:
+    model, K = ("vit-tiny", 64) if quick else ("vit-b16", 1024)
+    rates = [1.0, 2.0, 5.0, 10.0, 20.0]
+    methods = [{"name": "voltage"}, {"name": "prism", "segment": 10, "mean_bits": 16},
+               {"name": "astra", "K": K}, {"name": "trace-nb", "K": K},
+               {"name": "trace-b", "K": K, "level_k": [K, 32, 2]}]  # fmt: skip
     started = time.monotonic()
-    run_dir = run(links, backend, out)
+    run_dir = run(experiment("bench-links", model, rates, methods, 2 if quick else 6), backend, out)
     wall_s = time.monotonic() - started
     trials = load(run_dir).trials
+    trials["variant"] = variant(trials)
+    depth = int(trials["payload_bits"].iloc[0] / trials["payload_bits_per_layer"].iloc[0])
+    per = by_repetition(trials, ["variant", "bandwidth_mbit"], ["comm_ms", "wire_comm_ms"])
+    for (name, rate), part in per.groupby(["variant", "bandwidth_mbit"], sort=False):
+        comm_to_wire(name, rate, part.set_index("repeat"), depth)
+    for name, part in per.groupby("variant", sort=False):
+        slope(name, part, rates[0], rates[-1])
     for rate, group in trials.groupby("bandwidth_mbit"):
-        achieved = (group["measured_wire_mbit"] / rate).mean()
-        report(
-            f"achieved / target rate at {rate:g} Mbit/s (on the wire)",
-            achieved,
-            "within 0.95..1.05",
-            abs(achieved - 1) <= 0.05,
-        )
-    trial_s = trials.drop_duplicates("trial_id")["trial_s"].sum()
-    overhead = wall_s / trial_s
-    report("sweep wall time / sum of trial times", overhead, "<= 1.2", overhead <= 1.2)
+        achieved = median_interval(group.drop_duplicates("rank")["measured_wire_mbit"] / rate)
+        report(f"achieved / target rate at {rate:g} Mbit/s (on the wire)", achieved,
+               "within 0.95..1.05", abs(achieved.median - 1) <= 0.05)  # fmt: skip
+    sessions_s = trials.drop_duplicates("session_id")["session_s"].sum()
+    overhead = Interval(1, wall_s / sessions_s, wall_s / sessions_s, wall_s / sessions_s, 0.0)
+    report("sweep wall time / sum of session times", overhead, "<= 1.2", overhead.median <= 1.2)
+
+
+def comm_to_wire(name: str, rate: float, part: pd.DataFrame, messages: int) -> None:
+    """comm / wire, and the same with the fixed path cost allowed taken off comm."""
+    ratio = median_interval(part["comm_ms"] / part["wire_comm_ms"])
+    net = median_interval((part["comm_ms"] - messages * PATH_COST_MS) / part["wire_comm_ms"])
+    ok = ratio.high >= 0.8 and net.low <= 1.5  # some path cost in 0..0.3 ms puts it in range
+    report(f"comm / wire, {name} at {rate:g} Mbit/s", ratio,
+           f"0.8..1.5 less <= {PATH_COST_MS} ms/msg (net median {net.median:.2f})", ok)  # fmt: skip
+
+
+def slope(name: str, part: pd.DataFrame, low: float, high: float) -> None:
+    """[comm(low) - comm(high)] / [wire(low) - wire(high)] with a bootstrap interval."""
+    slow = part[part["bandwidth_mbit"] == low]
+    fast = part[part["bandwidth_mbit"] == high]
+    if slow.empty or fast.empty:
+        return
+    wire = slow["wire_comm_ms"].median() - fast["wire_comm_ms"].median()
+    value = (slow["comm_ms"].median() - fast["comm_ms"].median()) / wire
+    draws = bootstrap_difference(slow["comm_ms"].to_numpy(), fast["comm_ms"].to_numpy()) / wire
+    low_q, high_q = np.quantile(draws, [0.025, 0.975])
+    interval = Interval(min(len(slow), len(fast)), value, float(low_q), float(high_q), 0.95)
+    report(f"bandwidth-dependent comm / wire, {name}", interval, "0.8..1.2",
+           0.8 <= value <= 1.2)  # fmt: skip
+
+
+def bootstrap_difference(a: np.ndarray, b: np.ndarray, draws: int = 4000) -> np.ndarray:
+    """Medians of resampled `a` minus medians of resampled `b` (independent runs)."""
+    generator = np.random.default_rng(0)
+    pick_a = generator.choice(a, size=(draws, len(a)))
+    pick_b = generator.choice(b, size=(draws, len(b)))
+    return np.median(pick_a, axis=1) - np.median(pick_b, axis=1)
 
 
 def run(experiment, backend: str, out: Path) -> Path:
@@ -149,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
     in_process(args.quick)
-    on_testbed(args.quick, args.backend, args.out)
-    print("\nsummary\n" + "\n".join(RESULTS))
+    latency_at_10(args.quick, args.backend, args.out)
+    links(args.quick, args.backend, args.out)
+    print("\nsummary (median [95% interval] n)\n" + "\n".join(RESULTS))
     return 0
 
 

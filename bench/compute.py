@@ -2,15 +2,16 @@
 
 All P devices run in lockstep as in `tracevq.simulate`, with the real wire bytes; only device
 0's calls are timed (embedding, its blocks, the head). Methods alternate within each round so
-that the machine's background load falls on all of them alike; the median per method is kept.
+that the machine's background load falls on all of them alike; every round's time is kept, so
+that methods can be compared round by round.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import defaultdict
 
+import pandas as pd
 import torch
 
 from tracevq.bundle import Bundle, fit_bundle
@@ -56,8 +57,9 @@ def compare(
     variants: dict[str, dict],
     devices: int = 2,
     rounds: int = 5,
-) -> dict[str, float]:
-    """Median device-0 compute (ms) per variant name; variants map to make_method kwargs."""
+) -> dict[str, pd.Series]:
+    """Device-0 compute (ms) per variant name, one value per round (the index); variants map
+    to make_method kwargs."""
     methods = {name: make_method(model=model, bundle=bundle, **kw) for name, kw in variants.items()}
     inputs = torch.randn(model.config.input_shape(1), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = defaultdict(list)
@@ -66,7 +68,7 @@ def compare(
     for _ in range(rounds):
         for name, method in methods.items():
             times[name].append(device0_compute_ms(method, inputs, devices))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: pd.Series(values, name=name) for name, values in times.items()}
 
 
 def bundle_for(model: VisionTransformer, K: int, calibration: int) -> Bundle:

@@ -99,8 +99,11 @@ def device_spec(
     )
 
 
-def run_workers(backend: Backend, argvs: list[list[str]], timeout_s: float) -> list[ExecResult]:
-    """Start every worker, wait for all; a failure or the deadline kills the rest."""
+def run_workers(
+    backend: Backend, argvs: list[list[str]], timeout_s: float, why: str = "timeout_s"
+) -> list[ExecResult]:
+    """Start every worker, wait for all; a failure or the deadline (`why` explains it in the
+    error) kills the rest."""
     processes = [
         backend.spawn(device, argv) for device, argv in zip(backend.devices, argvs, strict=True)
     ]
@@ -113,7 +116,7 @@ def run_workers(backend: Backend, argvs: list[list[str]], timeout_s: float) -> l
                 results[rank] = process.wait(remaining)
             except TimeoutError:
                 results[rank] = ExecResult(
-                    -1, "", f"worker {rank}: no result within {timeout_s:g} s (timeout_s)"
+                    -1, "", f"worker {rank}: no result within {timeout_s:g} s ({why})"
                 )
                 break
     finally:
@@ -153,7 +156,9 @@ def run_session(
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
     before = sent_bytes()
     started = time.monotonic()
-    results = run_workers(backend, argvs, experiment.timeout_s * len(trials))
+    deadline_s = experiment.timeout_s * len(trials)
+    why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
+    results = run_workers(backend, argvs, deadline_s, why)
     session_s = round(time.monotonic() - started, 3)
     after = sent_bytes()
     for device in backend.devices:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed.results import TRIAL_COLUMNS, load
+from testbed.columns import TRIAL_NAMES
+from testbed.results import load
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +47,7 @@ def leftovers(docker_client, run_id: str) -> list[str]:
 def check_results(run_dir: Path, trials_expected: int) -> None:
     results = load(run_dir)
     trials = results.trials
-    assert list(trials.columns) == TRIAL_COLUMNS
+    assert list(trials.columns) == TRIAL_NAMES
     assert (trials["status"] == "ok").all(), trials[["trial_id", "error"]]
     assert trials["trial_id"].nunique() == trials_expected
     config = results.config
@@ -55,9 +56,15 @@ def check_results(run_dir: Path, trials_expected: int) -> None:
         assert row.payload_bits == depth * row.payload_bits_per_layer
         # every peer gets a copy; each message is its payload rounded up to whole bytes
         per_message = math.ceil(row.payload_bits_per_layer / 8)
-        assert row.wire_bytes == depth * per_message * (row.devices - 1)
+        assert row.message_bytes == depth * per_message * (row.devices - 1)
         assert row.effective_ms >= row.compute_ms > 0
         assert row.effective_ms == pytest.approx(row.compute_ms + row.wait_ms, rel=1e-3)
+        parts = row.wait_peer_ms + row.wait_link_ms + row.wait_wakeup_ms
+        assert parts == pytest.approx(row.wait_ms, abs=1e-3)
+        assert row.kernel_timestamps and row.emulator == "serial"
+        # the serial link clocks every frame out: no message crosses faster than its frames'
+        # wire time (the clocks are one kernel's), and none takes 20 ms more than that
+        assert row.wire_comm_ms * 0.98 <= row.comm_ms <= row.wire_comm_ms + 20 * depth
     # the shaped links deliver their rate (frames on the wire) within 5%
     wire = trials.drop_duplicates(["bandwidth_mbit", "rank"])
     off = (wire["measured_wire_mbit"] / wire["bandwidth_mbit"] - 1).abs()
@@ -142,8 +149,8 @@ def test_a_failing_trial_is_recorded_and_resume_reruns_only_it(
     run_dir = only_run_dir(out)
     trials = load(run_dir).trials
     assert set(trials["status"]) == {"failed"} and trials["trial_id"].nunique() == 2
-    assert trials["error"].str.contains("no result within 1 s").all()
-    assert (run_dir / "trials" / "p2-voltage-5mbit" / "rank0.log").is_file()
+    assert trials["error"].str.contains(r"no result within 2 s \(timeout_s 1 s x 2 trials\)").all()
+    assert (run_dir / "sessions" / "p2-5mbit" / "rank0.log").is_file()
     assert leftovers(docker_client, run_dir.name) == []
     # resume with a sane deadline: both run now and the tables hold only ok rows
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
