@@ -106,13 +106,18 @@ class Session:
 
     def _first_loss(self, context: str) -> PeerLostError | None:
         """When several peers are gone (one died, another quit because of it), name the one
-        whose connection closed first, the cause, and list the others. The others' closures
-        get LOSS_GRACE_S to be noticed first."""
+        that stopped first, the cause, and list the others. The others' closures get
+        LOSS_GRACE_S to be noticed. The cause is the peer whose stream ends earliest in the
+        session: a survivor quits only while waiting for the lost peer's next message, after
+        sending its own, so it has sent more; on a tie, the connection that closed first."""
         links = self.mesh.links.values()
         deadline = time.perf_counter() + LOSS_GRACE_S
         while time.perf_counter() < deadline and not all(link.closed for link in links):
             time.sleep(0.01)
-        closed = sorted((link for link in links if link.closed), key=lambda link: link.closed.at)
+        closed = sorted(
+            (link for link in links if link.closed),
+            key=lambda link: (link.messages_received, link.closed.at),
+        )
         if not closed:
             return None
         error = closed[0].lost(context)
