@@ -1,140 +1,190 @@
 """Figures of a run, as PNG files readable without the code.
 
-- latency.png: compute / communication / effective latency per method at one bandwidth
-  (the paper's Fig. 5 kind);
-- comm_vs_bandwidth.png: communication latency against bandwidth, log axes (Fig. 6 kind);
-- compression.png: payload compression ratio against Voltage per method and level (Fig. 7);
-- measured_vs_analytic.png: measured communication against payload bits / link rate.
+Measured values are medians over repetitions with distribution-free 95% intervals of the median
+as error bars (`testbed.stats`; every figure states n). Per repetition the devices are averaged,
+except for effective latency, where the slowest device counts (the inference ends with it).
+
+- effective_vs_bandwidth.png: effective latency per method variant against the link rate;
+- comm_vs_bandwidth.png: measured communication against the link rate, log-log, with each
+  variant's wire time (dashed) and the paper's analytic time (dotted) (Fig. 6 kind);
+- measured_vs_analytic.png: measured communication against the wire time and against the
+  analytic time, coloured by rate, with the line y = x;
+- latency.png and compression.png: see `testbed.plots_latency` (Figs. 5 and 7 kinds).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+from testbed.plots_common import (
+    interval_caption,
+    intervals,
+    ok_trials,
+    panels,
+    plain_log,
+    rate_axis,
+    save,
+    styles,
+    variant,
+    variant_order,
+    yerr,
+)
+from testbed.plots_latency import compression, latency_breakdown
+from testbed.results import Results
+from testbed.stats import Aggregate
 
-from testbed.results import Results  # noqa: E402
+__all__ = ["make_figures", "variant"]
 
-
-def variant(frame: pd.DataFrame) -> pd.Series:
-    """A readable name per method variant: 'trace-b K=1024 level_k=32'."""
-    params = frame["params"].fillna("").str.replace(",", " ")
-    return (frame["method"] + " " + params).str.strip()
-
-
-def _ok(results: Results) -> pd.DataFrame:
-    trials = results.trials
-    ok = trials[trials["status"] == "ok"].copy()
-    ok["variant"] = variant(ok)
-    return ok
-
-
-def latency_breakdown(
-    results: Results, path: Path, bandwidth_mbit: float | None = None
-) -> Path | None:
-    ok = _ok(results)
-    if ok.empty:
-        return None
-    if bandwidth_mbit is None:
-        rates = sorted(ok["bandwidth_mbit"].unique())
-        bandwidth_mbit = 10.0 if 10.0 in rates else rates[len(rates) // 2]
-    at = ok[ok["bandwidth_mbit"] == bandwidth_mbit]
-    table = at.groupby(["variant", "devices"])[["compute_ms", "effective_ms"]].mean()
-    table = table.sort_values("effective_ms")
-    labels = [f"{v} (P={p})" for v, p in table.index]
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(table) + 1.5))
-    ax.barh(labels, table["compute_ms"], color="#2f5d8a", label="compute")
-    ax.barh(
-        labels,
-        table["effective_ms"] - table["compute_ms"],
-        left=table["compute_ms"],
-        color="#9cc3e6",
-        label="waiting for peers (the link, or a slower peer)",
+REFERENCE_LINES = [
+    Line2D([], [], color="grey", linestyle=style, label=label)
+    for style, label in (
+        ("--", "wire: frames carried / rate\n(headers included)"),
+        (":", "analytic: payload bits / rate\n(the paper's model)"),
     )
-    ax.set_xlabel("effective latency per inference (ms)")
-    ax.set_title(f"Per-device latency at {bandwidth_mbit:g} Mbit/s")
-    ax.legend(loc="lower right")
-    return _save(fig, path)
+]
+
+
+def _by_rate(
+    results: Results, path: Path, value: str, how: Aggregate, title: str, ylabel: str
+) -> Path | None:
+    """A figure of `value` against the link rate, one panel per device count."""
+    ok = ok_trials(results)
+    if ok.empty or ok["bandwidth_mbit"].nunique() < 2:
+        return None
+    references = ["wire_comm_ms", "analytic_comm_ms"] if value == "comm_ms" else []
+    table = intervals(ok, [value] + references, how)
+    rates = sorted(ok["bandwidth_mbit"].unique())
+    devices = sorted(ok["devices"].unique())
+    fig, axes = panels(len(devices), 7.0, 5.0)
+    for ax, count in zip(axes, devices, strict=True):
+        _draw_variants(ax, ok, table[table["devices"] == count], value, references)
+        rate_axis(ax, rates)
+        plain_log(ax, "y")
+        ax.set_title(f"P = {count} devices", fontsize=10)
+    axes[0].set_ylabel(ylabel)
+    handles = axes[0].get_legend_handles_labels()[0] + (REFERENCE_LINES if references else [])
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 0.88), fontsize=8)
+    fig.suptitle(f"{title}\n{interval_caption(table)}", fontsize=10)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def _draw_variants(
+    ax: Axes, ok: pd.DataFrame, table: pd.DataFrame, value: str, references: list[str]
+) -> None:
+    style = styles(ok)
+    for name in variant_order(ok):
+        rows = table[table["variant"] == name].sort_values("bandwidth_mbit")
+        if rows.empty:
+            continue
+        look = style[name]
+        ax.errorbar(
+            rows["bandwidth_mbit"] * look.offset, rows[value], yerr=yerr(rows, value),
+            color=look.colour, marker=look.marker, markersize=5, capsize=3, linewidth=1.5,
+            label=name,
+        )  # fmt: skip
+        for column, dashes in zip(references, ("--", ":"), strict=False):
+            ax.plot(rows["bandwidth_mbit"], rows[column], color=look.colour, linestyle=dashes,
+                    linewidth=1.1, alpha=0.8)  # fmt: skip
 
 
 def comm_vs_bandwidth(results: Results, path: Path) -> Path | None:
-    ok = _ok(results)
-    if ok.empty or ok["bandwidth_mbit"].nunique() < 2:
-        return None
-    table = ok.groupby(["variant", "bandwidth_mbit"])["comm_ms"].mean().unstack(0)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name in table.columns:
-        ax.plot(table.index, table[name].clip(lower=1e-3), marker="o", label=name)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("link rate (Mbit/s, tc convention: 10^6 bit/s)")
-    ax.set_ylabel("communication per inference (ms, log)")
-    ax.set_title("Communication latency against bandwidth")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    return _save(fig, path)
+    return _by_rate(
+        results, path, "comm_ms", "mean",
+        "Communication per inference against link rate\nfrom a message's departure to the "
+        "slowest peer's kernel receive timestamp; per repetition the mean of the devices",
+        "communication per inference (ms)",
+    )  # fmt: skip
 
 
-def compression(results: Results, path: Path) -> Path | None:
-    plan = results.plan
-    if plan.empty or "voltage" not in set(plan["method"]):
-        return None
-    plan = plan[plan["rank"] == 0].copy()
-    plan["variant"] = variant(plan)
-    table = plan.groupby(["variant", "devices"])["payload_bits_per_layer"].mean().reset_index()
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(table) + 1.5))
-    for devices, group in table.groupby("devices"):
-        voltage = group.loc[group["variant"] == "voltage", "payload_bits_per_layer"]
-        if voltage.empty:
-            continue
-        ratio = voltage.iloc[0] / group["payload_bits_per_layer"]
-        bars = ax.barh([f"{v} (P={devices})" for v in group["variant"]], ratio)
-        ax.bar_label(bars, labels=[f"{r:,.0f}x" for r in ratio], fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("compression ratio against Voltage (payload bits per layer, log)")
-    ax.set_title("Compression ratio")
-    return _save(fig, path)
+def effective_vs_bandwidth(results: Results, path: Path) -> Path | None:
+    return _by_rate(
+        results, path, "effective_ms", "max",
+        "Effective latency against link rate\nper repetition the slowest device (the inference "
+        "ends with it)",
+        "effective latency per inference (ms)",
+    )  # fmt: skip
 
 
 def measured_vs_analytic(results: Results, path: Path) -> Path | None:
-    ok = _ok(results)
+    """Measured communication against the wire time (left) and the analytic time (right)."""
+    ok = ok_trials(results)
     ok = ok[ok["analytic_comm_ms"] > 0]
     if ok.empty:
         return None
-    table = ok.groupby(["variant", "bandwidth_mbit"])[["analytic_comm_ms", "comm_ms"]].mean()
-    fig, ax = plt.subplots(figsize=(6, 6))
-    for name, group in table.groupby(level=0):
-        ax.scatter(group["analytic_comm_ms"], group["comm_ms"].clip(lower=1e-3), label=name)
-    low = min(table["analytic_comm_ms"].min(), table["comm_ms"].clip(lower=1e-3).min())
-    high = max(table["analytic_comm_ms"].max(), table["comm_ms"].max())
-    ax.plot([low, high], [low, high], color="grey", linestyle="--", label="measured = analytic")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("analytic: payload bits / link rate (ms)")
-    ax.set_ylabel("measured: queued to last peer's arrival (ms)")
-    ax.set_title("Measured against analytic communication")
-    ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
-def _save(fig: plt.Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    table = intervals(ok, ["comm_ms", "wire_comm_ms", "analytic_comm_ms"])
+    rates = sorted(table["bandwidth_mbit"].unique())
+    colours = dict(zip(rates, _rate_colours(len(rates)), strict=True))
+    markers = {name: look.marker for name, look in styles(ok).items()}
+    errors = yerr(table, "comm_ms")
+    fig, axes = panels(2, 5.0, 5.0)
+    for ax, column in zip(axes, ["wire_comm_ms", "analytic_comm_ms"], strict=True):
+        for i, row in enumerate(table.itertuples()):
+            ax.errorbar(
+                getattr(row, column), row.comm_ms, yerr=errors[:, i : i + 1],
+                color=colours[row.bandwidth_mbit], marker=markers[row.variant], markersize=6,
+                capsize=2, linestyle="none", markeredgecolor="black", markeredgewidth=0.4,
+            )  # fmt: skip
+        _identity_line(ax, table, column)
+        plain_log(ax, "x")
+        plain_log(ax, "y")
+    axes[0].set_xlabel("wire: frames carried x 8 / rate (ms)")
+    axes[1].set_xlabel("analytic: payload bits / rate (ms)")
+    axes[0].set_ylabel("measured: queued to the last peer's kernel (ms)")
+    _variant_and_rate_legends(fig, {v: markers[v] for v in variant_order(ok)}, colours)
+    title = "Measured communication per inference against the wire and analytic times"
+    fig.suptitle(f"{title}\n{interval_caption(table)}; mean of the devices", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
+
+
+def _variant_and_rate_legends(
+    fig: Figure, markers: dict[str, str], colours: dict[float, tuple[float, ...]]
+) -> None:
+    """Two legends right of the panels: markers are variants, colours are link rates."""
+    variants = [
+        Line2D([], [], color="grey", marker=marker, linestyle="none", label=name)
+        for name, marker in markers.items()
+    ]
+    rates = [
+        Line2D([], [], color=colour, marker="o", linestyle="none", label=f"{rate:g} Mbit/s")
+        for rate, colour in colours.items()
+    ]
+    fig.legend(handles=variants, title="variant", loc="upper left", bbox_to_anchor=(1.0, 0.88),
+               fontsize=8)  # fmt: skip
+    fig.legend(handles=rates, title="link rate", loc="lower left", bbox_to_anchor=(1.0, 0.08),
+               fontsize=8)  # fmt: skip
+
+
+def _rate_colours(count: int) -> list[tuple[float, ...]]:
+    cmap = colormaps["viridis"]
+    return [cmap(0.9 * i / max(count - 1, 1)) for i in range(count)]
+
+
+def _identity_line(ax: Axes, table: pd.DataFrame, column: str) -> None:
+    values = pd.concat([table[column], table["comm_ms_low"], table["comm_ms_high"]])
+    values = values[values > 0]
+    low, high = values.min() / 1.5, values.max() * 1.5
+    ax.plot([low, high], [low, high], color="grey", linestyle="--", linewidth=1, zorder=0)
+    ax.text(high, high, "y = x ", ha="right", va="bottom", fontsize=8, color="grey")
+    ax.set_xlim(low, high)
+    ax.grid(True, which="major", alpha=0.3)
 
 
 def make_figures(results: Results) -> list[Path]:
+    """Every figure of the run into its figures/ directory; returns the files written."""
     directory = results.run_dir / "figures"
     made = [
         latency_breakdown(results, directory / "latency.png"),
+        effective_vs_bandwidth(results, directory / "effective_vs_bandwidth.png"),
         comm_vs_bandwidth(results, directory / "comm_vs_bandwidth.png"),
-        compression(results, directory / "compression.png"),
         measured_vs_analytic(results, directory / "measured_vs_analytic.png"),
+        compression(results, directory / "compression.png"),
     ]
     return [p for p in made if p is not None]

@@ -26,6 +26,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from testbed import stats
 from testbed.columns import TRIAL_NAMES
 from testbed.errors import TestbedError
 
@@ -103,13 +104,16 @@ class Results:
     environment: dict[str, Any]
 
     def summary(self) -> pd.DataFrame:
-        """Mean latency per trial over devices and repetitions of successful rows, and the
+        """Per trial (method, params, devices, bandwidth_mbit) the median over repetitions of
+        each latency and rate, a repetition's devices averaged first, with 95% intervals
+        (`testbed.stats.summarize`: n, v, v_low, v_high, level; successful rows only), and the
         top-1 accuracy (device 0's correct predictions) where the inputs had labels."""
         ok = self.trials[self.trials["status"] == "ok"]
         keys = ["method", "params", "devices", "bandwidth_mbit"]
-        values = ["compute_ms", "comm_ms", "wait_ms", "effective_ms", "analytic_comm_ms",
-                  "payload_bits_per_layer", "measured_mbit"]  # fmt: skip
-        table = ok.groupby(keys, dropna=False)[values].mean()
+        values = ["compute_ms", "comm_ms", "wire_comm_ms", "analytic_comm_ms", "wait_ms",
+                  "wait_peer_ms", "wait_link_ms", "wait_wakeup_ms", "effective_ms",
+                  "measured_mbit"]  # fmt: skip
+        table = stats.summarize(ok, keys, values).set_index(keys)
         labelled = ok[(ok["rank"] == 0) & ok["correct"].notna()]
         if len(labelled):
             sums = labelled.groupby(keys, dropna=False)[["correct", "batch"]].sum()

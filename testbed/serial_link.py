@@ -22,12 +22,14 @@ Decisions:
   bulk runs at the rate however late single frames leave (after a stall, frames leave back to
   back until on schedule). A timestamp missing or more than `TIMESTAMP_SANITY_S` from
   `time.time()` (both CLOCK_REALTIME) is replaced by `time.time()`, with one warning.
-- Waiting (`wait_until`): sleep, then poll the last `spin_us` (at most `SPIN_SHARE` of the
-  wait), yielding the GIL between polls. Measured here (2 vCPUs, SCHED_FIFO): a plain sleep
-  wakes a median 5-16 us late after waits under 1 ms, but 40-70 us (p99 ~400 us) after 2-12 ms
-  idle; polling the last 100 us brings the median under 1 us. Polling costs CPU: with the
-  default 150 us the emulator takes ~25 % of a core at 20 Mbit/s bulk (data and ACK ports,
-  two thirds of it system time), ~16 % without polling.
+- Waiting (`wait_until`): sleep, then optionally poll the last `spin_us` (at most
+  `SPIN_SHARE` of the wait), yielding the GIL between polls. Polling is off by default: the
+  devices are pinned to the host's cores and this SCHED_FIFO program runs on the same cores,
+  so every polled microsecond is taken from a device's compute. Measured (vit-tiny, 2
+  devices, 20 repetitions, 2-20 Mbit/s): polling 150 us per frame raised the devices'
+  compute from 4.7-5.2 ms to 5.8-6.3 ms per inference (tbf: 4.7-5.1 ms) and did not shorten
+  small messages (0.47 ms against 0.31 ms per inference at 20 Mbit/s); a plain sleep wakes
+  a median 5-16 us late after waits under 1 ms, 40-70 us after 2-12 ms idle.
 - Queue: frames wait, with their timestamps, in the packet socket's receive buffer while the
   port's thread sleeps. Its size (`wire.queue_frames`) is tbf's, 50 ms at the rate
   plus two frames, but at least `MIN_QUEUE_FRAMES` so that TCP's initial window fits; times
@@ -84,7 +86,7 @@ MEMINFO_BYTES = 36  # SK_MEMINFO_VARS (9) x u32
 
 IFNAME_MAX_CHARS = 15
 FRAME_BUFFER_BYTES = 65536
-DEFAULT_SPIN_US = 150.0
+DEFAULT_SPIN_US = 0.0
 SPIN_SHARE = 0.125
 SWITCH_INTERVAL_S = 50e-6
 FIFO_PRIORITY = 10  # above every normal task, below the kernel's threaded interrupts (50)

@@ -101,7 +101,7 @@ def execute_notebook(run_dir: Path) -> None:
     assert not [o for o in outputs if o.output_type == "error"]
     assert any(str(run_dir) in o.get("text", "") for o in outputs)
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 4
+    assert len(images) == 5
 
 
 def small_experiment(tmp_path: Path, **changes) -> Path:

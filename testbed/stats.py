@@ -1,0 +1,152 @@
+"""Medians with distribution-free confidence intervals, for repetitions of a trial.
+
+A trial's repetitions are few (3 to 20) and their distribution is skewed (a slow minute of the
+shared host, a retransmission), so the testbed reports medians with the confidence interval of
+the median from order statistics: with the values sorted, x_(j) <= median <= x_(n+1-j) holds
+with probability P(j <= B <= n - j), B ~ binomial(n, 1/2), whatever the distribution. The
+narrowest such pair reaching the asked confidence is used, and `level` says the coverage it
+actually has. Below six repetitions no pair reaches 95%: the interval is then [min, max] and
+its lower level is stated, never a narrower interval.
+
+Methods are compared by ratios of repetitions paired in time (a session runs the repetitions
+of its trials interleaved, so repetition i of two methods saw the same state of the host).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pandas as pd
+
+Aggregate = Literal["mean", "max"]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A median and its confidence interval.
+
+    Attributes:
+        n: values used (NaNs dropped).
+        median: their median.
+        low: lower bound (an order statistic).
+        high: upper bound (an order statistic).
+        level: coverage the interval actually has (>= the asked confidence when n allows).
+    """
+
+    n: int
+    median: float
+    low: float
+    high: float
+    level: float
+
+
+@functools.lru_cache(maxsize=1024)
+def order_statistic_rank(n: int, confidence: float = 0.95) -> tuple[int, float]:
+    """The 1-based rank j of the interval [x_(j), x_(n+1-j)] and its coverage.
+
+    The largest j (narrowest interval) whose coverage 1 - 2 P(B <= j - 1) reaches
+    `confidence`; j = 1 ([min, max], coverage 1 - 2^(1-n)) when none does.
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be between 0 and 1, not {confidence}")
+    if n < 1:
+        raise ValueError(f"need at least one value, not {n}")
+    total = 2**n
+    rank, tail = 1, 1  # tail = sum of C(n, i) for i < rank: P(B <= rank - 1) * 2^n
+    while rank + 1 <= (n + 1) // 2:
+        next_tail = tail + math.comb(n, rank)
+        if 1 - 2 * next_tail / total < confidence:
+            break
+        rank, tail = rank + 1, next_tail
+    return rank, 1 - 2 * tail / total
+
+
+def median_interval(
+    values: Sequence[float] | np.ndarray | pd.Series, confidence: float = 0.95
+) -> Interval:
+    """The median of `values` (NaNs ignored) with its distribution-free interval."""
+    data = pd.Series(values).astype("float64").to_numpy()  # pd.NA of Int64/Float64 too
+    data = np.sort(data[~np.isnan(data)])
+    n = len(data)
+    if n == 0:
+        return Interval(0, math.nan, math.nan, math.nan, math.nan)
+    rank, level = order_statistic_rank(n, confidence)
+    return Interval(n, float(np.median(data)), float(data[rank - 1]), float(data[n - rank]), level)
+
+
+def paired_ratio_interval(
+    numerator: pd.Series, denominator: pd.Series, confidence: float = 0.95
+) -> Interval:
+    """Median of numerator_i / denominator_i over repetitions i, with its interval.
+
+    Args:
+        numerator: one value per repetition, indexed by repetition.
+        denominator: the same for the other method; only repetitions in both are used.
+        confidence: asked coverage of the interval.
+    """
+    for series in (numerator, denominator):
+        if not series.index.is_unique:
+            raise ValueError("one value per repetition expected: aggregate the devices first")
+    numerator, denominator = numerator.align(denominator, join="inner")
+    ratios = numerator.astype(float) / denominator.astype(float)
+    return median_interval(ratios.to_numpy(), confidence)
+
+
+def by_repetition(
+    frame: pd.DataFrame, keys: list[str], values: list[str], how: Aggregate = "mean"
+) -> pd.DataFrame:
+    """One row per group of `keys` and repetition: `values` aggregated over its devices.
+
+    Only rows with status ok. `how`: "mean" over devices, or "max" (an inference ends when
+    its slowest device does). Returns `keys`, "repeat" and `values` as columns.
+    """
+    if how not in ("mean", "max"):
+        raise ValueError(f"per-repetition aggregate must be 'mean' or 'max', not {how!r}")
+    ok = frame[frame["status"] == "ok"] if "status" in frame else frame
+    numbers = ok[values].astype(float)
+    grouped = numbers.groupby([ok[k] for k in keys + ["repeat"]], dropna=False, sort=False)
+    return grouped.agg(how).reset_index()
+
+
+def summarize(
+    frame: pd.DataFrame,
+    keys: list[str],
+    values: list[str],
+    per_repetition: Aggregate = "mean",
+    confidence: float = 0.95,
+) -> pd.DataFrame:
+    """Medians over repetitions with their intervals, per group of `keys`.
+
+    Args:
+        frame: rows of one device and repetition each (trials); only status ok is used.
+        keys: the grouping columns, e.g. method, params, devices, bandwidth_mbit.
+        values: the columns to summarize.
+        per_repetition: how a repetition's devices are combined first: "mean" or "max".
+        confidence: asked coverage of the intervals.
+
+    Returns:
+        One row per group: `keys`, `n` (repetitions), per value v the columns v (median),
+        v_low and v_high, and `level`: the lowest coverage among the values' intervals (they
+        share it unless a value is missing in some repetitions).
+    """
+    repetitions = by_repetition(frame, keys, values, per_repetition)
+    rows = []
+    for group, part in repetitions.groupby(keys, dropna=False, sort=True):
+        row = dict(zip(keys, group, strict=True))
+        row["n"] = len(part)
+        levels = []
+        for value in values:
+            interval = median_interval(part[value].to_numpy(), confidence)
+            row[value] = interval.median
+            row[f"{value}_low"], row[f"{value}_high"] = interval.low, interval.high
+            levels.append(interval.level)
+        row["level"] = np.nanmin(levels) if not np.isnan(levels).all() else math.nan
+        rows.append(row)
+    columns = keys + ["n"] + [f"{v}{s}" for v in values for s in ("", "_low", "_high")]
+    table = pd.DataFrame(rows, columns=columns + ["level"])
+    return table.astype({key: frame[key].dtype for key in keys})

@@ -1,0 +1,75 @@
+import numpy as np
+import pandas as pd
+
+from testbed.plots import make_figures
+from testbed.plots_common import interval_caption, styles, variant_order
+from testbed.results import Results
+
+VARIANTS = [  # method, params, K, level_k, payload bits per layer (deliberately shuffled)
+    ("trace-b", "K=64,level_k=4", 64, 4, 26),
+    ("astra", "K=64", 64, pd.NA, 144),
+    ("trace-b", "K=64,level_k=64", 64, 64, 62),
+    ("voltage", "", pd.NA, pd.NA, 18432),
+    ("trace-nb", "K=64", 64, 64, 62),
+    ("prism", "segment=4", pd.NA, pd.NA, 6144),
+]
+ORDER = ["voltage", "prism segment=4", "astra K=64", "trace-nb K=64",
+         "trace-b K=64 level_k=64", "trace-b K=64 level_k=4"]  # fmt: skip
+
+
+def toy_results(tmp_path, repeats: int = 3) -> Results:
+    """2 devices x `repeats` repetitions of every variant at three rates."""
+    generator = np.random.default_rng(0)
+    rows = []
+    for method, params, k, level_k, bits in VARIANTS:
+        for rate in (1.0, 5.0, 20.0):
+            for repeat in range(repeats):
+                for rank in range(2):
+                    wire = 12 * (bits + 528) / (rate * 1e3)
+                    parts = generator.uniform(0.5, 1.5, 3) * [0.5, wire * 0.8, 0.1]
+                    compute = 5.0 + generator.uniform()
+                    rows.append(dict(
+                        method=method, params=params, K=k, level_k=level_k, devices=2,
+                        rank=rank, repeat=repeat, bandwidth_mbit=rate, status="ok",
+                        compute_ms=compute, wait_peer_ms=parts[0], wait_link_ms=parts[1],
+                        wait_wakeup_ms=parts[2], wait_ms=parts.sum(),
+                        effective_ms=compute + parts.sum(), comm_ms=wire * 0.9,
+                        wire_comm_ms=wire, analytic_comm_ms=12 * bits / (rate * 1e3),
+                        payload_bits_per_layer=bits, measured_mbit=rate * 0.956,
+                    ))  # fmt: skip
+    trials = pd.DataFrame(rows)
+    plan = trials[trials["repeat"] == 0].drop(columns=["repeat"])
+    plan = plan.assign(params=plan["params"].replace("", np.nan))  # as plan.csv reads back
+    return Results(tmp_path, trials, pd.DataFrame(), plan, {"name": "toy"}, {})
+
+
+def test_every_figure_orders_variants_by_method_then_decreasing_level(tmp_path):
+    results = toy_results(tmp_path)
+    assert variant_order(results.trials) == ORDER
+    assert variant_order(results.plan) == ORDER
+    look = styles(results.trials)
+    assert len({s.marker for s in look.values()}) == len(ORDER)
+    assert len({s.colour for s in look.values()}) == len(ORDER)
+    offsets = [look[name].offset for name in ORDER]
+    assert offsets == sorted(offsets) and offsets[0] < 1 < offsets[-1]
+
+
+def test_make_figures_writes_every_figure(tmp_path):
+    paths = make_figures(toy_results(tmp_path))
+    assert [p.name for p in paths] == [
+        "latency.png", "effective_vs_bandwidth.png", "comm_vs_bandwidth.png",
+        "measured_vs_analytic.png", "compression.png",
+    ]  # fmt: skip
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_caption_states_n_and_what_the_bars_are():
+    few = pd.DataFrame({"n": [3, 3], "level": [0.75, 0.75]})
+    assert interval_caption(few) == (
+        "median of n = 3 repetitions; bars: their range (a 75% interval: too few repetitions "
+        "for 95%)"
+    )
+    mixed = pd.DataFrame({"n": [10, 12], "level": [0.9785, 0.9614]})
+    assert interval_caption(mixed) == "median of n = 10-12 repetitions; bars: 95% CI of the median"
+    eight = pd.DataFrame({"n": [8], "level": [1 - 2 / 2**8]})
+    assert interval_caption(eight).endswith("95% CI of the median (= the range, 99.2%)")
