@@ -66,7 +66,8 @@ class LinkSection(Strict):
     # what shapes the links: `serial` clocks every frame out at the rate in a userspace link
     # between the devices (a lone small message takes its wire time, as on a real link);
     # `tbf` is the kernel's token bucket on each device's egress (holds the rate, but lets a
-    # small message through at once). Default: serial, except on ssh boards (tbf).
+    # small message through at once). Default: serial, except on ssh boards (tbf); see
+    # testbed.link.emulator_for.
     emulator: Literal["tbf", "serial"] | None = None
 
     _list = field_validator("bandwidth_mbit", mode="before")(_as_list)
@@ -118,15 +119,6 @@ class Experiment(Strict):
     timeout_s: float = Field(600.0, gt=0)
 
     _inventory = field_validator("inventory", mode="before")(inventory_input)
-
-    @model_validator(mode="after")
-    def _emulator_fits_backend(self) -> Experiment:
-        if self.backend == "ssh" and self.link.emulator == "serial":
-            raise ValueError(
-                "link.emulator: serial needs the devices on this host (docker or local "
-                "backend); boards over ssh are shaped with tbf"
-            )
-        return self
 
     @model_validator(mode="after")
     def _methods_valid(self) -> Experiment:

@@ -112,3 +112,14 @@ def test_planning_does_not_import_torch():
         "plan_rows(e, plan_trials(e)); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_link_emulator_defaults_to_serial_and_refuses_it_on_ssh_boards():
+    from testbed.link import emulator_for
+
+    assert emulator_for(None, "docker") == emulator_for(None, "auto") == "serial"
+    assert emulator_for(None, "ssh") == emulator_for("tbf", "local") == "tbf"
+    with pytest.raises(ConfigError, match="link.emulator: serial needs the devices on this host"):
+        emulator_for("serial", "ssh")
+    with pytest.raises(ConfigError, match=r"link\.emulator: Input should be 'tbf' or 'serial'"):
+        parse_experiment(with_(link={"emulator": "netem"}))
