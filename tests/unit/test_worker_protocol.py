@@ -156,7 +156,8 @@ def test_mesh_of_three_connects_exchanges_and_counts_bytes():
             closer.join(10)
 
 
-def test_lost_peer_is_named_with_the_context():
+def connected_pair() -> list[Mesh]:
+    """Two meshes on free local ports, connected (handshakes done), not started."""
     addresses = [("127.0.0.1", port) for port in free_ports(2)]
     meshes = [Mesh(rank, addresses, Clock()) for rank in range(2)]
 
@@ -170,6 +171,11 @@ def test_lost_peer_is_named_with_the_context():
         thread.start()
     for thread in threads:
         thread.join(20)
+    return meshes
+
+
+def test_lost_peer_is_named_with_the_context():
+    meshes = connected_pair()
     for mesh in meshes:
         mesh.start(lambda peer: iter([(0, lambda header: 4)] * 10))
     meshes[1].close(graceful=False)
@@ -184,19 +190,7 @@ def test_lost_peer_is_named_with_the_context():
 
 def test_data_after_the_last_expected_message_is_named():
     """The receiver follows the agreed schedule: a peer that sends more is out of step."""
-    addresses = [("127.0.0.1", port) for port in free_ports(2)]
-    meshes = [Mesh(rank, addresses, Clock()) for rank in range(2)]
-
-    def handshake(rank: int):
-        return lambda c, e, k: shake(c, make_hello(rank, **FIELDS), e, k, NAMES, Clock())
-
-    threads = [
-        threading.Thread(target=mesh.open, args=(10, handshake(mesh.rank))) for mesh in meshes
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
+    meshes = connected_pair()
     try:
         meshes[0].start(lambda peer: iter([(0, lambda header: 2)]))
         meshes[1].links[0].sock.sendall(b"okX")
