@@ -46,7 +46,7 @@ RESULTS: list[str] = []
 def report(name: str, value: Interval, goal: str, ok: bool | None) -> None:
     verdict = "" if ok is None else ("  ok" if ok else "  MISSED")
     spread = f"[{value.low:.3f}, {value.high:.3f}] n={value.n}"
-    line = f"{name:54} {value.median:9.3f} {spread:26} goal {goal}{verdict}"
+    line = f"{name:62} {value.median:9.3f} {spread:26} goal {goal}{verdict}"
     RESULTS.append(line)
     print(line, flush=True)
 
@@ -129,8 +129,10 @@ def links(quick: bool, backend: str, out: Path) -> None:
     trials["variant"] = variant(trials)
     depth = int(trials["payload_bits"].iloc[0] / trials["payload_bits_per_layer"].iloc[0])
     per = by_repetition(trials, ["variant", "bandwidth_mbit"], ["comm_ms", "wire_comm_ms"])
-    for (name, rate), part in per.groupby(["variant", "bandwidth_mbit"], sort=False):
-        comm_to_wire(name, rate, part.set_index("repeat"), depth)
+    per = per.sort_values("bandwidth_mbit", kind="stable")
+    for name, by_variant in per.groupby("variant", sort=False):
+        for rate, part in by_variant.groupby("bandwidth_mbit"):
+            comm_to_wire(name, rate, part.set_index("repeat"), depth)
     for name, part in per.groupby("variant", sort=False):
         slope(name, part, rates[0], rates[-1])
     for rate, group in trials.groupby("bandwidth_mbit"):
@@ -143,12 +145,15 @@ def links(quick: bool, backend: str, out: Path) -> None:
 
 
 def comm_to_wire(name: str, rate: float, part: pd.DataFrame, messages: int) -> None:
-    """comm / wire, and the same with the fixed path cost allowed taken off comm."""
+    """comm / wire, and what comm exceeds the wire time by per message (for small messages
+    the path's fixed cost)."""
     ratio = median_interval(part["comm_ms"] / part["wire_comm_ms"])
-    net = median_interval((part["comm_ms"] - messages * PATH_COST_MS) / part["wire_comm_ms"])
-    ok = ratio.high >= 0.8 and net.low <= 1.5  # some path cost in 0..0.3 ms puts it in range
-    report(f"comm / wire, {name} at {rate:g} Mbit/s", ratio,
-           f"0.8..1.5 less <= {PATH_COST_MS} ms/msg (net median {net.median:.2f})", ok)  # fmt: skip
+    path = median_interval((part["comm_ms"] - part["wire_comm_ms"]) / messages)
+    allowed = min(max(path.median, 0.0), PATH_COST_MS)
+    net = median_interval((part["comm_ms"] - messages * allowed) / part["wire_comm_ms"])
+    ok = ratio.median >= 0.8 and net.median <= 1.5
+    goal = f"0.8..1.5 less <= {PATH_COST_MS} ms/msg (excess {path.median:.3f} ms/msg)"
+    report(f"comm / wire, {name} at {rate:g} Mbit/s", ratio, goal, ok)
 
 
 def slope(name: str, part: pd.DataFrame, low: float, high: float) -> None:

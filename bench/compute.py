@@ -14,7 +14,8 @@ from collections import defaultdict
 import pandas as pd
 import torch
 
-from tracevq.bundle import Bundle, fit_bundle
+from testbed.bundles import CACHE_DIR
+from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
 from tracevq.engine import DeviceRun
 from tracevq.methods import Method, make_method
 from tracevq.models import VisionTransformer
@@ -72,6 +73,15 @@ def compare(
 
 
 def bundle_for(model: VisionTransformer, K: int, calibration: int) -> Bundle:
+    """Trace-b codebooks by k-means on seeded random inputs, cached in .cache/bundles (the
+    fit of ViViT-B's takes minutes; the key covers everything that changes it)."""
+    name = f"bench-{model.config.name}-K{K}-c{calibration}-{model_fingerprint(model)[:16]}.pt"
+    path = CACHE_DIR / name
+    if path.is_file():
+        return Bundle.load(path)
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(model.config.input_shape(calibration), generator=generator)
-    return fit_bundle(model, inputs, K=K, families=("trace-b",))
+    bundle = fit_bundle(model, inputs, K=K, families=("trace-b",))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bundle.save(path)
+    return bundle
