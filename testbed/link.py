@@ -136,7 +136,8 @@ class Links:
         subnet = choose_subnet(f"{run_id}-serial", used)
         paths = [d.netns_path for d in backend.devices if d.netns_path is not None]
         rate = self.profile.rate_mbit or 10.0
-        switch = SerialSwitch(run_tag(run_id), paths, subnet, rate).start()
+        cpusets = [d.cpuset for d in backend.devices]
+        switch = SerialSwitch(run_tag(run_id), paths, subnet, rate, cpusets=cpusets).start()
         backend.devices = [
             replace(d, address=switch.address(d.rank), interface=switch.interface)
             for d in backend.devices

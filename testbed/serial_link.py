@@ -119,6 +119,28 @@ def parse_port(text: str) -> tuple[str, float]:
     return name, _rate(rate_text, f"port {text!r}")
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """'0', '0,2', '1-3' -> the CPU numbers (the format of taskset and Docker's cpuset)."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ShapingError(f"CPU list {text!r}: expected numbers and ranges like 0,2-3") from None
+    if not cpus:
+        raise ShapingError(f"CPU list {text!r} names no CPU")
+    return cpus
+
+
+def parse_port_cpus(text: str, ports: Sequence[str]) -> tuple[str, set[int]]:
+    """`PORT=CPULIST` -> (port, CPUs); the port must be one of `ports`."""
+    name, sep, cpus = text.partition("=")
+    if not sep or name not in ports:
+        raise ShapingError(f"--cpus {text!r}: expected PORT=CPULIST with PORT one of {ports}")
+    return name, parse_cpu_list(cpus)
+
+
 def _rate(text: str, where: str) -> float:
     try:
         rate_bit_s = float(text)
@@ -217,8 +239,16 @@ class PortCounters:
 class Port:
     """One veth end of the switch: its socket (the queue), rate, schedule and counters."""
 
-    def __init__(self, name: str, rate_bit_s: float, queue_ms: float, spin_s: float):
+    def __init__(
+        self,
+        name: str,
+        rate_bit_s: float,
+        queue_ms: float,
+        spin_s: float,
+        cpus: set[int] | None = None,
+    ):
         self.name, self.rate_bit_s, self.queue_ms, self.spin_s = name, rate_bit_s, queue_ms, spin_s
+        self.cpus = cpus  # where this port's thread runs: the CPUs of the device sending into it
         self.sock: socket.socket | None = None
         self.free_at_s = 0.0
         self.counters = PortCounters()
@@ -266,6 +296,8 @@ class Port:
     def serve(self, forward: Any) -> None:
         """Reads, clocks out and forwards this port's frames, forever."""
         assert self.sock is not None
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
         buffer = bytearray(FRAME_BUFFER_BYTES)
         view = memoryview(buffer)
         ancillary_bytes = socket.CMSG_SPACE(NEW_TIMESPEC.size)
@@ -364,6 +396,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     serve.add_argument("ports", nargs="+", metavar="PORT=RATE_BIT_S")
     serve.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US)
     serve.add_argument("--queue-ms", type=float, default=QUEUE_MS)
+    serve.add_argument(
+        "--cpus", action="append", default=[], metavar="PORT=CPULIST",
+        help="run the port's thread on these CPUs (those of the device that sends into it)",
+    )  # fmt: skip
     serve.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
     args = parser.parse_args(argv)
     try:
@@ -375,6 +411,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"a port is given twice: {names}")
     if args.spin_us < 0 or args.queue_ms <= 0:
         parser.error("--spin-us must be >= 0 and --queue-ms > 0")
+    try:
+        args.cpus = dict(parse_port_cpus(text, names) for text in args.cpus)
+    except ShapingError as error:
+        parser.error(str(error))
     return args
 
 
@@ -386,7 +426,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     use_realtime_scheduling()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    ports = [Port(name, rate, args.queue_ms, args.spin_us / 1e6) for name, rate in args.ports]
+    ports = [
+        Port(name, rate, args.queue_ms, args.spin_us / 1e6, args.cpus.get(name))
+        for name, rate in args.ports
+    ]
     switch = Switch(ports)
     try:
         switch.start()

@@ -88,6 +88,7 @@ class SerialSwitch:
         backpressure: bool = True,
         spin_us: float | None = None,
         queue_ms: float | None = None,
+        cpusets: Sequence[str | None] | None = None,
     ):
         """
         Args:
@@ -98,6 +99,9 @@ class SerialSwitch:
             backpressure: also put tbf at the rate on each `sl0` (see the module docstring).
             spin_us: the emulator's `--spin-us` (its default when None).
             queue_ms: the emulator's `--queue-ms` (its default when None).
+            cpusets: per device, the CPUs it is pinned to ("0", "2-3"), or None: the port
+                that device sends into is served on those CPUs, so that a frame wakes the
+                emulator on the CPU that sent it (no inter-processor wake-up).
         """
         if not TAG_PATTERN.match(tag):
             raise ShapingError(f"serial switch: tag {tag!r} is not 8 lowercase hex digits")
@@ -107,6 +111,7 @@ class SerialSwitch:
             raise ShapingError(f"serial switch: rate must be positive, got {rate_mbit} mbit")
         self.tag, self.subnet, self.backpressure = tag, subnet, backpressure
         self.spin_us, self.queue_ms = spin_us, queue_ms
+        self.cpusets = list(cpusets or [None] * len(device_netns))
         self.device_netns = list(device_netns)
         self.rates_mbit = [float(rate_mbit)] * len(device_netns)
         self.netns = f"tb-{tag}-{SWITCH_SUFFIX}"
@@ -193,6 +198,9 @@ class SerialSwitch:
             argv += ["--spin-us", str(self.spin_us)]
         if self.queue_ms is not None:
             argv += ["--queue-ms", str(self.queue_ms)]
+        for rank, cpuset in zip(self.ranks, self.cpusets, strict=True):
+            if cpuset:
+                argv += ["--cpus", f"{self.port(rank)}={cpuset}"]
         return argv
 
     def _start_emulator(self) -> None:

@@ -22,6 +22,7 @@ from testbed.serial_link import (
     kernel_timestamp_s,
     parse_args,
     parse_command,
+    parse_cpu_list,
     parse_port,
     wait_until,
 )
@@ -139,6 +140,19 @@ def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             parse_args(bad)
     assert "given twice" in capsys.readouterr().err
+
+
+def test_ports_are_served_on_their_devices_cpus(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_cpu_list("0") == {0} and parse_cpu_list("0,2-4") == {0, 2, 3, 4}
+    with pytest.raises(ShapingError, match="expected numbers and ranges"):
+        parse_cpu_list("a")
+    args = parse_args(["serve", "a=1e6", "b=1e6", "--cpus", "a=1", "--cpus", "b=0,1"])
+    assert args.cpus == {"a": {1}, "b": {0, 1}}
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "a=1e6", "--cpus", "c=0"])
+    assert "PORT one of ['a']" in capsys.readouterr().err
+    argv = SerialSwitch("0123abcd", ["/x", "/y"], SUBNET, 1, cpusets=["1", None]).emulator_argv()
+    assert argv[-2:] == ["--cpus", "tb0123abcds0=1"]
 
 
 def test_commands() -> None:
