@@ -46,7 +46,7 @@ class BlockRecord:
     departed_ns: the first byte of the message was offered to the kernel (first copy).
     written_ns: the kernel had accepted the last byte of the last copy.
     wait_start_ns, wait_end_ns: the compute thread blocked for the peers' messages
-    (None without peers).
+    (None without peers); attention starts at wait_end_ns.
     """
 
     run: str
@@ -62,7 +62,6 @@ class BlockRecord:
     written_ns: int | None
     wait_start_ns: int | None
     wait_end_ns: int | None
-    attn_start_ns: int
     ffn_start_ns: int
     ffn_end_ns: int
 

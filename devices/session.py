@@ -69,7 +69,7 @@ class Session:
             ffn_start = now()
             device_run.finish_block(block)
             ffn_end = now()
-            marks.append((block_start, wait_start, wait_end, wait_end, ffn_start, ffn_end))
+            marks.append((block_start, wait_start, wait_end, ffn_start, ffn_end))
             arrivals += [
                 ArrivalRecord(run, index, block, peer, len(m.message), m.kernel_ns, m.read_ns)
                 for peer, m in incoming.items()
@@ -147,7 +147,7 @@ class Session:
         times: tuple[int, ...],
         arrivals: list[ArrivalRecord],
     ) -> BlockRecord:
-        block_start, wait_start, wait_end, attn_start, ffn_start, ffn_end = times
+        block_start, wait_start, wait_end, ffn_start, ffn_end = times
         wait_ms = (wait_end - wait_start) / 1e6
         received = sum(a.message_bytes for a in arrivals if a.block == block)
         return BlockRecord(
@@ -166,7 +166,6 @@ class Session:
             written_ns=None if message is None else max(message.written_ns.values()),
             wait_start_ns=wait_start if self.mesh.links else None,
             wait_end_ns=wait_end if self.mesh.links else None,
-            attn_start_ns=attn_start,
             ffn_start_ns=ffn_start,
             ffn_end_ns=ffn_end,
         )  # fmt: skip

@@ -44,7 +44,7 @@ def block(rank_clock: int, block: int, **marks) -> BlockRecord:
     base = dict(run="t", inference=0, block=block, compute_ms=1.0, wait_ms=0.0,
                 payload_bits=107, message_bytes=14, received_bytes=14, start_ns=0,
                 departed_ns=None, written_ns=None, wait_start_ns=None, wait_end_ns=None,
-                attn_start_ns=0, ffn_start_ns=0, ffn_end_ns=0)  # fmt: skip
+                ffn_start_ns=0, ffn_end_ns=0)  # fmt: skip
     for key, value in marks.items():
         base[key] = None if value is None else rank_clock + round(value * MS)
     if "wait_start_ns" in marks:
