@@ -51,6 +51,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from testbed.backends.local import NO_LINK_LOCAL
 from testbed.errors import ShapingError
 from testbed.serial_link import IFNAME_MAX_CHARS
 
@@ -65,7 +66,6 @@ READY_TIMEOUT_S = 15.0
 ANSWER_TIMEOUT_S = 5.0
 EXIT_WAIT_S = 3.0
 TAG_PATTERN = re.compile(r"^[0-9a-f]{8}$")
-NO_LINK_LOCAL = {"attrs": [("AF_INET6", {"attrs": [("IFLA_INET6_ADDR_GEN_MODE", 1)]})]}
 
 
 def offload_argv(netns_path: str, interface: str) -> list[str]:
