@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,7 @@ def bundle_key(experiment: Experiment, K: int, families: tuple[str, ...]) -> str
         "bundle": experiment.bundle.model_dump(exclude={"path", "K"}),
         "K": K,
         "families": families,
-        "format": 1,
+        "format": 2,  # 2: tree seeding draws in numpy
     }
     text = json.dumps(settings, sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
@@ -113,9 +114,23 @@ def prepare_bundles(
         source = _given_or_cached(experiment, K, codebook_families(trials, K), cache_dir)
         target = target_dir / f"bundle-K{K}.pt"
         if not target.exists():
-            shutil.copyfile(source, target)
+            link_or_copy(source, target, cached=not experiment.bundle.path)
         paths[K] = target
     return paths
+
+
+def link_or_copy(source: Path, target: Path, cached: bool) -> None:
+    """A cached bundle is hard-linked into the run directory, not copied (224 MB for
+    ViT-B/16 at K = 1024): the cache replaces its files atomically, so a linked file never
+    changes. A file the experiment names is copied (its owner may rewrite it in place), and so
+    is a cached one on another file system."""
+    if cached:
+        try:
+            os.link(source, target)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(source, target)
 
 
 def _given_or_cached(

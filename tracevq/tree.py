@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -175,8 +176,9 @@ def build_tree(
     finer_rows = torch.arange(codebook.shape[0])
     medoids = [finer_rows]
     leaf_to_position = [finer_rows.clone()]
+    all_dist = _pairwise_distance(codebook.double(), metric)  # (K, K); each level's is a part
     for size in reversed(sizes[:-1]):
-        dist = _pairwise_distance(codebook[finer_rows].double(), metric)  # (n, n)
+        dist = all_dist[finer_rows][:, finer_rows]  # (n, n)
         centre_positions, labels = _k_medoids(dist, weights, size, generator, iterations)
         finer_rows = finer_rows[centre_positions]
         weights = _coarser_weights(weights, labels, size, metric)
@@ -254,24 +256,30 @@ def _k_medoids(
 def _init_centres(
     dist: torch.Tensor, weights: torch.Tensor, k: int, generator: torch.Generator
 ) -> torch.Tensor:
-    """k-means++ seeding: each next centre drawn with probability ~ weight x distance."""
-    chosen = torch.zeros(dist.shape[0], dtype=torch.bool)
-    nearest = torch.ones(dist.shape[0], dtype=dist.dtype)  # first draw: by weight alone
+    """k-means++ seeding: each next centre drawn with probability ~ weight x distance. The
+    sequential draws run in numpy (a torch call per draw costs several numpy calls)."""
+    distances, weight = dist.numpy(), weights.numpy()
+    uniform = torch.rand(k, generator=generator, dtype=torch.float64).numpy()
+    chosen = np.zeros(dist.shape[0], dtype=bool)
+    nearest = np.ones(dist.shape[0])  # first draw: by weight alone
     centres = []
-    for _ in range(k):
-        centre = _draw(weights * nearest, chosen, generator)
+    for step in range(k):
+        centre = _draw(weight * nearest, chosen, uniform[step])
         centres.append(centre)
         chosen[centre] = True
-        nearest = dist[centre] if len(centres) == 1 else torch.minimum(nearest, dist[centre])
+        nearest = distances[centre] if step == 0 else np.minimum(nearest, distances[centre])
     return torch.tensor(centres)
 
 
-def _draw(scores: torch.Tensor, chosen: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw an unchosen point with probability ~ score (uniformly if all scores are zero)."""
-    scores = scores.masked_fill(chosen, 0.0)
+def _draw(scores: np.ndarray, chosen: np.ndarray, uniform: float) -> int:
+    """An unchosen point with probability ~ score (uniformly if all scores are zero), picked
+    by one uniform number in [0, 1)."""
+    scores = np.where(chosen, 0.0, scores)
     if not scores.sum() > 0:
-        scores = (~chosen).double()
-    return int(torch.multinomial(scores, 1, generator=generator))
+        scores = (~chosen).astype(np.float64)
+    cumulative = np.cumsum(scores)
+    pick = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
+    return min(pick, len(scores) - 1)
 
 
 def _assign(dist: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:

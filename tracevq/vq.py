@@ -7,6 +7,7 @@ kept as buffers so that training can update the codebook in place.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -60,20 +61,28 @@ class VectorQuantizer(nn.Module):
         return self._sq_norms[1]
 
 
+GRAM_ROWS = 4096  # k-means++ seeding: the (n, n) Gram matrix up to 64 MB
+
+
 def kmeans(x: Tensor, k: int, iterations: int = 20, seed: int = 0) -> Tensor:
     """k-means++ initialisation then Lloyd iterations on rows of x (n, dim): (k, dim) centroids.
 
+    Lloyd stops early once no row changes its centroid and none is empty (a fixed point).
     With fewer rows than k, the remaining centroids are rows perturbed by small noise.
     """
     generator = torch.Generator().manual_seed(seed)
     x = x.detach().float().reshape(-1, x.shape[-1])
     centroids = _kmeans_plus_plus(x, k, generator)
+    previous = None
     for _ in range(iterations):
         assign = _nearest(x, centroids)
+        counts = torch.bincount(assign, minlength=k)
+        used = counts > 0
+        if previous is not None and used.all() and torch.equal(assign, previous):
+            break
+        previous = assign
         sums = torch.zeros_like(centroids).index_add_(0, assign, x)
-        counts = torch.bincount(assign, minlength=k).unsqueeze(1).float()
-        used = counts.squeeze(1) > 0
-        centroids[used] = sums[used] / counts[used]
+        centroids[used] = sums[used] / counts[used].unsqueeze(1).float()
         empty = (~used).nonzero().squeeze(1)
         if len(empty):  # dead centroid: restart it on a random row
             rows = torch.randint(len(x), (len(empty),), generator=generator)
@@ -92,15 +101,24 @@ def _kmeans_plus_plus(x: Tensor, k: int, generator: torch.Generator) -> Tensor:
         extra = x[torch.randint(n, (k - n,), generator=generator)]
         noise = torch.randn(extra.shape, generator=generator) * x.std() * 1e-2
         return torch.cat([x, extra + noise])
-    sq_norms = x.pow(2).sum(1)  # (n,)
-    uniform = torch.rand(k, generator=generator, dtype=torch.float64)
+    # The draws are sequential, so the loop runs in numpy: a torch call costs several times
+    # a numpy call at these sizes, and the loop is k of them. Up to GRAM_ROWS rows the dot
+    # products come from one Gram matrix instead of a matrix-vector product per draw.
+    rows = x.numpy()
+    gram = rows @ rows.T if n <= GRAM_ROWS else None
+    sq_norms = np.einsum("ij,ij->i", rows, rows).astype(np.float64)  # (n,)
+    uniform = torch.rand(k, generator=generator, dtype=torch.float64).numpy()
+
+    def distances(pick: int) -> np.ndarray:
+        dots = gram[pick] if gram is not None else rows @ rows[pick]
+        return np.maximum(sq_norms + sq_norms[pick] - 2 * dots, 0)
+
     chosen = [int(uniform[0] * n)]
-    closest = (sq_norms + sq_norms[chosen[0]] - 2 * x @ x[chosen[0]]).clamp_min(0)
+    closest = distances(chosen[0])
     for step in range(1, k):
-        cumulative = closest.double().cumsum(0)
+        cumulative = np.cumsum(closest)
         # sample proportionally to the squared distance to the closest chosen centroid
-        pick = int(torch.searchsorted(cumulative, uniform[step] * cumulative[-1]).clamp_max(n - 1))
+        pick = min(int(np.searchsorted(cumulative, uniform[step] * cumulative[-1])), n - 1)
         chosen.append(pick)
-        distance = (sq_norms + sq_norms[pick] - 2 * x @ x[pick]).clamp_min(0)
-        closest = torch.minimum(closest, distance)
+        np.minimum(closest, distances(pick), out=closest)
     return x[chosen].clone()
