@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed import voice
 from testbed.errors import ImageError
 from testbed.image_steps import (
     PROJECT_ROOT,
@@ -171,8 +172,11 @@ def ensure_default_base(cache: Path, mirror: str | None, rebuild: bool) -> None:
         return
     tarball = rootfs_tarball(cache, key)
     if rebuild or not tarball.is_file():
-        make_rootfs_tarball(tarball, mirror or choose_mirror(read_host_sources()))
-    log.info("importing %s from %s", DEFAULT_BASE, tarball)
+        mirror = mirror or choose_mirror(read_host_sources())
+        doing = f"debootstrap {SUITE} from {mirror} (about a minute, once per machine)"
+        with voice.phase("base image", doing):
+            make_rootfs_tarball(tarball, mirror)
+    voice.say(f"base image: docker import {DEFAULT_BASE}")
     changes = ['CMD ["/bin/bash"]', "ENV LANG=C.UTF-8", f"ENV TESTBED_BASE_KEY={key}"]
     args = ["docker", "import", "--message", f"debootstrap {SUITE} minbase"]
     for change in changes:
@@ -189,7 +193,6 @@ def make_rootfs_tarball(tarball: Path, mirror: str) -> None:
     debs = tarball.parent / "debs"  # .deb cache: a second debootstrap downloads nothing
     debs.mkdir(parents=True, exist_ok=True)
     _remove_tree(target)
-    log.info("debootstrap %s from %s (about a minute, once)", SUITE, mirror)
     args = ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}"]
     args += [f"--cache-dir={debs}", SUITE, str(target), mirror]
     run_step("debootstrap", args)

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
+from testbed import voice
 from testbed.errors import ConfigError
 from testbed.plan import Trial
 from testbed.schema import Experiment
-
-log = logging.getLogger(__name__)
 
 CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "bundles"
 
@@ -143,9 +143,25 @@ def _given_or_cached(
         return path
     key = bundle_key(experiment, K, families)
     path = cache_dir / f"{experiment.model.name}-K{K}-{key}.pt"
-    if not path.is_file():
+    if path.is_file():
+        voice.say(f"codebooks K={K}: cached ({_shown(path)})")
+        return path
+    doing = (
+        f"fitting for {experiment.model.name} ({', '.join(families)}) on "
+        f"{experiment.bundle.calibration_inputs} calibration inputs, once"
+    )
+    with voice.phase(f"codebooks K={K}", doing) as step:
         fit_and_save(experiment, K, families, path)
+        step.outcome = f"fitted, cached in {_shown(path)},"
     return path
+
+
+def _shown(path: Path) -> str:
+    """A path relative to the working directory when it lies below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path: Path) -> Path:
@@ -155,13 +171,6 @@ def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path
     from tracevq.checkpoint import load_checkpoint
     from tracevq.models import build_model
 
-    log.info(
-        "fitting K=%d %s codebooks for %s (cached in %s)",
-        K,
-        ",".join(families),
-        experiment.model.name,
-        path,
-    )
     model = build_model(experiment.model.name, seed=experiment.model.seed)
     if experiment.model.checkpoint:
         load_checkpoint(model, experiment.model.checkpoint)
@@ -169,13 +178,21 @@ def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path
     generator = torch.Generator().manual_seed(settings.seed)
     shape = model.config.input_shape(settings.calibration_inputs)
     calibration = torch.randn(shape, generator=generator)
-    bundle = fit_bundle(
-        model,
-        calibration,
-        K=K,
-        families=families,
-        code_dim=settings.code_dim,
-        metric=settings.metric,
-        seed=settings.seed,
-    )
+    with tqdm(desc=f"codebooks K={K}", unit="codebook", leave=False,
+              disable=None if voice.speaking() else True) as bar:  # fmt: skip
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        bundle = fit_bundle(
+            model,
+            calibration,
+            K=K,
+            families=families,
+            code_dim=settings.code_dim,
+            metric=settings.metric,
+            seed=settings.seed,
+            progress=progress,
+        )
     return bundle.save(path)

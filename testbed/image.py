@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from testbed import voice
 from testbed.base_image import DEFAULT_BASE, ensure_default_base, ensure_named_base
 from testbed.dockerd import engine_answers
 from testbed.errors import ImageError, TestbedError
@@ -78,16 +79,16 @@ def build_image(
         image_id(tag) is not None
         and inspect_image(tag, _label_template(SOURCE_LABEL)).strip() == key
     ):
-        log.info("%s is current (sources %s)", tag, key)
+        voice.say(f"worker image: {tag} is current (sources {key})")
         return tag
     build = ["docker", "build", "--network", "none", "--file", str(root / DOCKERFILE)]
     build += ["--build-arg", f"BASE={base}"]
     deps_tag = tag.rsplit(":", 1)[0] + "-deps:latest"
-    log.info("docker build %s (base %s)", tag, base)
     deps_build = build + ["--target", "deps", "--tag", deps_tag, str(root)]
-    replace_image(deps_tag, "docker build of the wheel venv", deps_build)
-    labelled = build + ["--label", f"{SOURCE_LABEL}={key}", "--tag", tag, str(root)]
-    replace_image(tag, "docker build of the worker image", labelled)
+    with voice.phase("worker image", f"docker build {tag} (base {base}, no network)"):
+        replace_image(deps_tag, "docker build of the wheel venv", deps_build, say_steps=True)
+        labelled = build + ["--label", f"{SOURCE_LABEL}={key}", "--tag", tag, str(root)]
+        replace_image(tag, "docker build of the worker image", labelled, say_steps=True)
     return tag
 
 

@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import shlex
 import subprocess
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from textwrap import shorten
 
+from testbed import voice
 from testbed.errors import ImageError
 
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_TAIL_LINES = 40
+# the line that starts a Dockerfile step: the classic builder's `Step 3/9 : RUN ...`,
+# BuildKit's `#7 [deps 2/4] RUN ...`
+BUILD_STEP = re.compile(r"^(Step \d+/\d+ : |#\d+ \[[^\]]*\d+/\d+\] )")
 
 
 def cache_key(*parts: object) -> str:
@@ -27,11 +33,14 @@ def cache_key(*parts: object) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
 
 
-def run_step(step: str, args: Sequence[str], *, capture: bool = False) -> str:
+def run_step(
+    step: str, args: Sequence[str], *, capture: bool = False, say_steps: bool = False
+) -> str:
     """Runs one command; raises ImageError naming `step` with the output's tail on failure.
 
     With `capture`, stdout is returned and stderr kept apart; otherwise both are merged,
     logged line by line at DEBUG (long steps such as debootstrap stay visible with -v).
+    `say_steps`: a `docker build`'s lines that start a Dockerfile step are said as they come.
     """
     log.debug("%s: %s", step, shlex.join(args))
     if capture:
@@ -47,6 +56,8 @@ def run_step(step: str, args: Sequence[str], *, capture: bool = False) -> str:
         for line in proc.stdout:
             log.debug("  %s", line.rstrip())
             tail.append(line.rstrip())
+            if say_steps and BUILD_STEP.match(line):
+                voice.say("  " + shorten(line.strip(), 100))
     if proc.returncode != 0:
         raise _step_error(step, args, proc.returncode, list(tail))
     return ""
@@ -79,14 +90,14 @@ def image_size_bytes(tag: str) -> int:
     return int(inspect_image(tag, "{{.Size}}").strip())
 
 
-def replace_image(tag: str, step: str, args: list[str]) -> None:
+def replace_image(tag: str, step: str, args: list[str], say_steps: bool = False) -> None:
     """Runs a command that (re)makes `tag`, then removes the image the tag pointed to before.
 
     Without this every rebuild would leave a dangling GB-sized image behind. A removal that
     fails (a container still uses the old image) is only logged.
     """
     previous = image_id(tag)
-    run_step(step, args)
+    run_step(step, args, say_steps=say_steps)
     if previous is not None and previous != image_id(tag):
         removal = ["docker", "image", "rm", previous]
         log.debug("remove replaced image: %s", shlex.join(removal))

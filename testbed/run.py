@@ -18,6 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from testbed import voice
 from testbed.errors import ConfigError, TestbedError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -47,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="finish an earlier run: only trials without results are run",
     )
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no step lines or progress bar, the answer only"
+    )
     args = parser.parse_args(argv)
     if (args.experiment is None) == (args.resume is None):
         parser.error("give an experiment file, or --resume RUN_DIR (not both)")
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    voice.restart()
+    voice.quiet(args.quiet)
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -123,15 +129,44 @@ def _run(args: argparse.Namespace) -> int:
         print_plan(plan_rows(experiment, trials))
         print(f"plan written to {run_dir / 'plan.csv'}")
         return EXIT_OK
+    voice.say(
+        f"{experiment.name}: {len(trials)} trials ({_grid(trials)}), {experiment.warmup} warm-up "
+        f"+ {experiment.repeats} measured inferences each, {backend} backend; into {run_dir}"
+    )
     outcome = Runner(experiment, run_dir, backend, run_id).run(resume=args.resume is not None)
     _report(outcome, run_dir)
     return EXIT_FAILED if outcome.failed else EXIT_OK
 
 
+def _grid(trials) -> str:
+    """'5 method variants x 5 rates x 1 device count'."""
+    sizes = [
+        (len({(t.method, t.params) for t in trials}), "method variant"),
+        (len({t.bandwidth_mbit for t in trials}), "rate"),
+        (len({t.devices for t in trials}), "device count"),
+    ]
+    return " x ".join(f"{n} {what}{'s' if n != 1 else ''}" for n, what in sizes)
+
+
 def _report(outcome, run_dir: Path) -> None:
+    """The answer table, where everything is, and the failures."""
+    from testbed.answer import answer_lines
+    from testbed.results import load
+
+    if (run_dir / "trials.parquet").is_file():
+        for line in answer_lines(load(run_dir)):
+            print(line)
     print(
-        f"{outcome.ok} trials ok, {outcome.failed} failed, {outcome.skipped} already done; "
+        f"\n{outcome.ok} trials ok, {outcome.failed} failed, {outcome.skipped} already done; "
         f"results in {run_dir}"
+    )
+    figures = sorted((run_dir / "figures").glob("*.png"))
+    if figures:
+        print(f"figures in {run_dir / 'figures'}: {', '.join(f.name for f in figures)}")
+    print(
+        f"notebook: RUN_DIR={run_dir} .venv/bin/jupyter execute results/analysis.ipynb "
+        f"(the tables: python -c \"import testbed.results as r; print(r.load('{run_dir}')"
+        f'.summary())")'
     )
     for failure in outcome.failures:
         print(f"  failed: {failure}", file=sys.stderr)

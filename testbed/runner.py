@@ -20,9 +20,8 @@ from typing import Any
 
 import pandas as pd
 import yaml
-from tqdm import tqdm
 
-from testbed import environment
+from testbed import environment, voice
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
@@ -30,6 +29,7 @@ from testbed.link import Links, LinkState, emulator_for
 from testbed.plan import Trial, plan_rows, plan_trials
 from testbed.plots import make_figures
 from testbed.profiles import load_profile
+from testbed.progress import TrialProgress
 from testbed.results import combine, finished_trials, load, save_trial, write_frame, write_text
 from testbed.schema import Experiment
 from testbed.sessions import WORKER_PORT, run_session, session_id
@@ -37,6 +37,17 @@ from testbed.sessions import WORKER_PORT, run_session, session_id
 log = logging.getLogger(__name__)
 
 PlanRows = dict[tuple[str, int], dict[str, Any]]
+
+
+def _probed(link: LinkState, count: int) -> str:
+    """What the probe measured: 'probed 1.00, 0.99 Mbit/s' (frames, as the shaper meters)."""
+    if count < 2:
+        return "no probe (one device)"
+    rates = [link.wire_mbit(rank) for rank in range(count)]
+    shown = ", ".join("-" if r is None else f"{r:.3f}" for r in rates)
+    flagged = [rank for rank in range(count) if link.flagged(rank)]
+    warning = f" (device {', '.join(map(str, flagged))} more than 5% off!)" if flagged else ""
+    return f"probed {shown} Mbit/s{warning}"
 
 
 def new_run_id() -> str:
@@ -95,7 +106,7 @@ class Runner:
         outcome = RunOutcome(self.run_dir, skipped=len(done & {t.trial_id for t in self.trials}))
         files = prepare_run_files(self.experiment, self.trials, self.run_dir)
         todo = [t for t in self.trials if t.trial_id not in done]
-        progress = tqdm(total=len(todo), unit="trial", desc=self.experiment.name)
+        progress = TrialProgress(self.experiment.name, self._link_times(todo, plan, files))
         try:
             for count, group in itertools.groupby(todo, key=lambda t: t.devices):
                 self._run_count(count, list(group), plan, files, outcome, progress)
@@ -103,8 +114,23 @@ class Runner:
             progress.close()
             if (self.run_dir / "trials").is_dir():
                 combine(self.run_dir)
-        make_figures(load(self.run_dir))
+        with voice.phase("figures", f"drawing into {self.run_dir / 'figures'}") as step:
+            written = make_figures(load(self.run_dir))
+            step.outcome = f"{len(written)} written"
         return outcome
+
+    def _link_times(
+        self, trials: list[Trial], plan: PlanRows, files: RunFiles
+    ) -> dict[tuple[int, float], tuple[int, float]]:
+        """Per session (device count, rate): its trials and its analytic link time (s)."""
+        inferences = self.experiment.warmup + (files.batches or self.experiment.repeats)
+        sessions: dict[tuple[int, float], tuple[int, float]] = {}
+        for trial in trials:
+            key = (trial.devices, trial.bandwidth_mbit)
+            slowest = max(plan[(trial.trial_id, r)]["analytic_comm_ms"] for r in range(key[0]))
+            count, link_s = sessions.get(key, (0, 0.0))
+            sessions[key] = (count + 1, link_s + inferences * slowest / 1000)
+        return sessions
 
     def _run_count(
         self,
@@ -113,22 +139,27 @@ class Runner:
         plan: PlanRows,
         files: RunFiles,
         outcome: RunOutcome,
-        progress: tqdm,
+        progress: TrialProgress,
     ) -> None:
         devices = self.experiment.devices
         inventory = self.experiment.inventory
         with make_backend(self.backend_name, self.run_id, self.run_dir, inventory) as backend:
-            backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
+            doing = (
+                f"starting {count} {backend.name} devices "
+                f"({devices.cpus:g} CPU, {devices.memory_mb} MB each)"
+            )
+            with voice.phase(f"devices P={count}", doing):
+                backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
             with Links(backend, self.profile, self.emulator, self.run_id) as links:
                 self._write_environment(backend, count)
                 for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
-                    group = list(grouped)
-                    progress.set_postfix_str(f"P={count} shaping {rate:g} Mbit/s")
+                    group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
+                    progress.start((count, rate), what)
                     link = links.shape(rate, self.experiment.link.probe_s)
                     self._save_link(link, count)
-                    progress.set_postfix_str(f"P={count} at {rate:g} Mbit/s")
-                    self._run_session(links, group, plan, files, link, outcome)
-                    progress.update(len(group))
+                    voice.say(f"{what}: {self.emulator} link, {_probed(link, count)}")
+                    ok = self._run_session(links, group, plan, files, link, outcome)
+                    progress.finish((count, rate), what, "ok" if ok else "FAILED")
 
     def _run_session(
         self,
@@ -138,7 +169,7 @@ class Runner:
         files: RunFiles,
         link: LinkState,
         outcome: RunOutcome,
-    ) -> None:
+    ) -> bool:
         name = session_id(trials[0].devices, trials[0].bandwidth_mbit)
         directory = self.run_dir / "sessions" / name
         if directory.exists():  # a resumed run: keep the earlier session's files
@@ -161,8 +192,9 @@ class Runner:
                 outcome.failed += 1
                 outcome.failures.append(f"{trial.trial_id}: {result.error}")
         if not result.ok:
-            log.warning("session %s failed: %s", name, result.error)
+            voice.say(f"session {name} failed: {result.error}")
         combine(self.run_dir)
+        return result.ok
 
     def _identity(
         self, backend: Backend, trial: Trial, plan: PlanRows, link: LinkState, session: str

@@ -15,6 +15,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from testbed import voice
 from testbed.image_steps import cache_key, run_step
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,9 @@ def ensure_wheelhouse(root: Path) -> Path:
     shutil.rmtree(fresh, ignore_errors=True)
     fresh.mkdir(parents=True)
     (fresh / "requirements.txt").write_text("\n".join(requirements) + "\n")
-    log.info("downloading wheels: %s", ", ".join(requirements))
     args = pip_download_args(fresh / "requirements.txt", fresh, machine)
-    run_step("pip download of the wheelhouse", args)
+    with voice.phase("wheelhouse", f"pip download of {len(requirements)} runtime packages"):
+        run_step("pip download of the wheelhouse", args)
     (fresh / ".key").write_text(key)
     shutil.rmtree(wheelhouse, ignore_errors=True)
     fresh.rename(wheelhouse)

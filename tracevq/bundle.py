@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,11 +192,13 @@ def fit_bundle(
     branching: int = 2,
     seed: int = 0,
     kmeans_iterations: int = 20,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Bundle:
     """Codebooks fitted by k-means on the model's own activations over `inputs`, and trees.
 
     This is how runs with untrained weights get codebooks; training refines them later
-    (`tracevq.train`, which also uses fewer Lloyd iterations to save time).
+    (`tracevq.train`, which also uses fewer Lloyd iterations to save time). `progress(done,
+    total)` is called after each codebook and its tree.
     """
     for family in families:
         if family not in FAMILIES:
@@ -203,21 +206,24 @@ def fit_bundle(
     activations = collect_activations(model, inputs)
     quantizers: dict[str, list[VectorQuantizer]] = {}
     trees: dict[str, list[CodebookTree]] = {}
-    first: VectorQuantizer | None = None
+    first: tuple[VectorQuantizer, CodebookTree] | None = None
+    total, done = len(families) * len(model.blocks), 0
     for family in families:
-        vqs = []
+        quantizers[family], trees[family] = [], []
         for b, rows in enumerate(exchange_rows(activations, FAMILIES[family])):
             if b == 0 and family != "astra" and first is not None:
-                vqs.append(first)  # trace-b and trace-nb share VQ_0 (both quantise X^(0))
-                continue
-            log.debug("fitting %s codebook %d on %d rows", family, b, len(rows))
-            vqs.append(fit_quantizer(rows, K, code_dim, seed + b, kmeans_iterations))
+                vq, tree = first  # trace-b and trace-nb share VQ_0 (both quantise X^(0))
+            else:
+                log.debug("fitting %s codebook %d on %d rows", family, b, len(rows))
+                vq = fit_quantizer(rows, K, code_dim, seed + b, kmeans_iterations)
+                tree = build_tree(vq.codebook, branching, metric, vq.ema_counts, seed)
+            quantizers[family].append(vq)
+            trees[family].append(tree)
+            done += 1
+            if progress is not None:
+                progress(done, total)
         if family != "astra":
-            first = vqs[0]
-        quantizers[family] = vqs
-        trees[family] = [
-            build_tree(vq.codebook, branching, metric, vq.ema_counts, seed) for vq in vqs
-        ]
+            first = quantizers[family][0], trees[family][0]
     meta = {
         "metric": metric,
         "branching": branching,

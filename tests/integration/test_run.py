@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,26 @@ def check_results(run_dir: Path, trials_expected: int) -> None:
     assert environment["host_cores"] == os.cpu_count()
 
 
+def check_voice_and_answer(done: subprocess.CompletedProcess, run_dir: Path) -> None:
+    """Every phase is said with its time on stderr; stdout ends with the answer table, whose
+    figures are the run's own (medians over repetitions, slowest device)."""
+    said = re.findall(r"^\[ *\d+:\d\d\] (.*)$", done.stderr, re.MULTILINE)
+    for pattern in (r"small: 2 trials \(2 method variants x 1 rate x 1 device count\)",
+                    r"codebooks K=16: (cached|fitted)", r"devices P=2: done in \d",
+                    r"P=2 5 Mbit/s: serial link, probed (4\.9\d\d|5\.0\d\d), ",
+                    r"P=2 5 Mbit/s: ok in \d", r"figures: \d written in \d"):  # fmt: skip
+        assert any(re.match(pattern, line) for line in said), (pattern, said)
+    lines = done.stdout.splitlines()
+    rows = {name: line for name in ("voltage", "trace-b K=16") for line in lines
+            if re.search(rf"\b{name} +[\d,.]+ \[", line)}  # fmt: skip
+    assert set(rows) == {"voltage", "trace-b K=16"}, done.stdout
+    slowest = load(run_dir).trials.groupby(["method", "repeat"])["effective_ms"].max()
+    voltage = slowest["voltage"].median()
+    assert f" {voltage:,.1f} [" in rows["voltage"] or f" {voltage:,.0f} [" in rows["voltage"]
+    assert rows["voltage"].endswith("1.00x")
+    assert f"results in {run_dir}" in done.stdout and "jupyter execute" in done.stdout
+
+
 def execute_notebook(run_dir: Path) -> None:
     """results/analysis.ipynb runs headless on this run without an error cell."""
     import nbformat
@@ -130,6 +151,7 @@ def test_local_backend_runs_the_same_experiment(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = only_run_dir(out)
     check_results(run_dir, trials_expected=2)
+    check_voice_and_answer(done, run_dir)
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     from testbed.backends.local import run_tag
 

@@ -1,0 +1,82 @@
+"""The answer a run prints when it ends: per device count, every method variant at every
+rate with its effective latency (median over repetitions of the slowest device, 95% interval),
+its communication (median of the devices' mean) and its speedup over Voltage (median of the
+per-repetition ratios, the repetitions paired in time), in the figures' variant order.
+
+    P=2 vit-b16 (6 repetitions)   effective ms [95% CI]      comm ms   vs voltage
+    1 Mbit/s  voltage             14,210 [14,102, 14,305]     13,402       1.00x
+              trace-b K=1024 ...
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from testbed import stats
+from testbed.plots_common import ok_trials, variant_order
+from testbed.results import Results
+
+BASELINE = "voltage"
+
+
+def _ms(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.1f}"
+
+
+def _speedups(ok: pd.DataFrame) -> dict[tuple, float]:
+    """Median over repetitions of Voltage's effective time over each variant's, per (devices,
+    rate, variant); empty where the run has no Voltage."""
+    slowest = stats.by_repetition(
+        ok, ["devices", "bandwidth_mbit", "variant"], ["effective_ms"], how="max"
+    )
+    gains = {}
+    for (devices, rate), part in slowest.groupby(["devices", "bandwidth_mbit"]):
+        per = {v: p.set_index("repeat")["effective_ms"] for v, p in part.groupby("variant")}
+        if BASELINE not in per:
+            continue
+        for name, series in per.items():
+            gains[(devices, rate, name)] = stats.paired_ratio_interval(per[BASELINE], series).median
+    return gains
+
+
+def answer_lines(results: Results) -> list[str]:
+    ok = ok_trials(results)
+    if ok.empty:
+        return ["no trial succeeded: nothing to summarize"]
+    keys = ["devices", "bandwidth_mbit", "variant"]
+    effective = stats.summarize(ok, keys, ["effective_ms"], "max").set_index(keys)
+    comm = stats.summarize(ok, keys, ["comm_ms"], "mean").set_index(keys)
+    gains = _speedups(ok)
+    order = variant_order(ok)
+    width = max(len(v) for v in order) + 2
+    model = results.config["model"]["name"]
+    lines = []
+    for devices in sorted(ok["devices"].unique()):
+        at = effective.loc[devices]
+        n = int(at["n"].max())
+        title = f"P={devices} {model} ({n} repetitions)"
+        lines += ["", f"{title:<{10 + width}}{'effective ms [95% CI]':>26}{'comm ms':>11}"
+                  f"{'vs ' + BASELINE:>13}"]  # fmt: skip
+        for rate in sorted(ok.loc[ok["devices"] == devices, "bandwidth_mbit"].unique()):
+            first = True
+            for name in order:
+                if (rate, name) not in at.index:
+                    continue
+                cell = at.loc[(rate, name)]
+                interval = (
+                    f"{_ms(cell['effective_ms'])} [{_ms(cell['effective_ms_low'])}, "
+                    f"{_ms(cell['effective_ms_high'])}]"
+                )
+                gain = gains.get((devices, rate, name), math.nan)
+                rate_text = f"{rate:g} Mbit/s" if first else ""
+                lines.append(
+                    f"{rate_text:<10}{name:<{width}}{interval:>26}"
+                    f"{_ms(comm.loc[(devices, rate, name), 'comm_ms']):>11}"
+                    f"{'-' if math.isnan(gain) else f'{gain:,.2f}x':>13}"
+                )
+                first = False
+    return lines
