@@ -41,8 +41,6 @@ from testbed.image_steps import (
 )
 from testbed.wheelhouse import ensure_wheelhouse
 
-log = logging.getLogger(__name__)
-
 WORKER_TAG = "trace-testbed/worker:latest"
 DOCKERFILE = "devices/Dockerfile"
 SOURCE_LABEL = "trace-testbed.source"  # the key of the sources an image was built from

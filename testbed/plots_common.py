@@ -145,6 +145,13 @@ def rate_axis(ax: Axes, rates_mbit: list[float]) -> None:
     ax.set_xlabel("link rate (Mbit/s, 10^6 bit/s)")
 
 
+class _PlainLogFormatter(LogFormatter):
+    """Labels between the decades as plain numbers (30000, not 3e+04)."""
+
+    def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+        return f"{x:g}" if x < 1e6 else f"{x:.0e}"
+
+
 def plain_log(ax: Axes, which: str = "y") -> None:
     """A log axis labelled 0.1, 1, 10 (and 2, 3, 5 between when it spans about a decade)."""
     if which == "x":
@@ -153,7 +160,7 @@ def plain_log(ax: Axes, which: str = "y") -> None:
         ax.set_yscale("log")
     axis = ax.xaxis if which == "x" else ax.yaxis
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    axis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.grid(True, which="major", alpha=0.3)
 
 
