@@ -2,7 +2,7 @@
 #
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
 #   make smoke        the same pipeline on a tiny model in about two minutes
-#   make test         create .venv (once per pyproject.toml change) and run pytest
+#   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
 #   make docker-up    start the Docker engine if it is not answering (needs root)
@@ -16,25 +16,38 @@ PYTHON ?= python3
 VENV := .venv
 VENV_PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 PYTEST_ARGS ?=
 IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
+.PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
 	reproduce reproduce-quick bench
 
 venv: $(VENV_STAMP)
+dev-venv: $(DEV_STAMP)
 
-# Re-installs only when pyproject.toml is newer than the stamp.
+# The runtime venv (the testbed and its notebook) for the experiments; the dev venv adds the
+# test, lint and training tools. Each re-installs only when pyproject.toml is newer than its
+# stamp, and says how long it took.
 $(VENV_STAMP): pyproject.toml
-	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PY) -m pip install -e '.[dev]'
+	@echo "venv: installing the project with torch 2.13.0 (CPU) into $(VENV) ..."
+	@start=$$(date +%s); \
+	  { test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV); } && \
+	  $(VENV_PY) -m pip install -q -e '.[testbed]' && \
+	  echo "venv: ready in $$(( $$(date +%s) - start )) s"
 	touch $@
 
-test: venv host-setup
+$(DEV_STAMP): $(VENV_STAMP)
+	@echo "venv: adding the test, lint and training tools ..."
+	@start=$$(date +%s); $(VENV_PY) -m pip install -q -e '.[dev]' && \
+	  echo "venv: dev tools ready in $$(( $$(date +%s) - start )) s"
+	touch $@
+
+test: dev-venv host-setup
 	$(VENV_PY) -m pytest $(PYTEST_ARGS)
 
-lint: venv
+lint: dev-venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -80,7 +93,7 @@ bench: venv host-setup
 ACCURACY_CONFIGS ?= configs/accuracy-digits.yaml configs/accuracy-pairs.yaml
 ACCURACY_ARGS ?=
 .PHONY: accuracy
-accuracy: venv
+accuracy: dev-venv
 	$(VENV_PY) -m tracevq.train $(ACCURACY_CONFIGS) $(ACCURACY_ARGS)
 
 # ---------------------------------------------------------------------------
