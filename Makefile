@@ -44,7 +44,8 @@ $(DEV_STAMP): $(VENV_STAMP)
 	  echo "venv: dev tools ready in $$(( $$(date +%s) - start )) s"
 	touch $@
 
-test: dev-venv host-setup
+test: dev-venv
+	scripts/host-setup --for-tests
 	$(VENV_PY) -m pytest $(PYTEST_ARGS)
 
 lint: dev-venv

@@ -165,19 +165,9 @@ def _shown(path: Path) -> str:
 
 
 def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path: Path) -> Path:
-    import torch
+    from tracevq.fit import fit_random_calibration
 
-    from tracevq.bundle import fit_bundle
-    from tracevq.checkpoint import load_checkpoint
-    from tracevq.models import build_model
-
-    model = build_model(experiment.model.name, seed=experiment.model.seed)
-    if experiment.model.checkpoint:
-        load_checkpoint(model, experiment.model.checkpoint)
     settings = experiment.bundle
-    generator = torch.Generator().manual_seed(settings.seed)
-    shape = model.config.input_shape(settings.calibration_inputs)
-    calibration = torch.randn(shape, generator=generator)
     with tqdm(desc=f"codebooks K={K}", unit="codebook", leave=False,
               disable=None if voice.speaking() else True) as bar:  # fmt: skip
 
@@ -185,14 +175,10 @@ def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path
             bar.total = total
             bar.update(done - bar.n)
 
-        bundle = fit_bundle(
-            model,
-            calibration,
-            K=K,
-            families=families,
-            code_dim=settings.code_dim,
-            metric=settings.metric,
-            seed=settings.seed,
-            progress=progress,
-        )
+        bundle = fit_random_calibration(
+            experiment.model.name, K, families,
+            model_seed=experiment.model.seed, checkpoint=experiment.model.checkpoint,
+            calibration_inputs=settings.calibration_inputs, code_dim=settings.code_dim,
+            metric=settings.metric, seed=settings.seed, progress=progress,
+        )  # fmt: skip
     return bundle.save(path)
