@@ -163,10 +163,11 @@ def _report(outcome, run_dir: Path) -> None:
     figures = sorted((run_dir / "figures").glob("*.png"))
     if figures:
         print(f"figures in {run_dir / 'figures'}: {', '.join(f.name for f in figures)}")
+    notebook = Path(__file__).resolve().parents[1] / "results" / "analysis.ipynb"
+    jupyter = Path(sys.executable).parent / "jupyter"
     print(
-        f"notebook: RUN_DIR={run_dir} .venv/bin/jupyter execute results/analysis.ipynb "
-        f"(the tables: python -c \"import testbed.results as r; print(r.load('{run_dir}')"
-        f'.summary())")'
+        f"notebook (tables and figures of this run, written to {run_dir / 'analysis.ipynb'}): "
+        f"RUN_DIR={run_dir} {jupyter} execute {notebook} --output={run_dir / 'analysis'}"
     )
     for failure in outcome.failures:
         print(f"  failed: {failure}", file=sys.stderr)
