@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -33,8 +32,6 @@ from testbed.progress import TrialProgress
 from testbed.results import combine, finished_trials, load, save_trial, write_frame, write_text
 from testbed.schema import Experiment
 from testbed.sessions import WORKER_PORT, run_session, session_id
-
-log = logging.getLogger(__name__)
 
 PlanRows = dict[tuple[str, int], dict[str, Any]]
 
