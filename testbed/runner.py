@@ -145,6 +145,7 @@ class Runner:
                 f"starting {count} {backend.name} devices "
                 f"({devices.cpus:g} CPU, {devices.memory_mb} MB each)"
             )
+            backend.prepare()
             with voice.phase(f"devices P={count}", doing):
                 backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
             with Links(backend, self.profile, self.emulator, self.run_id) as links:

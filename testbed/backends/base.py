@@ -130,6 +130,10 @@ class Backend(abc.ABC):
         # clocks are off (tests of the clock alignment)
         self.clock_skews_s: dict[int, float] = {}
 
+    def prepare(self) -> None:  # noqa: B027 - optional hook
+        """What must exist before devices can start and takes long to make the first time
+        (the docker backend's worker image); `start` does it too when it was not called."""
+
     @abc.abstractmethod
     def start(self, spec: DeviceSpec) -> list[Device]:
         """Create the run's network and P devices; returns them in rank order.

@@ -91,13 +91,16 @@ class DockerBackend(Backend):
     def labels(self) -> dict[str, str]:
         return {LABEL: self.run_id}
 
-    def start(self, spec: DeviceSpec) -> list[Device]:
-        self.client = _client()
+    def prepare(self) -> None:
         if self.image is None:
             # the worker image must run this checkout's code: (re)build it, seconds when cached
             from testbed.image import build_image
 
             self.image = build_image()
+
+    def start(self, spec: DeviceSpec) -> list[Device]:
+        self.client = _client()
+        self.prepare()
         try:
             self.client.images.get(self.image)
         except Exception as error:  # noqa: BLE001 - ImageNotFound and API errors alike
