@@ -27,6 +27,7 @@ from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
 from testbed.link import Links, LinkState, emulator_for
+from testbed.lock import RunLock
 from testbed.plan import Trial, plan_rows, plan_trials
 from testbed.plots import make_figures
 from testbed.preflight import check_experiment
@@ -96,6 +97,11 @@ class Runner:
         self.sessions = 0  # sessions started: each gets its own worker port
 
     def run(self, resume: bool = False) -> RunOutcome:
+        """Runs every trial (those without results, when resuming) holding the run's lock."""
+        with RunLock(self.run_id, self.run_dir):
+            return self._run(resume)
+
+    def _run(self, resume: bool) -> RunOutcome:
         plan = prepare_run_dir(self.experiment, self.run_dir, self.trials)
         done = finished_trials(self.run_dir) if resume else set()
         outcome = RunOutcome(self.run_dir, skipped=len(done & {t.trial_id for t in self.trials}))
