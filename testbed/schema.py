@@ -276,7 +276,9 @@ def _describe(error: dict[str, Any], data: Any) -> str:
         return f"{_path(location)}: unknown key{suggestion}"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] not in ("value_error", "missing") and _short_repr(error.get("input")):
-        message += f" (got {_short_repr(error['input'])})"
+        quoted = isinstance(error["input"], str) and error["type"] in ("float_type", "int_type")
+        note = ", which YAML reads as text" if quoted else ""
+        message += f" (got {_short_repr(error['input'])}{note})"
     return f"{_path(location)}: {message}" if location else message
 
 
@@ -302,6 +304,8 @@ def _lookup_model(parent: list[Any]) -> type[BaseModel] | None:
 
 
 def parse_experiment(data: Any, source: str = "<experiment>") -> Experiment:
+    if data is None:
+        raise ConfigError(f"{source}: empty; an experiment needs at least `name:` and `methods:`")
     if not isinstance(data, dict):
         raise ConfigError(
             f"{source}: an experiment is a mapping of keys, got {type(data).__name__}"

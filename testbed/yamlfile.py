@@ -92,4 +92,4 @@ def load_yaml(path: str | Path, what: str) -> Any:
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {describe_yaml_error(error)}") from None
     except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply to be a {what}") from None
+        raise ConfigError(f"{path}: nested too deeply (over Python's recursion limit)") from None
