@@ -47,6 +47,18 @@ def _check_backend(experiment: Experiment, backend: str, source: str) -> None:
             f"{source}: devices.count: {most} devices, but the inventory has "
             f"{len(inventory.boards)} boards (one device per board)"
         )
+    if not inventory.accept_new_host_keys and not Path(inventory.known_hosts).is_file():
+        raise ConfigError(
+            f"{source}: inventory.known_hosts: file not found: {inventory.known_hosts}; record "
+            "the boards' host keys (`ssh-keyscan -p PORT ADDRESS >> FILE`), or say "
+            "accept_new_host_keys: true for a first connection"
+        )
+    for index, board in enumerate(inventory.boards[:most]):
+        if board.key_file is not None and not Path(board.key_file).is_file():
+            raise ConfigError(
+                f"{source}: inventory.boards[{index}].key_file: file not found: "
+                f"{board.key_file} (leave key_file out to use ssh-agent and ~/.ssh/id_*)"
+            )
 
 
 def _check_files(experiment: Experiment, source: str) -> None:

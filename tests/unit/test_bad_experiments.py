@@ -19,8 +19,8 @@ from testbed.run import main
 ROOT = Path(__file__).resolve().parents[2]
 TOO_MANY_CPUS = (os.cpu_count() or 1) + 1
 BOARDS = (
-    "inventory: {known_hosts: kh, boards: [{name: a, address: 10.0.0.1, user: u},"
-    " {name: b, address: 10.0.0.2, user: u}]}\n"
+    "inventory: {known_hosts: kh, accept_new_host_keys: true, boards: ["
+    "{name: a, address: 10.0.0.1, user: u}, {name: b, address: 10.0.0.2, user: u}]}\n"
 )
 VOLTAGE = "methods: [{name: voltage}]\n"
 
@@ -130,6 +130,18 @@ CASES: list[tuple[str, str, str]] = [
     ("ssh-no-inventory", exp("backend: ssh\n"), "inventory: backend 'ssh' needs an inventory"),
     ("ssh-too-few-boards", exp("backend: ssh\ndevices: {count: 3}\n" + BOARDS), "devices.count"),
     ("ssh-bad-port", exp("backend: ssh\n" + BOARDS.replace("u}]", "u, port: 70000}]")), "port"),
+    (
+        "ssh-no-known-hosts",
+        exp(
+            "backend: ssh\n" + BOARDS.replace("accept_new_host_keys: true", "connect_timeout_s: 5")
+        ),
+        "inventory.known_hosts: file not found",
+    ),
+    (
+        "ssh-no-key-file",
+        exp("backend: ssh\n" + BOARDS.replace("user: u}, {", "user: u, key_file: {tmp}/k}, {")),
+        "inventory.boards[0].key_file: file not found",
+    ),
     ("backend-unknown", exp("backend: podman\n"), "backend: Input should be"),
     ("model-unknown", exp("model: {name: vit-b17}\n"), "model.name: unknown model"),
     # the file itself
