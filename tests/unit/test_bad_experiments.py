@@ -290,3 +290,16 @@ def test_real_subprocess_binary_file_and_out_file(tmp_path):
         )  # fmt: skip
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert out_file.read_text() == ""
+
+
+def test_the_run_directory_stays_under_out(capsys, tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "escape").symlink_to(elsewhere)
+    path = tmp_path / "e.yaml"
+    path.write_text(exp("", name="name: escape\n"))
+    status = main([str(path), "--dry-run", "--out", str(out)])
+    lines = capsys.readouterr().err.splitlines()
+    assert status == 2 and len(lines) == 1 and "outside it" in lines[0], lines
+    assert list(elsewhere.iterdir()) == []
