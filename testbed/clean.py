@@ -1,7 +1,19 @@
-"""`python -m testbed.clean [--run RUN_ID]`: remove what a crashed run left behind.
+"""`python -m testbed.clean [--run RUN_ID] [--all]`: remove what dead runs left behind.
 
-Containers and networks labelled `testbed.run` (Docker, when an engine answers), and the
-local backend's network namespaces, veths and bridges (by their name pattern, as root).
+What a run leaves: containers and networks labelled `testbed.run=<run id>` (Docker, when an
+engine answers), and the local backend's and serial link's network namespaces, veths and
+bridges, named by the run's tag (`tb-<tag>-*`, as root). Whether the run is over is read from
+its lock (testbed.lock): its orchestrator's pid and that process's start time.
+
+- no options: removes the leftovers of runs whose orchestrator is gone (its pid dead or reused,
+  or the host rebooted), with their stale locks; keeps, and lists with the reason, runs that
+  are alive, locked on another host, or have no lock at all (an older testbed's, or made by
+  hand: it cannot be told whether they run).
+- `--run ID` (a run id, or the 8-hex tag of its namespaces): that run only, also without a
+  lock; a live run is kept.
+- `--all`: removes everything, live runs included (with `--run`: that run, even if live).
+
+Exit status: 0 done, 1 a removal failed, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -10,36 +22,122 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass, field
 
 from testbed.errors import TestbedError
+from testbed.lock import Holder, read_locks, remove_lock
+
+log = logging.getLogger(__name__)
 
 
-def clean(run_id: str | None) -> list[str]:
-    from testbed.backends.docker import engine_available, remove_by_label
-    from testbed.backends.local import remove_leftovers
+@dataclass
+class RunLeftovers:
+    """One run's leftovers on this host, and its lock if any."""
 
-    removed: list[str] = []
+    tag: str
+    run_id: str | None = None  # None: known by its namespaces' tag alone
+    docker: list[str] = field(default_factory=list)
+    local: list[str] = field(default_factory=list)
+    holder: Holder | None = None
+
+    @property
+    def label(self) -> str:
+        return f"run {self.run_id} (tag {self.tag})" if self.run_id else f"run tag {self.tag}"
+
+
+@dataclass
+class CleanReport:
+    removed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # "<run>: <why>"
+
+
+def find_leftovers() -> list[RunLeftovers]:
+    """Every run that left something here, with its lock (locks without leftovers too)."""
+    from testbed.backends.docker import engine_available, leftovers_by_run
+    from testbed.backends.local import leftovers_by_tag, run_tag
+
+    locks = read_locks()
+    runs: dict[str, RunLeftovers] = {}
+
+    def entry(tag: str, run_id: str | None) -> RunLeftovers:
+        found = runs.setdefault(tag, RunLeftovers(tag))
+        found.run_id = found.run_id or run_id
+        return found
+
+    for run_id, holder in locks.items():
+        entry(run_tag(run_id), run_id).holder = holder
     if engine_available():
-        removed += remove_by_label(run_id)
+        for run_id, items in leftovers_by_run().items():
+            entry(run_tag(run_id), run_id).docker += items
     if os.geteuid() == 0:
-        removed += remove_leftovers(run_id)
-    return removed
+        for tag, items in leftovers_by_tag().items():
+            entry(tag, None).local += items
+    return sorted(runs.values(), key=lambda run: (run.run_id or "", run.tag))
+
+
+def why_keep(run: RunLeftovers, chosen: bool, everything: bool) -> str | None:
+    """Why a run's leftovers stay, or None when they go. `chosen`: named by `--run`."""
+    if everything:
+        return None
+    holder = run.holder
+    if holder is None:
+        if chosen:
+            return None
+        return "no lock (an older testbed's run, or made by hand): --run ID or --all removes it"
+    alive = holder.alive()
+    if alive:
+        return f"its orchestrator is running ({holder.describe()}); stop it, or use --all"
+    if alive is None:
+        return f"locked by {holder.describe()}, which cannot be checked from here; --all removes it"
+    return None
+
+
+def clean(run_id: str | None = None, everything: bool = False) -> CleanReport:
+    """Removes the leftovers of dead runs (or of `run_id`; `everything`: regardless of locks)."""
+    from testbed.backends.docker import remove_by_label
+    from testbed.backends.local import remove_leftovers, run_tag
+
+    report = CleanReport()
+    for run in find_leftovers():
+        chosen = run_id is not None and run_id in (run.run_id, run.tag, run_tag(run_id))
+        if run_id is not None and not chosen:
+            continue
+        reason = why_keep(run, chosen, everything)
+        if reason is not None:
+            if run.docker or run.local:
+                report.kept.append(f"{run.label}: {reason}")
+            continue
+        if run.docker and run.run_id is not None:
+            report.removed += remove_by_label(run.run_id)
+        if run.local:
+            report.removed += remove_leftovers(tag=run.tag)
+        if run.holder is not None:
+            remove_lock(run.holder)
+            report.removed.append(f"lock of run {run.holder.run_id} ({run.holder.describe()})")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m testbed.clean", description=__doc__)
-    parser.add_argument("--run", help="only this run id (default: every testbed run)")
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.clean",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--run", help="only this run id (or tag)")
+    parser.add_argument("--all", action="store_true", help="also runs that are alive")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     try:
-        removed = clean(args.run)
+        report = clean(args.run, args.all)
     except TestbedError as error:
         print(f"testbed.clean: {error}", file=sys.stderr)
         return 1
-    for item in removed:
+    for item in report.removed:
         print(f"removed {item}")
-    print(f"{len(removed)} leftovers removed")
+    for item in report.kept:
+        print(f"kept {item}")
+    print(f"{len(report.removed)} leftovers removed, {len(report.kept)} runs kept")
     return 0
 
 

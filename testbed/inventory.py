@@ -24,17 +24,17 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from testbed.errors import ConfigError
+from testbed.yamlfile import load_yaml
 
 SECRET_KEY = re.compile(r"pass(word|phrase)|secret", re.IGNORECASE)
 PATH_FIELDS = ("key_file", "known_hosts")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _refuse_secrets(data: Any) -> Any:
@@ -66,7 +66,7 @@ class Board(_Strict):
     python: str = Field("python3", min_length=1)
     interface: str = Field("eth0", min_length=1, max_length=15)
     data_address: str | None = None
-    cpus: float | None = Field(None, gt=0)  # default: the experiment's devices.cpus
+    cpus: float | None = Field(None, gt=0, le=1024)  # default: the experiment's devices.cpus
     cpuset: str | None = Field(None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$")  # taskset -c
     workdir: str = "~/.cache/trace-testbed"  # code and run directories on the board
 
@@ -90,7 +90,7 @@ class Board(_Strict):
 class Inventory(_Strict):
     known_hosts: str = Field(min_length=1)
     accept_new_host_keys: bool = False  # first use only: unknown keys are added to known_hosts
-    connect_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0, le=3600)
     boards: list[Board] = Field(min_length=1)
 
     @model_validator(mode="before")
@@ -192,12 +192,7 @@ def parse_inventory(data: Any, source: str = "<inventory>") -> Inventory:
 def load_inventory(path: str | Path) -> Inventory:
     """Reads and validates an inventory file (relative paths in it: from its directory)."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"inventory file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    data = load_yaml(path, "inventory file")
     return parse_inventory(_relative_to(data, path.absolute().parent), str(path))
 
 

@@ -16,10 +16,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from testbed.errors import ConfigError
+from testbed.yamlfile import load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +30,16 @@ PROFILE_SUFFIX = ".yaml"
 class LinkProfile(BaseModel):
     """One link's shape. Rates follow tc's convention: 1 mbit = 10^6 bit/s."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1)
     description: str = ""
-    rate_mbit: float | None = Field(default=None, gt=0)
-    delay_ms: float = Field(default=0.0, ge=0)
-    jitter_ms: float = Field(default=0.0, ge=0)
+    rate_mbit: float | None = Field(default=None, ge=0.01, le=10_000)
+    delay_ms: float = Field(default=0.0, ge=0, le=60_000)
+    jitter_ms: float = Field(default=0.0, ge=0, le=60_000)
     loss_pct: float = Field(default=0.0, ge=0, le=100)
-    burst_bytes: int | None = Field(default=None, gt=0)
-    queue_latency_ms: float = Field(default=50.0, gt=0)
+    burst_bytes: int | None = Field(default=None, gt=0, le=1 << 30)
+    queue_latency_ms: float = Field(default=50.0, gt=0, le=60_000)
 
     @property
     def needs_netem(self) -> bool:
@@ -60,12 +60,7 @@ def load_profile(name_or_path: str | Path, directory: Path = PROFILES_DIR) -> Li
             invalid YAML, or a field that fails validation (the message names file and field).
     """
     path = _resolve(name_or_path, Path(directory))
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read link profile ({error})") from error
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from error
+    data = load_yaml(path, "link profile")
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -81,8 +76,8 @@ def parse_profile(data: dict[str, Any], source: str = "<link profile>") -> LinkP
     try:
         return LinkProfile.model_validate(data)
     except ValidationError as error:
-        problems = "\n".join(f"  - {_describe(problem)}" for problem in error.errors())
-        raise ConfigError(f"{source}: invalid link profile:\n{problems}") from None
+        problems = "; ".join(_describe(problem) for problem in error.errors())
+        raise ConfigError(f"{source}: invalid link profile: {problems}") from None
 
 
 def _resolve(name_or_path: str | Path, directory: Path) -> Path:

@@ -4,8 +4,12 @@
     python -m testbed.run experiments/smoke.yaml --dry-run
     python -m testbed.run --resume results/smoke/20261130-101500-ab12
 
-Exit status: 0 every trial ok, 1 some trials failed (all else still written), 2 bad input,
-130 interrupted. Errors print one line (`-v` adds details and debug logging).
+Exit status: 0 every trial ok, 1 some trials failed (all else still written) or an
+unexpected error (one line naming the log that holds its traceback), 2 bad input (one line:
+file, field, what is wrong; nothing is written), 130 interrupted. `-v` adds debug logging.
+
+Everything is validated before the run directory is made: the file (testbed.schema), then the
+host, backend and files it names (testbed.preflight), then `--out`.
 """
 
 from __future__ import annotations
@@ -15,17 +19,27 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
 from testbed import voice
 from testbed.errors import ConfigError, TestbedError
+from testbed.names import SLUG_RULE, is_slug
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+ERROR_LOG = "error.log"  # in the run directory: the traceback of an unexpected error
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line (the usage itself is in --help)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_INPUT, f"{self.prog}: {message} (see --help)\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m testbed.run", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
@@ -89,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     voice.restart()
     voice.quiet(args.quiet)
+    args.run_dir = None  # set once known: an unexpected error's traceback goes there
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -98,37 +113,103 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_INTERRUPTED
     except ConfigError as error:
-        print(f"testbed.run: {error}", file=sys.stderr)
+        print(f"testbed.run: {one_line(str(error))}", file=sys.stderr)
         return EXIT_INPUT
     except TestbedError as error:
         if args.verbose:
             traceback.print_exc()
-        print(f"testbed.run: {error}", file=sys.stderr)
+        print(f"testbed.run: {one_line(str(error))}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as error:  # noqa: BLE001 - no traceback reaches a user: it goes to a log
+        log_path = _write_traceback(args.run_dir)
+        print(
+            f"testbed.run: unexpected error ({type(error).__name__}: {one_line(str(error))}); "
+            f"the traceback is in {log_path}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
 
 
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _write_traceback(run_dir: Path | None) -> Path:
+    """The current exception's traceback in the run directory's error.log, or a temp file."""
+    text = traceback.format_exc()
+    if run_dir is not None and run_dir.is_dir():
+        path = run_dir / ERROR_LOG
+        with path.open("a") as log_file:
+            log_file.write(text)
+        return path
+    handle, name = tempfile.mkstemp(prefix="testbed-run-", suffix=".log")
+    with os.fdopen(handle, "w") as log_file:
+        log_file.write(text)
+    return Path(name)
+
+
+def check_out(out: Path) -> Path:
+    """`--out` resolved; ConfigError unless it is (or can be made) a writable directory."""
+    resolved = out.expanduser().resolve()
+    existing = resolved
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is not a directory; give a directory")
+    try:  # os.access says yes to root on a read-only file system: try it (nothing remains)
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"--out {out}: cannot write in {existing} ({error.strerror}); give a writable directory"
+        ) from None
+    return resolved
+
+
+def new_run_dir(out: Path, experiment_name: str, run_id: str) -> Path:
+    """`out/<experiment>/<run-id>`, which must lie under `out` (symbolic links resolved)."""
+    run_dir = (out / experiment_name / run_id).resolve()
+    if not run_dir.is_relative_to(out):
+        raise ConfigError(
+            f"--out {out}: the run directory would be {run_dir}, outside it (a symbolic "
+            f"link at {out / experiment_name}?)"
+        )
+    return run_dir
+
+
 def _run(args: argparse.Namespace) -> int:
-    from testbed.link import emulator_for
     from testbed.plan import plan_rows, plan_trials
+    from testbed.preflight import check_experiment
     from testbed.runner import Runner, new_run_id, prepare_run_dir
     from testbed.schema import load_experiment
 
     if args.resume is not None:
         run_dir = args.resume.resolve()
-        experiment = load_experiment(run_dir / "config.yaml")
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume {args.resume}: not a run directory")
+        if not is_slug(run_dir.name):
+            raise ConfigError(f"--resume {args.resume}: a run id is {SLUG_RULE}")
+        source = run_dir / "config.yaml"
+        experiment = load_experiment(source)
         run_id = run_dir.name
+        args.run_dir = run_dir
     else:
-        experiment = load_experiment(args.experiment)
+        source = args.experiment
+        experiment = load_experiment(source)
+        out = check_out(args.out)
         run_id = new_run_id()
-        run_dir = (args.out / experiment.name / run_id).resolve()
+        run_dir = new_run_dir(out, experiment.name, run_id)
     backend = args.backend or experiment.backend
-    emulator_for(experiment.link.emulator, backend)  # refuses serial on ssh boards
+    check_experiment(experiment, backend, str(source))
     trials = plan_trials(experiment)
     if args.dry_run:
-        prepare_run_dir(experiment, run_dir, trials)
-        print_plan(plan_rows(experiment, trials))
+        rows = plan_rows(experiment, trials)  # every trial's arithmetic, before writing
+        args.run_dir = run_dir
+        prepare_run_dir(experiment, run_dir, trials, rows)
+        print_plan(rows)
         print(f"plan written to {run_dir / 'plan.csv'}")
         return EXIT_OK
+    args.run_dir = run_dir
     voice.say(
         f"{experiment.name}: {len(trials)} trials ({_grid(trials)}), {experiment.warmup} warm-up "
         f"+ {experiment.repeats} measured inferences each, {backend} backend; into {run_dir}"

@@ -25,9 +25,10 @@ from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
 from testbed.link import Links, LinkState, emulator_for
+from testbed.lock import RunLock
 from testbed.plan import Trial, plan_rows, plan_trials
 from testbed.plots import make_figures
-from testbed.profiles import load_profile
+from testbed.preflight import check_experiment
 from testbed.progress import TrialProgress
 from testbed.results import combine, finished_trials, load, save_trial, write_frame, write_text
 from testbed.schema import Experiment
@@ -78,12 +79,17 @@ class RunOutcome:
     failures: list[str] = field(default_factory=list)
 
 
-def prepare_run_dir(experiment: Experiment, run_dir: Path, trials: list[Trial]) -> PlanRows:
+def prepare_run_dir(
+    experiment: Experiment,
+    run_dir: Path,
+    trials: list[Trial],
+    rows: list[dict[str, Any]] | None = None,
+) -> PlanRows:
     """Write the resolved experiment and the plan; the plan's rows by (trial id, rank)."""
+    rows = plan_rows(experiment, trials) if rows is None else rows
     run_dir.mkdir(parents=True, exist_ok=True)
     config = experiment.model_dump(mode="json")
     write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    rows = plan_rows(experiment, trials)
     write_frame(pd.DataFrame(rows), run_dir / "plan.csv")
     return {(row["trial_id"], row["rank"]): row for row in rows}
 
@@ -93,11 +99,17 @@ class Runner:
         self.experiment, self.run_dir = experiment, Path(run_dir)
         self.backend_name, self.run_id = backend, run_id
         self.trials = plan_trials(experiment)
-        self.profile = load_profile(experiment.link.profile)
+        # everything is checked before any device starts (testbed.run did it already)
+        self.profile = check_experiment(experiment, backend, f"experiment {experiment.name}")
         self.emulator = emulator_for(experiment.link.emulator, backend)
         self.sessions = 0  # sessions started: each gets its own worker port
 
     def run(self, resume: bool = False) -> RunOutcome:
+        """Runs every trial (those without results, when resuming) holding the run's lock."""
+        with RunLock(self.run_id, self.run_dir):
+            return self._run(resume)
+
+    def _run(self, resume: bool) -> RunOutcome:
         plan = prepare_run_dir(self.experiment, self.run_dir, self.trials)
         done = finished_trials(self.run_dir) if resume else set()
         outcome = RunOutcome(self.run_dir, skipped=len(done & {t.trial_id for t in self.trials}))

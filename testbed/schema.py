@@ -5,27 +5,45 @@ results of every run.
 An experiment names the model, the device counts and their CPU/memory, the backend, the link
 profile and the bandwidths, the methods with their parameters (a list anywhere in a method's
 parameters expands into a grid), repeats and warm-up, and optionally an evaluation set.
+
+What the file alone decides is checked here: types without coercion (a boolean or a string is
+not a number), finite numbers in sane ranges, names that are slugs, tree levels, device counts
+against the model's tokens, and the grid's size before it is expanded. What depends on the
+host, its files and the backend is checked by `testbed.preflight`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
+import math
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from testbed.errors import ConfigError
 from testbed.inventory import Inventory, inventory_input
-from tracevq.config import known_model_name
+from testbed.names import check_slug
+from testbed.yamlfile import load_yaml
+from tracevq.codec import level_sizes_for
+from tracevq.config import known_model_name, model_config
+from tracevq.spec import MethodSpec
 
 BACKENDS = ("auto", "docker", "local", "ssh")
+MAX_TRIALS = 10_000  # device counts x bandwidths x method variants, counted before expanding
+MAX_DEVICES = 254  # hosts of one /24 (the local backend's network)
+RATE_RANGE_MBIT = (0.01, 10_000.0)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+FITTED_BRANCHING = 2  # codebooks the testbed fits get a binary tree (testbed.bundles)
+FLAG_PARAMS = {f.name for f in dataclasses.fields(MethodSpec) if isinstance(f.default, bool)}
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """No coercion (`true` is not 1, `"3"` is not 3), no NaN or infinity, no unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _as_list(value: Any) -> Any:
@@ -34,24 +52,26 @@ def _as_list(value: Any) -> Any:
 
 class ModelSection(Strict):
     name: str = "vit-b16"
-    checkpoint: str | None = None
-    seed: int = 0
+    checkpoint: str | None = Field(None, min_length=1)  # relative: from the working directory
+    seed: int = Field(0, ge=0)
 
     _known = field_validator("name")(known_model_name)
 
 
 class DevicesSection(Strict):
     count: list[int] = Field(default_factory=lambda: [2])
-    cpus: float = Field(1.0, gt=0)
-    memory_mb: int = Field(2048, ge=128)
+    cpus: float = Field(1.0, gt=0, le=1024)  # per device; at most the host's (testbed.preflight)
+    memory_mb: int = Field(2048, ge=128, le=1_048_576)
+    # devices may ask for more CPUs each than the host has (then they share its cores)
+    oversubscribe: bool = False
 
     _list = field_validator("count", mode="before")(_as_list)
 
     @field_validator("count")
     @classmethod
-    def _positive(cls, counts: list[int]) -> list[int]:
-        if not counts or any(c < 1 for c in counts):
-            raise ValueError("every device count must be at least 1")
+    def _in_range(cls, counts: list[int]) -> list[int]:
+        if not counts or any(not 1 <= c <= MAX_DEVICES for c in counts):
+            raise ValueError(f"every device count must be in 1..{MAX_DEVICES}, got {counts}")
         return counts
 
 
@@ -59,7 +79,7 @@ EMULATORS = ("tbf", "serial")
 
 
 class LinkSection(Strict):
-    profile: str = "ideal"
+    profile: str = Field("ideal", min_length=1)  # a name in netem_profiles/, or a file's path
     bandwidth_mbit: list[float] = Field(default_factory=lambda: [10.0])
     # traffic per rate probe, in seconds at the target rate (timed after its first tenth)
     probe_s: float = Field(0.5, gt=0, le=60)
@@ -74,21 +94,32 @@ class LinkSection(Strict):
 
     @field_validator("bandwidth_mbit")
     @classmethod
-    def _positive(cls, rates: list[float]) -> list[float]:
-        if not rates or any(r <= 0 for r in rates):
-            raise ValueError("every bandwidth must be positive (Mbit/s)")
+    def _in_range(cls, rates: list[float]) -> list[float]:
+        low, high = RATE_RANGE_MBIT
+        wrong = [r for r in rates if not low <= r <= high]
+        if not rates or wrong:
+            raise ValueError(
+                f"every bandwidth must be positive, in {low:g}..{high:,.0f} Mbit/s; "
+                f"got {wrong[0] if wrong else 'none'}"
+            )
         return rates
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_name(cls, profile: str) -> str:
+        looks_like_path = "/" in profile or profile.endswith((".yaml", ".yml"))
+        return profile if looks_like_path else check_slug(profile, "profile name")
 
 
 class BundleSection(Strict):
     """Where codebooks come from: a bundle file, or fitted by k-means on calibration inputs."""
 
-    path: str | None = None
-    K: int | None = None  # default: the largest K any method asks for
-    calibration_inputs: int = Field(8, ge=1)
-    code_dim: int | None = None
+    path: str | None = Field(None, min_length=1)  # relative: from the working directory
+    K: int | None = Field(None, ge=2, le=65536)  # default: the largest K any method asks for
+    calibration_inputs: int = Field(8, ge=1, le=100_000)
+    code_dim: int | None = Field(None, ge=1)
     metric: Literal["euclidean", "cosine", "frequency"] = "euclidean"
-    seed: int = 0
+    seed: int = Field(0, ge=0)
 
 
 class EvaluationSection(Strict):
@@ -98,7 +129,7 @@ class EvaluationSection(Strict):
     run the first `limit` inputs (all by default), cut to whole batches, instead of
     `repeats` generated inputs, and record the correct predictions."""
 
-    inputs: str
+    inputs: str = Field(min_length=1)  # relative: from the working directory
     limit: int | None = Field(None, ge=1)
 
 
@@ -112,13 +143,31 @@ class Experiment(Strict):
     link: LinkSection = LinkSection()
     methods: list[dict[str, Any]]
     bundle: BundleSection = BundleSection()
-    batch: int = Field(1, ge=1)
-    repeats: int = Field(3, ge=1)
-    warmup: int = Field(1, ge=0)
+    batch: int = Field(1, ge=1, le=4096)
+    repeats: int = Field(3, ge=1, le=100_000)
+    warmup: int = Field(1, ge=0, le=10_000)
     evaluation: EvaluationSection | None = None
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
 
     _inventory = field_validator("inventory", mode="before")(inventory_input)
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, name: str) -> str:
+        return check_slug(name, "experiment name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _grid_bounded(cls, data: Any) -> Any:
+        """Refuses a grid too large to run before it is expanded (YAML aliases can make a
+        four-line file name 10^9 trials)."""
+        trials = grid_size(data)
+        if trials > MAX_TRIALS:
+            raise ValueError(
+                f"methods: the grid (devices.count x link.bandwidth_mbit x method variants) "
+                f"has {trials:,} trials; at most {MAX_TRIALS:,} per experiment"
+            )
+        return data
 
     @model_validator(mode="after")
     def _methods_valid(self) -> Experiment:
@@ -127,6 +176,9 @@ class Experiment(Strict):
         for index, entry in enumerate(self.methods):
             for variant in expand_method(entry, index):
                 _check_method(variant, index)
+                if self.bundle.path is None:  # a given bundle's tree is checked when loaded
+                    _check_level(variant, index)
+        _check_devices_fit(self.devices.count, self.model.name)
         return self
 
     def method_variants(self) -> list[dict[str, Any]]:
@@ -142,16 +194,68 @@ def expand_method(entry: Any, index: int) -> list[dict[str, Any]]:
     return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
 
 
+def _length(value: Any) -> int:
+    return len(value) if isinstance(value, list) else 1
+
+
+def grid_size(data: Any) -> int:
+    """Trials the raw experiment mapping would expand into (0 where its shape is wrong)."""
+    if not isinstance(data, dict):
+        return 0
+    devices, link, methods = data.get("devices"), data.get("link"), data.get("methods")
+    counts = _length(devices.get("count")) if isinstance(devices, dict) else 1
+    rates = _length(link.get("bandwidth_mbit")) if isinstance(link, dict) else 1
+    entries = methods if isinstance(methods, list) else []
+    variants = sum(
+        math.prod(_length(value) for value in entry.values())
+        for entry in entries
+        if isinstance(entry, dict)
+    )
+    return counts * rates * variants
+
+
 def _check_method(variant: dict[str, Any], index: int) -> None:
     from tracevq.errors import ConfigError as TraceConfigError
     from tracevq.spec import method_spec
 
+    if not isinstance(variant["name"], str):
+        raise ValueError(
+            f"methods[{index}].name: a method's name is text such as 'trace-b', "
+            f"got {variant['name']!r}"
+        )
     params = {k: v for k, v in variant.items() if k != "name"}
+    for key, value in params.items():
+        if isinstance(value, bool) and key not in FLAG_PARAMS:
+            raise ValueError(f"methods[{index}].{key}: takes a number, got {value!r}")
     try:
         method_spec(variant["name"], **params)
     except TraceConfigError as error:
         field = f".{error.field}" if error.field else ""
         raise ValueError(f"methods[{index}]{field}: {error}") from None
+
+
+def _check_level(variant: dict[str, Any], index: int) -> None:
+    """A trace method's `level_k` must be a level of the tree fitted over its K codewords."""
+    from tracevq.spec import method_spec
+
+    spec = method_spec(variant["name"], **{k: v for k, v in variant.items() if k != "name"})
+    if not spec.is_trace or spec.level_k in (None, "auto"):
+        return
+    levels = level_sizes_for(spec.K, FITTED_BRANCHING)
+    if spec.resolved_level_k not in levels:
+        raise ValueError(
+            f"methods[{index}].level_k: {spec.level_k} is not a level of the K={spec.K} codebook "
+            f"tree (branching {FITTED_BRANCHING}); its levels are {', '.join(map(str, levels))}"
+        )
+
+
+def _check_devices_fit(counts: list[int], model: str) -> None:
+    tokens = model_config(model).tokens
+    if max(counts) > tokens:
+        raise ValueError(
+            f"devices.count: {max(counts)} devices, but {model} has {tokens} tokens to split "
+            f"among them (at most {tokens} devices)"
+        )
 
 
 def _path(location: tuple[Any, ...]) -> str:
@@ -171,7 +275,18 @@ def _describe(error: dict[str, Any], data: Any) -> str:
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
         return f"{_path(location)}: unknown key{suggestion}"
     message = error["msg"].removeprefix("Value error, ")
+    if error["type"] not in ("value_error", "missing") and _short_repr(error.get("input")):
+        quoted = isinstance(error["input"], str) and error["type"] in ("float_type", "int_type")
+        note = ", which YAML reads as text" if quoted else ""
+        message += f" (got {_short_repr(error['input'])}{note})"
     return f"{_path(location)}: {message}" if location else message
+
+
+def _short_repr(value: Any) -> str | None:
+    if isinstance(value, dict | list | BaseModel):
+        return None
+    text = repr(value)
+    return text if len(text) <= 60 else None
 
 
 def _lookup_model(parent: list[Any]) -> type[BaseModel] | None:
@@ -189,6 +304,8 @@ def _lookup_model(parent: list[Any]) -> type[BaseModel] | None:
 
 
 def parse_experiment(data: Any, source: str = "<experiment>") -> Experiment:
+    if data is None:
+        raise ConfigError(f"{source}: empty; an experiment needs at least `name:` and `methods:`")
     if not isinstance(data, dict):
         raise ConfigError(
             f"{source}: an experiment is a mapping of keys, got {type(data).__name__}"
@@ -201,11 +318,6 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> Experiment:
 
 
 def load_experiment(path: str | Path) -> Experiment:
+    """Reads and validates an experiment file; every problem a one-line `ConfigError`."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from None
-    return parse_experiment(data, str(path))
+    return parse_experiment(load_yaml(path, "experiment file"), str(path))

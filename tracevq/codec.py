@@ -29,6 +29,15 @@ def index_bits(k: int) -> int:
     return max(1, (k - 1).bit_length())
 
 
+def level_sizes_for(num_codewords: int, branching: int) -> list[int]:
+    """Codewords per level of a codebook tree, coarsest first: ceil(previous / branching)
+    until <= branching (the tree of `tracevq.tree`; pure arithmetic, for planning)."""
+    sizes = [num_codewords]
+    while sizes[-1] > branching:
+        sizes.append(-(-sizes[-1] // branching))
+    return sizes[::-1]
+
+
 def packed_bytes(count: int, bits: int) -> int:
     """Bytes taken by `count` indices packed at `bits` each, padded to the byte."""
     return -(-count * bits // 8)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tracevq.codec import MAX_LEVELS, index_bits
+from tracevq.codec import MAX_LEVELS, index_bits, level_sizes_for
 from tracevq.errors import CheckpointError, ConfigError
 
 METRICS = ("euclidean", "cosine", "frequency")
@@ -136,14 +136,6 @@ def _state_item(state: dict, key: str):
     if key not in state:
         raise CheckpointError(f"codebook tree state is missing key {key!r}")
     return state[key]
-
-
-def level_sizes_for(num_codewords: int, branching: int) -> list[int]:
-    """Codewords per level, coarsest first: ceil(previous / branching) until <= branching."""
-    sizes = [num_codewords]
-    while sizes[-1] > branching:
-        sizes.append(math.ceil(sizes[-1] / branching))
-    return sizes[::-1]
 
 
 def build_tree(

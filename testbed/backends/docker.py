@@ -122,8 +122,11 @@ class DockerBackend(Backend):
     def _start_device(self, rank: int, spec: DeviceSpec) -> Device:
         assert self.cpu_plan is not None
         cpuset = self.cpu_plan.cpusets[rank]
+        # a device asking for more CPUs than the host has (`oversubscribe: true`) gets all of
+        # them: Docker refuses a quota above the host's cores
+        quota_cpus = min(spec.cpus, self.cpu_plan.host_cores)
         limits: dict[str, Any] = (
-            {"cpuset_cpus": cpuset} if cpuset else {"nano_cpus": int(spec.cpus * 1e9)}
+            {"cpuset_cpus": cpuset} if cpuset else {"nano_cpus": int(quota_cpus * 1e9)}
         )
         name = f"{NAME_PREFIX}{self.run_id}-d{rank}"
         log.debug("docker run %s (%s, %d MB, %s)", name, self.image, spec.memory_mb, limits)
@@ -186,6 +189,20 @@ class DockerBackend(Backend):
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+def leftovers_by_run() -> dict[str, list[str]]:
+    """Containers and networks labelled by a run, by the run id of their label."""
+    client = _client()
+    found: dict[str, list[str]] = {}
+    for container in client.containers.list(all=True, filters={"label": LABEL}):
+        run_id = container.labels.get(LABEL, "")
+        found.setdefault(run_id, []).append(f"container {container.name}")
+    for network in client.networks.list(filters={"label": LABEL}):
+        run_id = (network.attrs.get("Labels") or {}).get(LABEL, "")
+        found.setdefault(run_id, []).append(f"network {network.name}")
+    client.close()
+    return found
 
 
 def remove_by_label(run_id: str | None = None) -> list[str]:

@@ -411,14 +411,30 @@ def remove_namespaces(names: Sequence[str]) -> list[str]:
     return removed
 
 
-def remove_leftovers(run_id: str | None = None) -> list[str]:
-    """Removes the namespaces, bridges and veths that a run (or every run) left behind.
+def leftovers_by_tag() -> dict[str, list[str]]:
+    """What runs left on this host, by run tag: their namespaces, and their links in the
+    host's namespace."""
+    from pyroute2 import IPRoute, netns
 
-    Returns what was removed (processes still running in those namespaces are killed).
+    found: dict[str, list[str]] = {}
+    for name in sorted(netns.listnetns(str(NETNS_DIR))):
+        if match := NETNS_PATTERN.match(name):
+            found.setdefault(match["tag"], []).append(f"namespace {name}")
+    with IPRoute() as ipr:
+        for link in ipr.get_links():
+            ifname = link.get("ifname") or ""
+            if match := LINK_PATTERN.match(ifname):
+                found.setdefault(match["tag"], []).append(f"link {ifname}")
+    return found
+
+
+def remove_leftovers(run_id: str | None = None, tag: str | None = None) -> list[str]:
+    """Removes the namespaces, bridges and veths that a run (by id or tag), or every run, left
+    behind. Returns what was removed (processes still running in those namespaces are killed).
     """
     from pyroute2 import netns
 
-    tag = run_tag(run_id) if run_id else None
+    tag = tag or (run_tag(run_id) if run_id else None)
     names = []
     for name in sorted(netns.listnetns(str(NETNS_DIR))):
         match = NETNS_PATTERN.match(name)

@@ -1,0 +1,138 @@
+"""Checks of a loaded experiment against where it will run: the backend chosen, this host's
+CPUs and kernel, and the files it names. Made by `testbed.run` (dry runs included) and by
+`Runner` before anything is written or started; the schema has already checked what the file
+alone decides.
+
+Each problem is a one-line `ConfigError`: `FILE: field: what is wrong; what would be right`.
+Relative paths are taken from the working directory, as the run later reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from testbed.errors import ConfigError, ShapingError
+from testbed.link import emulator_for
+from testbed.profiles import LinkProfile, load_profile
+from testbed.schema import Experiment
+
+log = logging.getLogger(__name__)
+
+
+def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkProfile:
+    """Raises ConfigError naming `source` and the field; returns the link profile."""
+    _check_backend(experiment, backend, source)
+    _check_files(experiment, source)
+    _check_cpus(experiment, backend, source)
+    emulator = _emulator(experiment, backend, source)
+    profile = _profile(experiment, source)
+    _check_impairments(profile, emulator, backend, source)
+    return profile
+
+
+def _check_backend(experiment: Experiment, backend: str, source: str) -> None:
+    if backend != "ssh":
+        return
+    inventory = experiment.inventory
+    if inventory is None:
+        raise ConfigError(
+            f"{source}: inventory: backend 'ssh' needs an inventory of boards (a file's path "
+            "or inline; see experiments/ssh-smoke.yaml)"
+        )
+    most = max(experiment.devices.count)
+    if most > len(inventory.boards):
+        raise ConfigError(
+            f"{source}: devices.count: {most} devices, but the inventory has "
+            f"{len(inventory.boards)} boards (one device per board)"
+        )
+    if not inventory.accept_new_host_keys and not Path(inventory.known_hosts).is_file():
+        raise ConfigError(
+            f"{source}: inventory.known_hosts: file not found: {inventory.known_hosts}; record "
+            "the boards' host keys (`ssh-keyscan -p PORT ADDRESS >> FILE`), or say "
+            "accept_new_host_keys: true for a first connection"
+        )
+    for index, board in enumerate(inventory.boards[:most]):
+        if board.key_file is not None and not Path(board.key_file).is_file():
+            raise ConfigError(
+                f"{source}: inventory.boards[{index}].key_file: file not found: "
+                f"{board.key_file} (leave key_file out to use ssh-agent and ~/.ssh/id_*)"
+            )
+
+
+def _check_files(experiment: Experiment, source: str) -> None:
+    named = {
+        "model.checkpoint": experiment.model.checkpoint,
+        "bundle.path": experiment.bundle.path,
+        "evaluation.inputs": experiment.evaluation.inputs if experiment.evaluation else None,
+    }
+    for field, name in named.items():
+        if name is None:
+            continue
+        path = Path(name).expanduser()
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        if not path.exists():
+            raise ConfigError(f"{source}: {field}: file not found: {name}{where}")
+        if not path.is_file():
+            raise ConfigError(f"{source}: {field}: not a regular file: {name}{where}")
+        if not os.access(path, os.R_OK):
+            raise ConfigError(f"{source}: {field}: not readable: {name}")
+
+
+def host_cpus() -> int:
+    return os.cpu_count() or 1
+
+
+def _check_cpus(experiment: Experiment, backend: str, source: str) -> None:
+    """A device may not ask for more CPUs than the host has, unless the file says so; devices
+    that together ask for more are allowed and recorded as `oversubscribed`, as before. Boards
+    (ssh) have cores of their own."""
+    devices = experiment.devices
+    if backend == "ssh" or devices.oversubscribe or devices.cpus <= host_cpus():
+        return
+    raise ConfigError(
+        f"{source}: devices.cpus: {devices.cpus:g} CPUs per device, but this host has "
+        f"{host_cpus()}; at most {host_cpus()}, or say devices: {{oversubscribe: true}}"
+    )
+
+
+def _emulator(experiment: Experiment, backend: str, source: str) -> str:
+    try:
+        return emulator_for(experiment.link.emulator, backend)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def _profile(experiment: Experiment, source: str) -> LinkProfile:
+    try:
+        return load_profile(experiment.link.profile)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: link.profile: {error}") from None
+
+
+def _check_impairments(profile: LinkProfile, emulator: str, backend: str, source: str) -> None:
+    """Delay, jitter and loss need netem under tbf; the serial emulator adds none of them."""
+    if not profile.needs_netem:
+        return
+    if emulator == "serial":
+        raise ConfigError(
+            f"{source}: link.profile: '{profile.name}' asks for delay, jitter or loss, which "
+            "the serial emulator does not add; use a rate-only profile such as 'ideal', or "
+            "link: {emulator: tbf}"
+        )
+    if backend == "ssh" or os.geteuid() != 0:
+        return  # the boards' kernels, or no probe without root: checked when shaping
+    from testbed.shaping import qdisc_support
+
+    try:
+        support = qdisc_support()
+    except ShapingError as error:
+        log.debug("cannot probe qdiscs before the run: %s", error)
+        return
+    if not support.get("netem", False):
+        raise ConfigError(
+            f"{source}: link.profile: '{profile.name}' needs delay/jitter/loss emulation "
+            "(sch_netem), which this kernel does not have; use a rate-only profile such as "
+            "'ideal'"
+        )

@@ -1,0 +1,305 @@
+"""Bad experiment files, every kind: each one refused by `testbed.run FILE --dry-run` with exit
+status 2, exactly one line on stderr naming the field, and nothing written under `--out`.
+
+Most cases go through `testbed.run.main` in this process (a subprocess costs a second of
+imports each); `test_real_subprocess` runs a handful end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.run import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TOO_MANY_CPUS = (os.cpu_count() or 1) + 1
+BOARDS = (
+    "inventory: {known_hosts: kh, accept_new_host_keys: true, boards: ["
+    "{name: a, address: 10.0.0.1, user: u}, {name: b, address: 10.0.0.2, user: u}]}\n"
+)
+VOLTAGE = "methods: [{name: voltage}]\n"
+
+
+def exp(body: str, methods: str = VOLTAGE, name: str = "name: bad\n") -> str:
+    return name + body + methods
+
+
+# (case id, experiment text (`{tmp}` is the test's directory), text the one line must hold)
+CASES: list[tuple[str, str, str]] = [
+    # numbers: finite, in range, no booleans or strings as numbers
+    ("rate-nan", exp("link: {bandwidth_mbit: .nan}\n"), "link.bandwidth_mbit[0]: "),
+    ("rate-inf", exp("link: {bandwidth_mbit: [1, .inf]}\n"), "link.bandwidth_mbit[1]: "),
+    ("rate-1e15", exp("link: {bandwidth_mbit: 1e15}\n"), "'1e15', which YAML reads as text"),
+    ("rate-1.0e+15", exp("link: {bandwidth_mbit: 1.0e+15}\n"), "link.bandwidth_mbit: every"),
+    ("rate-bool", exp("link: {bandwidth_mbit: [true]}\n"), "link.bandwidth_mbit[0]: "),
+    ("rate-zero", exp("link: {bandwidth_mbit: 0}\n"), "link.bandwidth_mbit: "),
+    ("rate-negative", exp("link: {bandwidth_mbit: [10, -5]}\n"), "link.bandwidth_mbit: "),
+    ("rate-too-small", exp("link: {bandwidth_mbit: 0.001}\n"), "0.01..10,000 Mbit/s"),
+    ("rate-string", exp("link: {bandwidth_mbit: '10'}\n"), "link.bandwidth_mbit[0]: "),
+    ("rate-empty", exp("link: {bandwidth_mbit: []}\n"), "link.bandwidth_mbit: "),
+    ("probe-zero", exp("link: {probe_s: 0}\n"), "link.probe_s: "),
+    ("probe-inf", exp("link: {probe_s: .inf}\n"), "link.probe_s: "),
+    ("cpus-inf", exp("devices: {cpus: .inf}\n"), "devices.cpus: "),
+    ("cpus-nan", exp("devices: {cpus: .nan}\n"), "devices.cpus: "),
+    ("cpus-zero", exp("devices: {cpus: 0}\n"), "devices.cpus: "),
+    ("cpus-bool", exp("devices: {cpus: true}\n"), "devices.cpus: "),
+    ("cpus-over-host", exp(f"devices: {{cpus: {TOO_MANY_CPUS}}}\n"), "oversubscribe: true"),
+    ("oversubscribe-str", exp("devices: {oversubscribe: 'yes'}\n"), "devices.oversubscribe: "),
+    ("memory-small", exp("devices: {memory_mb: 64}\n"), "devices.memory_mb: "),
+    ("memory-float", exp("devices: {memory_mb: 1.5}\n"), "devices.memory_mb: "),
+    ("count-zero", exp("devices: {count: 0}\n"), "devices.count: "),
+    ("count-negative", exp("devices: {count: [2, -1]}\n"), "devices.count: "),
+    ("count-huge", exp("devices: {count: 1000}\n"), "devices.count: "),
+    ("count-bool", exp("devices: {count: true}\n"), "devices.count[0]: "),
+    ("count-over-tokens", exp("model: {name: vit-tiny}\ndevices: {count: 18}\n"), "17 tokens"),
+    ("timeout-inf", exp("timeout_s: .inf\n"), "timeout_s: "),
+    ("timeout-nan", exp("timeout_s: .nan\n"), "timeout_s: "),
+    ("timeout-zero", exp("timeout_s: 0\n"), "timeout_s: "),
+    ("timeout-negative", exp("timeout_s: -1\n"), "timeout_s: "),
+    ("repeats-zero", exp("repeats: 0\n"), "repeats: "),
+    ("repeats-float", exp("repeats: 2.5\n"), "repeats: "),
+    ("warmup-negative", exp("warmup: -1\n"), "warmup: "),
+    ("batch-zero", exp("batch: 0\n"), "batch: "),
+    ("seed-negative", exp("model: {seed: -1}\n"), "model.seed: "),
+    ("calibration-zero", exp("bundle: {calibration_inputs: 0}\n"), "bundle.calibration_inputs"),
+    ("bundle-K-one", exp("bundle: {K: 1}\n"), "bundle.K: "),
+    ("evaluation-limit", exp("evaluation: {inputs: x.pt, limit: 0}\n"), "evaluation.limit: "),
+    # methods
+    ("method-name-number", exp("", "methods: [{name: 5}]\n"), "methods[0].name: "),
+    ("method-name-null", exp("", "methods: [{name: null}]\n"), "methods[0].name: "),
+    ("method-unknown", exp("", "methods: [{name: voltge}]\n"), "methods[0].name: unknown"),
+    ("method-K-nan", exp("", "methods: [{name: astra, K: .nan}]\n"), "methods[0].K: "),
+    ("method-K-bool", exp("", "methods: [{name: astra, K: true}]\n"), "methods[0].K: "),
+    ("method-segment-bool", exp("", "methods: [{name: prism, segment: true}]\n"), ".segment: "),
+    ("method-buffers-int", exp("", "methods: [{name: trace-b, buffers: 1}]\n"), ".buffers: "),
+    ("method-mean-bits", exp("", "methods: [{name: prism, mean_bits: 8}]\n"), ".mean_bits: "),
+    ("level-not-in-tree", exp("", "methods: [{name: trace-b, K: 64, level_k: 48}]\n"), "32, 64"),
+    ("level-odd", exp("", "methods: [{name: trace-nb, K: 1024, level_k: 3}]\n"), ".level_k: "),
+    ("level-over-K", exp("", "methods: [{name: trace-b, K: 64, level_k: 128}]\n"), ".level_k: "),
+    ("level-in-grid", exp("", "methods: [{name: trace-b, K: 100, level_k: [50, 64]}]\n"), "7, 13"),
+    ("methods-empty", exp("", "methods: []\n"), "methods: "),
+    ("methods-missing", exp("", ""), "methods: Field required"),
+    ("method-no-name", exp("", "methods: [{K: 3}]\n"), "methods[0]: needs a 'name'"),
+    ("method-typo", exp("", "methods: [{name: trace-b, levle_k: 4}]\n"), "methods[0].levle_k"),
+    (
+        "grid-alias-bomb",
+        "name: bomb\na: &a [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\n"
+        "methods: [{name: astra, K: *a, b: *a, c: *a, d: *a, e: *a, f: *a, g: *a, h: *a, i: *a}]\n",
+        "1,000,000,000 trials; at most 10,000",
+    ),
+    (
+        "grid-plain-lists",
+        exp(
+            "link: {bandwidth_mbit: [" + ", ".join(str(r) for r in range(1, 201)) + "]}\n",
+            "methods: [{name: astra, K: [" + ", ".join(str(k) for k in range(2, 62)) + "]}]\n",
+        ),
+        "12,000 trials",
+    ),  # fmt: skip
+    # names used as directories
+    ("name-dotdot", exp("", name="name: ../../x\n"), "name: experiment name '../../x'"),
+    ("name-absolute", exp("", name="name: /abs/path\n"), "name: experiment name '/abs/path'"),
+    ("name-nested", exp("", name="name: a/b/c\n"), "name: experiment name 'a/b/c'"),
+    ("name-empty", exp("", name="name: ''\n"), "name: experiment name ''"),
+    ("name-dot", exp("", name="name: .\n"), "name: experiment name '.'"),
+    ("name-parent", exp("", name="name: '..'\n"), "name: experiment name '..'"),
+    ("name-space", exp("", name="name: my run\n"), "name: experiment name 'my run'"),
+    ("name-number", exp("", name="name: 123\n"), "name: Input should be a valid string"),
+    ("name-missing", exp("", name=""), "name: Field required"),
+    # link profile and emulator
+    ("profile-unknown", exp("link: {profile: lan}\n"), "link.profile: unknown link profile"),
+    ("profile-slug", exp("link: {profile: '..'}\n"), "link.profile: profile name '..'"),
+    ("profile-no-file", exp("link: {profile: ../nope.yaml}\n"), "link.profile: "),
+    ("profile-bad-rate", exp("link: {profile: {tmp}/nan.yaml}\n"), "link.profile: "),
+    ("profile-duplicate", exp("link: {profile: {tmp}/dup.yaml}\n"), "duplicate key 'delay_ms'"),
+    ("profile-serial-delay", exp("link: {profile: lte}\n"), "serial emulator does not add"),
+    ("emulator-unknown", exp("link: {emulator: netem}\n"), "link.emulator: "),
+    ("emulator-serial-ssh", exp("backend: ssh\nlink: {emulator: serial}\n" + BOARDS), "serial"),
+    # files the run would read
+    ("checkpoint-missing", exp("model: {checkpoint: {tmp}/no.pth}\n"), "model.checkpoint: file"),
+    ("checkpoint-directory", exp("model: {checkpoint: {tmp}}\n"), "model.checkpoint: not a"),
+    ("evaluation-missing", exp("evaluation: {inputs: no-test.pt}\n"), "evaluation.inputs: "),
+    ("bundle-missing", exp("bundle: {path: {tmp}/no-bundle.pt}\n"), "bundle.path: file not"),
+    ("inventory-missing", exp("backend: ssh\ninventory: {tmp}/no.yaml\n"), "inventory: "),
+    ("inventory-duplicate", exp("backend: ssh\ninventory: {tmp}/dup.yaml\n"), "duplicate key"),
+    # backends
+    ("ssh-no-inventory", exp("backend: ssh\n"), "inventory: backend 'ssh' needs an inventory"),
+    ("ssh-too-few-boards", exp("backend: ssh\ndevices: {count: 3}\n" + BOARDS), "devices.count"),
+    ("ssh-bad-port", exp("backend: ssh\n" + BOARDS.replace("u}]", "u, port: 70000}]")), "port"),
+    (
+        "ssh-no-known-hosts",
+        exp(
+            "backend: ssh\n" + BOARDS.replace("accept_new_host_keys: true", "connect_timeout_s: 5")
+        ),
+        "inventory.known_hosts: file not found",
+    ),
+    (
+        "ssh-no-key-file",
+        exp("backend: ssh\n" + BOARDS.replace("user: u}, {", "user: u, key_file: {tmp}/k}, {")),
+        "inventory.boards[0].key_file: file not found",
+    ),
+    ("backend-unknown", exp("backend: podman\n"), "backend: Input should be"),
+    ("model-unknown", exp("model: {name: vit-b17}\n"), "model.name: unknown model"),
+    # the file itself
+    ("duplicate-top-key", exp("name: again\n"), "line 2, column 1: duplicate key 'name'"),
+    ("duplicate-nested", exp("devices: {cpus: 1, cpus: 2}\n"), "duplicate key 'cpus'"),
+    ("syntax-error", exp("link: {bandwidth_mbit: [1, 2}\n"), "not valid YAML: line 2, column"),
+    ("tab-indent", "name: x\n\tmethods: []\n", "not valid YAML: line 2, column 1"),
+    ("empty-file", "", "empty; an experiment needs at least `name:` and `methods:`"),
+    ("comments-only", "# nothing yet\n", "empty; an experiment needs"),
+    ("list-at-top", "- name: x\n", "an experiment is a mapping of keys, got list"),
+    ("unknown-key", exp("modle: {}\n"), "modle: unknown key (did you mean 'model'?)"),
+    ("unknown-nested-key", exp("devices: {cout: 2}\n"), "devices.cout: unknown key"),
+    ("deep-nesting", "name: x\nmethods: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+]
+
+AUXILIARY = {
+    "nan.yaml": "rate_mbit: .nan\n",
+    "dup.yaml": "delay_ms: 1\ndelay_ms: 2\n",
+}
+
+
+def refused(capsys, tmp_path: Path, args: list[str]) -> str:
+    """Runs `testbed.run` with `args`; asserts exit 2, one line, nothing written; the line."""
+    out = tmp_path / "out"
+    status = main([*args, "--dry-run", "--out", str(out)])
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert status == 2, captured
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("testbed.run: ")
+    assert not out.exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize(("text", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_experiment_is_refused_in_one_line(capsys, tmp_path, text, expected):
+    for name, content in AUXILIARY.items():
+        (tmp_path / name).write_text(content)
+    path = tmp_path / "bad.yaml"
+    path.write_text(text.replace("{tmp}", str(tmp_path)))
+    line = refused(capsys, tmp_path, [str(path)])
+    assert expected in line
+    assert f"{path}: " in line
+
+
+def test_case_ids_are_distinct_and_many():
+    assert len({c[0] for c in CASES}) == len(CASES) >= 60
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"\x7fELF\x02\x01\x01\x00\x00\x00", "a binary file (NUL bytes)"),
+        (b"name: caf\xe9\n", "not UTF-8 text (byte 9)"),
+    ],
+    ids=["binary", "latin-1"],
+)
+def test_files_that_are_not_yaml_text(capsys, tmp_path, content, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    assert expected in refused(capsys, tmp_path, [str(path)])
+
+
+def test_a_directory_or_a_missing_file(capsys, tmp_path):
+    (tmp_path / "dir.yaml").mkdir()
+    assert "is a directory" in refused(capsys, tmp_path, [str(tmp_path / "dir.yaml")])
+    assert "not found" in refused(capsys, tmp_path, [str(tmp_path / "none.yaml")])
+
+
+def test_an_unusable_out(capsys, tmp_path):
+    good = str(ROOT / "experiments" / "smoke.yaml")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept\n")
+    for out in (a_file, a_file / "below", Path("/proc/testbed-out")):
+        status = main([good, "--dry-run", "--out", str(out)])
+        lines = capsys.readouterr().err.splitlines()
+        assert status == 2 and len(lines) == 1 and f"--out {out}: " in lines[0], lines
+    assert a_file.read_text() == "kept\n" and not Path("/proc/testbed-out").exists()
+
+
+def test_usage_errors_are_one_line(capsys, tmp_path):
+    for args in (["--bogus"], []):
+        with pytest.raises(SystemExit) as stopped:
+            main(args)
+        assert stopped.value.code == 2
+        assert len(capsys.readouterr().err.splitlines()) == 1
+    assert main(["--resume", str(tmp_path / "no-run")]) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the netem probe needs root")
+def test_a_profile_needing_netem_on_a_kernel_without_it(capsys, tmp_path):
+    from testbed.shaping import qdisc_support
+
+    if qdisc_support().get("netem"):
+        pytest.skip("this kernel has sch_netem")
+    path = tmp_path / "bad.yaml"
+    path.write_text(exp("link: {profile: lte, emulator: tbf}\n"))
+    assert "link.profile: 'lte' needs delay/jitter/loss" in refused(capsys, tmp_path, [str(path)])
+
+
+def test_an_unexpected_error_prints_one_line_naming_the_log(capsys, tmp_path, monkeypatch):
+    import testbed.plan
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug\nover two lines")
+
+    monkeypatch.setattr(testbed.plan, "plan_trials", broken)
+    status = main([str(ROOT / "experiments" / "smoke.yaml"), "--dry-run", "--out", str(tmp_path)])
+    lines = capsys.readouterr().err.splitlines()
+    assert status == 1 and len(lines) == 1, lines
+    assert "unexpected error (RuntimeError: a bug over two lines)" in lines[0]
+    log_path = Path(lines[0].rsplit("the traceback is in ", 1)[1])
+    try:
+        assert "Traceback" in log_path.read_text() and "broken" in log_path.read_text()
+    finally:
+        log_path.unlink()
+
+
+@pytest.mark.parametrize(
+    "case", ["rate-nan", "grid-alias-bomb", "syntax-error", "name-dotdot", "method-name-number"]
+)
+def test_real_subprocess(tmp_path, case):
+    text, expected = next((c[1], c[2]) for c in CASES if c[0] == case)
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "testbed.run", str(path), "--dry-run", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and expected in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_real_subprocess_binary_file_and_out_file(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    out_file = tmp_path / "out"
+    out_file.write_text("")
+    for args in ([str(binary)], [str(ROOT / "experiments" / "smoke.yaml")]):
+        done = subprocess.run(
+            [sys.executable, "-m", "testbed.run", *args, "--dry-run", "--out", str(out_file)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert out_file.read_text() == ""
+
+
+def test_the_run_directory_stays_under_out(capsys, tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "escape").symlink_to(elsewhere)
+    path = tmp_path / "e.yaml"
+    path.write_text(exp("", name="name: escape\n"))
+    status = main([str(path), "--dry-run", "--out", str(out)])
+    lines = capsys.readouterr().err.splitlines()
+    assert status == 2 and len(lines) == 1 and "outside it" in lines[0], lines
+    assert list(elsewhere.iterdir()) == []
