@@ -89,12 +89,13 @@ class Device:
                 self.levels[run.id] = choose_level(method, tokens, spec.batch, spec.rate_mbit)
             hello = self.hello()
             names = [self.mesh.name(peer) for peer in range(spec.devices)]
+            hosts = [host for host, _ in spec.addresses]
             with self.mesh:
                 began = time.perf_counter()
                 self.mesh.open(
                     spec.connect_timeout_s,
                     lambda conn, expected, connected: shake(
-                        conn, hello, expected, connected, names, self.clock
+                        conn, hello, expected, connected, names, self.clock, hosts
                     ),
                 )
                 self.timing_s["connect_s"] = time.perf_counter() - began

@@ -9,17 +9,28 @@ receive timestamps). With t0 / t3 the local send / receive times and t_peer the 
 round with the smallest round trip gives offset = t_peer - (t0 + t3) / 2 (the peer's clock
 minus ours) within +- half that round trip. On one host the offset is ~0 (one kernel clock);
 across machines it aligns the devices' records.
+
+Nothing a peer sends is trusted. Every frame is bounded (transport.MAX_FRAME_BYTES) and
+parsed as strict JSON; a hello, a verdict and a clock estimate are validated field by field
+(`Hello`, `Verdict`, `ClockEstimate`: types, ranges, lengths, no unknown keys) before any
+field is compared or printed, and the side that accepts checks that the connection comes
+from the address the spec gives the rank it claims. Any violation is a ProtocolError naming
+the peer: its rank and address once the hello has named a valid rank, else the address the
+connection comes from.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from devices.clock import Clock
 from devices.errors import ProtocolError
-from devices.transport import CountingSocket
+from devices.transport import CountingSocket, remote
 
 PROTOCOL_VERSION = 2
 CLOCK_ROUNDS = 8
@@ -38,6 +49,82 @@ AGREED_FIELDS = {
     "warmup": "warm-up count",
     "inputs": "inputs",
 }
+
+# Bounds of what a peer's hello may hold: far beyond any real session, small enough that
+# checking and printing a hostile hello costs nothing.
+MAX_DEVICES = 4096
+MAX_RUNS = 4096
+MAX_PARAMS = 64
+MAX_COUNT = 1 << 40  # inferences, warm-ups, tokens, batch
+INT64 = 1 << 63
+MAX_SHOWN_CHARS = 2000  # of a value in an error line
+Text = Annotated[str, StringConstraints(max_length=1000)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Param = int | float | bool | Text | None
+
+
+class _Strict(BaseModel):
+    # strict: JSON types as they are (no "1" for 1, no true for 1); unknown keys refused
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+
+class RunHello(_Strict):
+    id: Text
+    method: Text
+    params: dict[Text, Param] = Field(max_length=MAX_PARAMS)
+    bundle_fingerprint: Text | None
+    inferences: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+
+
+class Hello(_Strict):
+    """What a peer's hello may hold (`make_hello` writes one)."""
+
+    protocol: int
+    rank: Annotated[int, Field(ge=0, lt=MAX_DEVICES)]
+    devices: Annotated[int, Field(ge=1, le=MAX_DEVICES)]
+    runs: list[RunHello] = Field(min_length=1, max_length=MAX_RUNS)
+    partition: list[Count] = Field(min_length=1, max_length=MAX_DEVICES)
+    batch: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+    model: Text
+    model_fingerprint: Text
+    warmup: Count
+    inputs: Text
+
+
+class Verdict(_Strict):
+    ok: bool
+    error: Annotated[str, StringConstraints(max_length=MAX_SHOWN_CHARS)] | None
+
+
+class ClockEstimate(_Strict):
+    offset_ns: Annotated[int, Field(gt=-INT64, lt=INT64)]
+    uncertainty_ns: Annotated[int, Field(ge=0, lt=INT64)]
+    round_trips_ns: list[Annotated[int, Field(ge=0, lt=INT64)]] = Field(
+        min_length=CLOCK_ROUNDS, max_length=CLOCK_ROUNDS
+    )
+
+
+def validated(model: type[_Strict], data: dict[str, Any], what: str) -> _Strict:
+    """`data` as `model`, or a ProtocolError naming each bad field (never its value: a
+    hostile value may be huge or nested deep)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        problems = []
+        for problem in error.errors(include_input=False, include_url=False)[:5]:
+            where = ".".join(str(part) for part in problem["loc"]) or what
+            problems.append(f"{where}: {problem['msg']}")
+        more = error.error_count() - len(problems)
+        extra = f" (and {more} more)" if more > 0 else ""
+        raise ProtocolError(f"malformed {what}: {'; '.join(problems)}{extra}") from None
+
+
+def brief(value: object) -> str:
+    """A peer's value for an error line: a scalar as it is (shortened), else its type."""
+    if value is None or isinstance(value, bool | int | float | str):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    return f"a JSON {type(value).__name__}"
 
 
 def make_hello(rank: int, **fields: Any) -> dict[str, Any]:
@@ -67,22 +154,50 @@ class PeerHandshake:
         }
 
 
+def protocol_problem(mine: dict[str, Any], theirs: dict[str, Any], name: str) -> str | None:
+    """Why the peer speaks another protocol version, or None; checked before anything else
+    (another version may have other fields)."""
+    if theirs.get("protocol") != mine["protocol"]:
+        return (
+            f"{name} speaks protocol version {brief(theirs.get('protocol'))}, device "
+            f"{mine['rank']} speaks {mine['protocol']}"
+        )
+    return None
+
+
 def disagreement(
     mine: dict[str, Any], theirs: dict[str, Any], expected: set[int], name: str
 ) -> str | None:
-    """The first reason the two hellos cannot share a session, or None."""
-    rank, peer = mine["rank"], theirs.get("rank")
-    if theirs.get("protocol") != mine["protocol"]:
-        return (
-            f"{name} speaks protocol version {theirs.get('protocol')}, device {rank} "
-            f"speaks {mine['protocol']}"
-        )
+    """The first reason the two hellos cannot share a session, or None. `theirs` has passed
+    `Hello`."""
+    rank, peer = mine["rank"], theirs["rank"]
     if peer not in expected:
         wanted = " or ".join(str(r) for r in sorted(expected))
         return f"{name} says it is device {peer}, expected device {wanted}"
     for key, words in AGREED_FIELDS.items():
-        if theirs.get(key) != mine.get(key):
-            return f"device {peer} has {words} {theirs.get(key)}, device {rank} has {mine.get(key)}"
+        if theirs[key] != mine.get(key):
+            return (
+                f"device {peer} has {words} {shorten(theirs[key])}, device {rank} has "
+                f"{shorten(mine.get(key))}"
+            )
+    return None
+
+
+def shorten(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def source_problem(conn: CountingSocket, host: str) -> str | None:
+    """Why the connection cannot be from the device whose spec address is `host`, or None.
+    Checked where the spec gives an IP address (a host name is not resolved here)."""
+    try:
+        wanted = ipaddress.ip_address(host)
+        actual = ipaddress.ip_address(remote(conn.sock).rpartition(":")[0].strip("[]"))
+    except ValueError:
+        return None
+    if actual != wanted:
+        return f"connects from {actual}, but the spec gives that device {wanted}"
     return None
 
 
@@ -93,8 +208,10 @@ def shake(
     connected: bool,
     names: list[str],
     clock: Clock,
+    hosts: list[str] | None = None,
 ) -> PeerHandshake:
-    """Run the handshake on a fresh connection; raises ProtocolError on any mismatch.
+    """Run the handshake on a fresh connection; raises ProtocolError on any mismatch or
+    malformed frame, naming the peer.
 
     Args:
         conn: the connection, with a timeout set.
@@ -103,23 +220,43 @@ def shake(
         connected: True on the side that connected (it drives the clock ping-pong).
         names: how to name each rank in messages ("device 1 (host:port)").
         clock: this device's clock, for the ping-pong.
+        hosts: each rank's host in the spec; the side that accepts checks that the
+            connection comes from the claimed rank's (None: not checked).
     """
+    name = names[min(expected)] if connected else f"a device connecting from {remote(conn.sock)}"
     conn.send_frame(mine)
-    theirs = conn.recv_frame()
-    peer = theirs.get("rank")
-    name = names[peer] if isinstance(peer, int) and 0 <= peer < len(names) else "a device"
-    problem = disagreement(mine, theirs, expected, name)
-    conn.send_frame({"ok": problem is None, "error": problem})
-    verdict = conn.recv_frame()
+    theirs: dict[str, Any] = {}
+    try:
+        theirs = conn.recv_frame()
+        problem = protocol_problem(mine, theirs, name)
+        if problem is None:
+            validated(Hello, theirs, "hello")
+            if not connected and theirs["rank"] in expected:
+                name = names[theirs["rank"]]
+            problem = disagreement(mine, theirs, expected, name)
+        if problem is None and not connected and hosts is not None:
+            wrong = source_problem(conn, hosts[theirs["rank"]])
+            problem = wrong and f"{name} {wrong}"
+    except ProtocolError as error:
+        problem = str(error)
+    try:  # the peer learns why, if it still listens
+        conn.send_frame({"ok": problem is None, "error": problem and shorten(problem)})
+    except OSError:
+        if problem is None:
+            raise
     if problem is not None:
         raise ProtocolError(f"handshake with {name}: {problem}")
-    if not verdict.get("ok"):
-        raise ProtocolError(f"{name} refused the handshake: {verdict.get('error')}")
-    result = PeerHandshake(peer, theirs)
+    try:
+        verdict = validated(Verdict, conn.recv_frame(), "verdict")
+    except ProtocolError as error:
+        raise ProtocolError(f"handshake with {name}: {error}") from None
+    if not verdict.ok:
+        raise ProtocolError(f"{name} refused the handshake: {verdict.error}")
+    result = PeerHandshake(theirs["rank"], theirs)
     if connected:
         measure_clock(conn, result, clock)
     else:
-        answer_clock(conn, result, clock)
+        answer_clock(conn, result, clock, name)
     return result
 
 
@@ -143,15 +280,15 @@ def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> 
     )
 
 
-def answer_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> None:
+def answer_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock, name: str) -> None:
     for _ in range(CLOCK_ROUNDS):
         if conn.recv_exact(len(PING)) != PING:
-            raise ProtocolError(f"device {result.peer}: clock ping-pong out of step")
+            raise ProtocolError(f"handshake with {name}: clock ping-pong out of step")
         conn.send(CLOCK.pack(clock.now_ns()))
-    estimate = conn.recv_frame()
     try:
-        result.clock_offset_ns = int(estimate["offset_ns"])
-        result.clock_uncertainty_ns = int(estimate["uncertainty_ns"])
-        result.round_trips_ns = [int(t) for t in estimate["round_trips_ns"]]
-    except (KeyError, TypeError, ValueError):
-        raise ProtocolError(f"device {result.peer}: malformed clock estimate") from None
+        estimate = validated(ClockEstimate, conn.recv_frame(), "clock estimate")
+    except ProtocolError as error:
+        raise ProtocolError(f"handshake with {name}: {error}") from None
+    result.clock_offset_ns = estimate.offset_ns
+    result.clock_uncertainty_ns = estimate.uncertainty_ns
+    result.round_trips_ns = estimate.round_trips_ns
