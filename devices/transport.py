@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import queue
 import socket
 import struct
@@ -108,7 +109,7 @@ class CountingSocket:
             )
         body = self.recv_exact(size)
         try:
-            payload = json.loads(body, parse_constant=_refuse_constant)
+            payload = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite)
         except RecursionError:
             raise ProtocolError("handshake frame is nested too deeply") from None
         except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, int digit limit
@@ -122,6 +123,13 @@ class CountingSocket:
 
 def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise ValueError(f"number {text[:20]} overflows a double")
+    return value
 
 
 def recv_exact(sock: socket.socket, size: int) -> bytes:
