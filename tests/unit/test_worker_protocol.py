@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
 from devices.clock import Clock
-from devices.errors import PeerLostError, ProtocolError
+from devices.errors import ConnectError, PeerLostError, ProtocolError
 from devices.handshake import CLOCK_ROUNDS, make_hello, shake
 from devices.mesh import Mesh
 from devices.transport import CountingSocket, Outgoing
@@ -200,3 +201,37 @@ def test_data_after_the_last_expected_message_is_named():
     finally:
         for mesh in meshes:
             mesh.close(graceful=False)
+
+
+def test_a_mesh_listens_on_its_own_address_only():
+    """Device 0 at 127.0.0.2 is not reachable at 127.0.0.1 (it would be on 0.0.0.0), and a
+    device whose spec address is not the host's stops at once, naming the address."""
+    (port,) = free_ports(1)
+    mesh = Mesh(0, [("127.0.0.2", port), ("127.0.0.1", free_ports(1)[0])], Clock())
+    accepted: list[str] = []
+
+    def handshake(conn, expected, connected):
+        accepted.append(conn.sock.getpeername()[0])
+        raise TimeoutError  # ends the set-up: a ConnectError in the thread
+
+    def open_mesh() -> None:
+        with pytest.raises(ConnectError):
+            mesh.open(3, handshake)
+
+    opened = threading.Thread(target=open_mesh, daemon=True)
+    opened.start()
+    try:
+        deadline = time.monotonic() + 10
+        while mesh._listener is None:
+            assert time.monotonic() < deadline and opened.is_alive(), "never listened"
+            time.sleep(0.01)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    finally:
+        opened.join(10)
+        mesh.close(graceful=False)
+    assert len(accepted) == 1  # the connection to 127.0.0.2
+    foreign = Mesh(0, [("192.0.2.1", port), ("127.0.0.1", port)], Clock())
+    with pytest.raises(ConnectError, match=r"cannot listen on 192\.0\.2\.1:\d+: Cannot assign"):
+        foreign.open(3, None)
