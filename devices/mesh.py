@@ -96,7 +96,7 @@ class Mesh:
     ) -> int:
         self._pending.append(sock)
         sock.settimeout(max(deadline - time.perf_counter(), 0.001))
-        counting = CountingSocket(sock)
+        counting = CountingSocket(sock, deadline)
         who = self.name(min(expected)) if connected else f"a device connecting from {remote(sock)}"
         try:
             result = handshake(counting, expected, connected)

@@ -76,21 +76,39 @@ class PeerClosed(Exception):
 
 
 class CountingSocket:
-    """A socket with exact reads and length-prefixed JSON frames, counting bytes each way."""
+    """A socket with exact reads and length-prefixed JSON frames, counting bytes each way.
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
+    With a `deadline` (perf_counter), every read and write ends by then (TimeoutError): a
+    peer that trickles one byte at a time cannot stretch the set-up beyond it."""
+
+    def __init__(self, sock: socket.socket, deadline: float | None = None):
+        self.sock, self.deadline = sock, deadline
         self.bytes_sent = 0
         self.bytes_received = 0
 
+    def _budget(self) -> None:
+        if self.deadline is not None:
+            remaining = self.deadline - time.perf_counter()
+            if remaining <= 0:
+                raise TimeoutError("the handshake's deadline passed")
+            self.sock.settimeout(remaining)
+
     def send(self, data: bytes) -> None:
+        self._budget()
         self.sock.sendall(data)
         self.bytes_sent += len(data)
 
     def recv_exact(self, size: int) -> bytes:
-        data = recv_exact(self.sock, size)
+        buffer = bytearray(size)
+        view, received = memoryview(buffer), 0
+        while received < size:
+            self._budget()
+            count = self.sock.recv_into(view[received:])
+            if count == 0:
+                raise PeerClosed(received)
+            received += count
         self.bytes_received += size
-        return data
+        return bytes(buffer)
 
     def send_frame(self, payload: dict) -> None:
         body = json.dumps(payload, sort_keys=True).encode()

@@ -167,6 +167,7 @@ HELLO_CASES = {
                        "speaks protocol version a JSON list"),
     "truncated-frame": (lambda h: frame(h)[:40], "closed the connection during the handshake"),
     "silence": (lambda h: b"", r"did not finish in time"),
+    "trickle": (lambda h: FRAME_HEADER.pack(1000), r"did not finish in time"),
 }  # fmt: skip
 
 
@@ -182,6 +183,13 @@ def test_a_malformed_hello_is_refused_naming_the_peer(tmp_path, model, bundle_pa
         sock.sendall(payload(valid_hello(worker, 1)))
         if case == "truncated-frame":
             sock.shutdown(socket.SHUT_WR)
+        if case == "trickle":  # one byte every 0.2 s: each read would wait, never the whole
+            while worker.thread.is_alive() and time.monotonic() - worker.began < TIME_LIMIT_S:
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    break
+                time.sleep(0.2)
         error = worker.outcome()
     assert isinstance(error, ProtocolError | ConnectError), repr(error)
     text = str(error)
