@@ -17,11 +17,22 @@ field is compared or printed, and the side that accepts checks that the connecti
 from the address the spec gives the rank it claims. Any violation is a ProtocolError naming
 the peer: its rank and address once the hello has named a valid rank, else the address the
 connection comes from.
+
+With a run secret (`RunSpec.secret_file`, shared by the devices of a run and never sent),
+each side proves that it knows it: every hello carries a fresh random nonce, and each
+verdict carries HMAC-SHA256(secret, both hellos), the sender's first; a peer whose proof is
+wrong or missing is refused. The proof covers both nonces and both hellos, so it cannot be
+replayed on another connection nor reflected back. It authenticates the connection at its
+start; the payload that follows is neither encrypted nor authenticated.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
+import json
+import secrets
 import struct
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -32,7 +43,8 @@ from devices.clock import Clock
 from devices.errors import ProtocolError
 from devices.transport import CountingSocket, remote
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+NONCE_BYTES = 16
 CLOCK_ROUNDS = 8
 PING = b"p"
 CLOCK = struct.Struct("!q")  # ns
@@ -48,6 +60,7 @@ AGREED_FIELDS = {
     "model_fingerprint": "model fingerprint",
     "warmup": "warm-up count",
     "inputs": "inputs",
+    "authenticated": "run secret",
 }
 
 # Bounds of what a peer's hello may hold: far beyond any real session, small enough that
@@ -89,11 +102,14 @@ class Hello(_Strict):
     model_fingerprint: Text
     warmup: Count
     inputs: Text
+    authenticated: bool
+    nonce: Annotated[str, StringConstraints(pattern=f"^[0-9a-f]{{{2 * NONCE_BYTES}}}$")]
 
 
 class Verdict(_Strict):
     ok: bool
     error: Annotated[str, StringConstraints(max_length=MAX_SHOWN_CHARS)] | None
+    proof: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
 
 
 class ClockEstimate(_Strict):
@@ -125,6 +141,13 @@ def brief(value: object) -> str:
         text = repr(value)
         return text if len(text) <= 40 else text[:37] + "..."
     return f"a JSON {type(value).__name__}"
+
+
+def proof(secret: bytes, sender: dict[str, Any], receiver: dict[str, Any]) -> str:
+    """The sender's proof that it knows the run's secret: an HMAC of both hellos (each with
+    its connection's nonce), the sender's first."""
+    both = json.dumps({"from": sender, "to": receiver}, sort_keys=True).encode()
+    return hmac.new(secret, both, hashlib.sha256).hexdigest()
 
 
 def make_hello(rank: int, **fields: Any) -> dict[str, Any]:
@@ -209,6 +232,7 @@ def shake(
     names: list[str],
     clock: Clock,
     hosts: list[str] | None = None,
+    secret: bytes | None = None,
 ) -> PeerHandshake:
     """Run the handshake on a fresh connection; raises ProtocolError on any mismatch or
     malformed frame, naming the peer.
@@ -222,8 +246,11 @@ def shake(
         clock: this device's clock, for the ping-pong.
         hosts: each rank's host in the spec; the side that accepts checks that the
             connection comes from the claimed rank's (None: not checked).
+        secret: the run's secret; the peer must prove that it knows it (None: no proof is
+            asked; the hellos' `authenticated` must agree).
     """
     name = names[min(expected)] if connected else f"a device connecting from {remote(conn.sock)}"
+    mine = {**mine, "nonce": secrets.token_hex(NONCE_BYTES)}  # fresh for every connection
     conn.send_frame(mine)
     theirs: dict[str, Any] = {}
     try:
@@ -239,8 +266,11 @@ def shake(
             problem = wrong and f"{name} {wrong}"
     except ProtocolError as error:
         problem = str(error)
+    mine_proof = proof(secret, mine, theirs) if secret is not None and problem is None else None
     try:  # the peer learns why, if it still listens
-        conn.send_frame({"ok": problem is None, "error": problem and shorten(problem)})
+        conn.send_frame(
+            {"ok": problem is None, "error": problem and shorten(problem), "proof": mine_proof}
+        )
     except OSError:
         if problem is None:
             raise
@@ -252,6 +282,13 @@ def shake(
         raise ProtocolError(f"handshake with {name}: {error}") from None
     if not verdict.ok:
         raise ProtocolError(f"{name} refused the handshake: {verdict.error}")
+    if secret is not None and not (
+        verdict.proof and hmac.compare_digest(verdict.proof, proof(secret, theirs, mine))
+    ):
+        raise ProtocolError(
+            f"handshake with {name}: its proof of the run secret is "
+            f"{'wrong' if verdict.proof else 'missing'}: it does not know this run's secret"
+        )
     result = PeerHandshake(theirs["rank"], theirs)
     if connected:
         measure_clock(conn, result, clock)

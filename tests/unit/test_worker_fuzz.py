@@ -75,13 +75,15 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def make_spec(tmp_path: Path, rank: int, peers: list[str], case: str, bundle: Path) -> RunSpec:
+def make_spec(
+    tmp_path: Path, rank: int, peers: list[str], case: str, bundle: Path, **extra: Any
+) -> RunSpec:
     run = RUNS[case]
     if run.method != "voltage" and run.method != "prism":
         run = run.model_copy(update={"bundle": bundle})
     return RunSpec(rank=rank, peers=peers, model=MODEL, runs=[run], batch=BATCH,
                    out=tmp_path / f"device{rank}", connect_timeout_s=CONNECT_TIMEOUT_S,
-                   recv_timeout_s=10)  # fmt: skip
+                   recv_timeout_s=10, **extra)  # fmt: skip
 
 
 class Worker:
@@ -403,3 +405,58 @@ def test_the_worker_process_exits_non_zero_with_one_line(tmp_path, model, bundle
     line = f"worker 0: inference 0 of run {RUNS[run].id}: {expected.format(peer=peers[1])}\n"
     assert stderr == line
     assert time.monotonic() - began < 60
+
+
+def secret_file(path: Path, secret: bytes) -> Path:
+    path.write_text(secret.hex())
+    return path
+
+
+def test_devices_sharing_the_run_secret_run_and_another_secret_is_refused(
+    tmp_path, model, bundle_path
+):
+    """Two real devices with the same secret file finish their session; a third session's
+    device 1 holds another secret: both sides refuse, naming each other."""
+    peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    key = secret_file(tmp_path / "run.key", bytes(range(16)))
+    workers = [
+        Worker(make_spec(tmp_path, rank, peers, "voltage", bundle_path, secret_file=key), model)
+        for rank in (0, 1)
+    ]
+    assert [worker.outcome() for worker in workers] == [None, None]
+    session = json.loads((tmp_path / "device0" / "session.json").read_text())
+    assert session["status"] == "done" and session["handshakes"]["1"]["hello"]["authenticated"]
+    assert bytes(range(16)).hex() not in json.dumps(session)  # the path only, never the secret
+
+    peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    other = secret_file(tmp_path / "other.key", bytes(16))
+    workers = [
+        Worker(make_spec(tmp_path / "b", rank, peers, "voltage", bundle_path, secret_file=file),
+               model)
+        for rank, file in enumerate((key, other))
+    ]  # fmt: skip
+    errors = [worker.outcome() for worker in workers]
+    assert all(isinstance(error, ProtocolError) for error in errors), errors
+    assert str(errors[0]).startswith(f"handshake with device 1 ({peers[1]}): its proof of the run")
+    assert str(errors[1]).startswith(f"handshake with device 0 ({peers[0]}): its proof of the run")
+
+
+@pytest.mark.parametrize("sent", ["f" * 64, None], ids=["wrong-proof", "no-proof"])
+def test_a_peer_that_cannot_prove_the_secret_is_refused(tmp_path, model, bundle_path, sent):
+    """The scripted peer copies the worker's hello (claiming a secret, with a nonce) but
+    cannot compute the proof."""
+    ports = free_ports(2)
+    peers = [f"127.0.0.1:{port}" for port in ports]
+    key = secret_file(tmp_path / "run.key", bytes(range(16)))
+    spec = make_spec(tmp_path, 0, peers, "voltage", bundle_path, secret_file=key)
+    worker = Worker(spec, model)
+    with connect(ports[0]) as sock:
+        sock.sendall(frame({**valid_hello(worker, 1), "nonce": "0" * 32}))
+        sock.sendall(frame({"ok": True, "error": None, "proof": sent}))
+        error = worker.outcome()
+    assert isinstance(error, ProtocolError), repr(error)
+    wrong = "wrong" if sent else "missing"
+    assert str(error) == (
+        f"handshake with device 1 ({peers[1]}): its proof of the run secret is {wrong}: it "
+        "does not know this run's secret"
+    )

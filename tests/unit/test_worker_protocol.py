@@ -37,12 +37,16 @@ FIELDS = dict(
     model_fingerprint="aa",
     warmup=0,
     inputs="generated seed 0",
+    authenticated=False,
 )
 NAMES = ["device 0 (a:1)", "device 1 (b:2)"]
 
 
 def run_pair(
-    hello0: dict, hello1: dict, clocks: tuple[Clock, Clock] = (Clock(), Clock())
+    hello0: dict,
+    hello1: dict,
+    clocks: tuple[Clock, Clock] = (Clock(), Clock()),
+    secrets: tuple[bytes | None, bytes | None] = (None, None),
 ) -> tuple[object, object]:
     """Handshake over a socket pair; device 1 is the side that connected. Returns each side's
     result or the exception it raised."""
@@ -53,8 +57,9 @@ def run_pair(
         sock.settimeout(10)
         try:
             results[index] = shake(
-                CountingSocket(sock), hello, expected, index == 1, NAMES, clocks[index]
-            )
+                CountingSocket(sock), hello, expected, index == 1, NAMES, clocks[index],
+                secret=secrets[index],
+            )  # fmt: skip
         except Exception as error:  # noqa: BLE001 - the test inspects it
             results[index] = error
 
@@ -235,3 +240,40 @@ def test_a_mesh_listens_on_its_own_address_only():
     foreign = Mesh(0, [("192.0.2.1", port), ("127.0.0.1", port)], Clock())
     with pytest.raises(ConnectError, match=r"cannot listen on 192\.0\.2\.1:\d+: Cannot assign"):
         foreign.open(3, None)
+
+
+SECRET = bytes(range(16))
+
+
+def test_devices_that_share_the_run_secret_agree():
+    hellos = [make_hello(rank, **{**FIELDS, "authenticated": True}) for rank in (0, 1)]
+    first, second = run_pair(*hellos, secrets=(SECRET, SECRET))
+    assert first.peer == 1 and second.peer == 0
+    assert first.hello["nonce"] != second.hello["nonce"]  # fresh per connection
+
+
+def test_a_device_with_another_secret_is_refused_on_both_sides():
+    hellos = [make_hello(rank, **{**FIELDS, "authenticated": True}) for rank in (0, 1)]
+    first, second = run_pair(*hellos, secrets=(SECRET, bytes(16)))
+    assert isinstance(first, ProtocolError) and isinstance(second, ProtocolError)
+    assert str(first) == (
+        "handshake with device 1 (b:2): its proof of the run secret is wrong: it does not "
+        "know this run's secret"
+    )
+    assert str(second).startswith("handshake with device 0 (a:1): its proof of the run secret")
+
+
+def test_a_device_without_the_secret_is_refused_by_name():
+    first, second = run_pair(
+        make_hello(0, **{**FIELDS, "authenticated": True}),
+        make_hello(1, **FIELDS),
+        secrets=(SECRET, None),
+    )
+    assert (
+        str(first)
+        == "handshake with device 1 (b:2): device 1 has run secret False, device 0 has True"
+    )
+    assert (
+        str(second)
+        == "handshake with device 0 (a:1): device 0 has run secret True, device 1 has False"
+    )
