@@ -126,8 +126,9 @@ def frame(payload: object) -> bytes:
 
 
 def valid_hello(worker: Worker, rank: int) -> dict[str, Any]:
-    """What the worker's peer of `rank` would say: the worker's own hello, but that rank."""
-    return {**worker.device.hello(), "rank": rank}
+    """What the worker's peer of `rank` would say: the worker's own hello, but that rank (and
+    a nonce, which `shake` adds to every connection's hello)."""
+    return {**worker.device.hello(), "rank": rank, "nonce": "0" * 32}
 
 
 def with_batch(hello: dict[str, Any], text: str) -> bytes:
@@ -451,7 +452,7 @@ def test_a_peer_that_cannot_prove_the_secret_is_refused(tmp_path, model, bundle_
     spec = make_spec(tmp_path, 0, peers, "voltage", bundle_path, secret_file=key)
     worker = Worker(spec, model)
     with connect(ports[0]) as sock:
-        sock.sendall(frame({**valid_hello(worker, 1), "nonce": "0" * 32}))
+        sock.sendall(frame(valid_hello(worker, 1)))
         sock.sendall(frame({"ok": True, "error": None, "proof": sent}))
         error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
