@@ -10,8 +10,8 @@ round with the smallest round trip gives offset = t_peer - (t0 + t3) / 2 (the pe
 minus ours) within +- half that round trip. On one host the offset is ~0 (one kernel clock);
 across machines it aligns the devices' records.
 
-Nothing a peer sends is trusted. Every frame is bounded (transport.MAX_FRAME_BYTES) and
-parsed as strict JSON; a hello, a verdict and a clock estimate are validated field by field
+Nothing a peer sends is trusted. Every frame is bounded and parsed as strict JSON
+(devices.frames); a hello, a verdict and a clock estimate are validated field by field
 (`Hello`, `Verdict`, `ClockEstimate`: types, ranges, lengths, no unknown keys) before any
 field is compared or printed, and the side that accepts checks that the connection comes
 from the address the spec gives the rank it claims. Any violation is a ProtocolError naming
@@ -35,17 +35,24 @@ import json
 import secrets
 import struct
 from dataclasses import dataclass, field
-from typing import Annotated, Any
-
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from typing import Any
 
 from devices.clock import Clock
 from devices.errors import ProtocolError
-from devices.transport import CountingSocket, remote
+from devices.frames import (
+    CLOCK_ROUNDS,
+    MAX_SHOWN_CHARS,
+    NONCE_BYTES,
+    ClockEstimate,
+    CountingSocket,
+    Hello,
+    Verdict,
+    brief,
+    validated,
+)
+from devices.transport import remote
 
 PROTOCOL_VERSION = 3
-NONCE_BYTES = 16
-CLOCK_ROUNDS = 8
 PING = b"p"
 CLOCK = struct.Struct("!q")  # ns
 
@@ -62,85 +69,6 @@ AGREED_FIELDS = {
     "inputs": "inputs",
     "authenticated": "run secret",
 }
-
-# Bounds of what a peer's hello may hold: far beyond any real session, small enough that
-# checking and printing a hostile hello costs nothing.
-MAX_DEVICES = 4096
-MAX_RUNS = 4096
-MAX_PARAMS = 64
-MAX_COUNT = 1 << 40  # inferences, warm-ups, tokens, batch
-INT64 = 1 << 63
-MAX_SHOWN_CHARS = 2000  # of a value in an error line
-Text = Annotated[str, StringConstraints(max_length=1000)]
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-Param = int | float | bool | Text | None
-
-
-class _Strict(BaseModel):
-    # strict: JSON types as they are (no "1" for 1, no true for 1); unknown keys refused
-    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
-
-
-class RunHello(_Strict):
-    id: Text
-    method: Text
-    params: dict[Text, Param] = Field(max_length=MAX_PARAMS)
-    bundle_fingerprint: Text | None
-    inferences: Annotated[int, Field(ge=1, le=MAX_COUNT)]
-
-
-class Hello(_Strict):
-    """What a peer's hello may hold (`make_hello` writes one)."""
-
-    protocol: int
-    rank: Annotated[int, Field(ge=0, lt=MAX_DEVICES)]
-    devices: Annotated[int, Field(ge=1, le=MAX_DEVICES)]
-    runs: list[RunHello] = Field(min_length=1, max_length=MAX_RUNS)
-    partition: list[Count] = Field(min_length=1, max_length=MAX_DEVICES)
-    batch: Annotated[int, Field(ge=1, le=MAX_COUNT)]
-    model: Text
-    model_fingerprint: Text
-    warmup: Count
-    inputs: Text
-    authenticated: bool
-    nonce: Annotated[str, StringConstraints(pattern=f"^[0-9a-f]{{{2 * NONCE_BYTES}}}$")]
-
-
-class Verdict(_Strict):
-    ok: bool
-    error: Annotated[str, StringConstraints(max_length=MAX_SHOWN_CHARS)] | None
-    proof: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
-
-
-class ClockEstimate(_Strict):
-    offset_ns: Annotated[int, Field(gt=-INT64, lt=INT64)]
-    uncertainty_ns: Annotated[int, Field(ge=0, lt=INT64)]
-    round_trips_ns: list[Annotated[int, Field(ge=0, lt=INT64)]] = Field(
-        min_length=CLOCK_ROUNDS, max_length=CLOCK_ROUNDS
-    )
-
-
-def validated(model: type[_Strict], data: dict[str, Any], what: str) -> _Strict:
-    """`data` as `model`, or a ProtocolError naming each bad field (never its value: a
-    hostile value may be huge or nested deep)."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        problems = []
-        for problem in error.errors(include_input=False, include_url=False)[:5]:
-            where = ".".join(str(part) for part in problem["loc"]) or what
-            problems.append(f"{where}: {problem['msg']}")
-        more = error.error_count() - len(problems)
-        extra = f" (and {more} more)" if more > 0 else ""
-        raise ProtocolError(f"malformed {what}: {'; '.join(problems)}{extra}") from None
-
-
-def brief(value: object) -> str:
-    """A peer's value for an error line: a scalar as it is (shortened), else its type."""
-    if value is None or isinstance(value, bool | int | float | str):
-        text = repr(value)
-        return text if len(text) <= 40 else text[:37] + "..."
-    return f"a JSON {type(value).__name__}"
 
 
 def proof(secret: bytes, sender: dict[str, Any], receiver: dict[str, Any]) -> str:

@@ -17,9 +17,9 @@ from typing import Protocol
 
 from devices.clock import Clock
 from devices.errors import ConnectError, PeerLostError, ProtocolError
+from devices.frames import CountingSocket
 from devices.transport import (
     READY,
-    CountingSocket,
     MessageFormat,
     Outgoing,
     PeerClosed,

@@ -1,9 +1,11 @@
 """The TCP mesh between the P workers of a session, and the threads that move messages.
 
-- A `Mesh` connects every pair of devices once: rank i connects to every j < i (retrying
-  while j starts, until a deadline) and accepts from every j > i, so the set-up cannot
-  deadlock. TCP_NODELAY is on. Each new connection runs the handshake (devices.handshake)
-  on a `CountingSocket` so that its bytes are counted apart from the payload.
+- A `Mesh` (devices.mesh) connects every pair of devices once: rank i listens on its own
+  address (`listen`, never every interface), connects from it to every j < i (`connect`,
+  retrying while j starts, until a deadline) and accepts from every j > i, so the set-up
+  cannot deadlock. TCP_NODELAY is on. Each new connection runs the handshake
+  (devices.handshake) on a `devices.frames.CountingSocket` so that its bytes are counted
+  apart from the payload.
 - A `PeerLink` owns one connection after the handshake. A message is sent from the thread
   that posts it whenever the socket takes it without blocking (so no thread wake-up delays
   its departure); otherwise a sender thread writes it, in order. A receiver thread reads the
@@ -17,26 +19,19 @@
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import math
 import queue
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from devices.clock import ANCILLARY_BYTES, Clock, enable_rx_timestamps
-from devices.errors import ConnectError, MessageError, PeerLostError, ProtocolError
+from devices.errors import ConnectError, MessageError, PeerLostError
 
 log = logging.getLogger(__name__)
 
-FRAME_HEADER = struct.Struct("!I")
-# a handshake frame of a session with hundreds of runs takes tens of kB; the limit bounds
-# what a peer can make this device allocate before anything is checked
-MAX_FRAME_BYTES = 1 << 20
 RETRY_INTERVAL_S = 0.1
 READY = b"R"
 # (header bytes, message bytes from the header): how to delimit one message on the stream
@@ -73,81 +68,6 @@ class PeerClosed(Exception):
     def __init__(self, received: int):
         super().__init__(f"connection closed after {received} bytes of a read")
         self.received = received
-
-
-class CountingSocket:
-    """A socket with exact reads and length-prefixed JSON frames, counting bytes each way.
-
-    With a `deadline` (perf_counter), every read and write ends by then (TimeoutError): a
-    peer that trickles one byte at a time cannot stretch the set-up beyond it."""
-
-    def __init__(self, sock: socket.socket, deadline: float | None = None):
-        self.sock, self.deadline = sock, deadline
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def _budget(self) -> None:
-        if self.deadline is not None:
-            remaining = self.deadline - time.perf_counter()
-            if remaining <= 0:
-                raise TimeoutError("the handshake's deadline passed")
-            self.sock.settimeout(remaining)
-
-    def send(self, data: bytes) -> None:
-        self._budget()
-        self.sock.sendall(data)
-        self.bytes_sent += len(data)
-
-    def recv_exact(self, size: int) -> bytes:
-        buffer = bytearray(size)
-        view, received = memoryview(buffer), 0
-        while received < size:
-            self._budget()
-            count = self.sock.recv_into(view[received:])
-            if count == 0:
-                raise PeerClosed(received)
-            received += count
-        self.bytes_received += size
-        return bytes(buffer)
-
-    def send_frame(self, payload: dict) -> None:
-        body = json.dumps(payload, sort_keys=True).encode()
-        self.send(FRAME_HEADER.pack(len(body)) + body)
-
-    def recv_frame(self) -> dict:
-        """One frame's JSON object. Raises ProtocolError (without naming the peer: the
-        caller does) for an oversized frame, bytes that are not JSON (NaN and Infinity are
-        not JSON either), nesting too deep for the parser or a value that is not an object;
-        the caller validates the object's fields."""
-        (size,) = FRAME_HEADER.unpack(self.recv_exact(FRAME_HEADER.size))
-        if size > MAX_FRAME_BYTES:
-            raise ProtocolError(
-                f"handshake frame of {size} bytes (limit {MAX_FRAME_BYTES}): "
-                "the peer does not speak this protocol"
-            )
-        body = self.recv_exact(size)
-        try:
-            payload = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite)
-        except RecursionError:
-            raise ProtocolError("handshake frame is nested too deeply") from None
-        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, int digit limit
-            raise ProtocolError(f"handshake frame is not JSON: {error}") from None
-        if not isinstance(payload, dict):
-            raise ProtocolError(
-                f"handshake frame is a JSON {type(payload).__name__}, not an object"
-            )
-        return payload
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e999
-        raise ValueError(f"number {text[:20]} overflows a double")
-    return value
 
 
 def recv_exact(sock: socket.socket, size: int) -> bytes:

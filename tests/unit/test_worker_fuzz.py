@@ -30,9 +30,9 @@ import torch
 import tracevq
 from devices.device import Device
 from devices.errors import ConnectError, PeerLostError, ProtocolError
+from devices.frames import FRAME_HEADER
 from devices.handshake import CLOCK, CLOCK_ROUNDS, PING, shake
 from devices.spec import MethodRun, RunSpec
-from devices.transport import FRAME_HEADER
 from devices.worker import load_methods
 from tracevq.bundle import fit_bundle
 from tracevq.codec import encode_trace_message

@@ -11,9 +11,10 @@ import pytest
 
 from devices.clock import Clock
 from devices.errors import ConnectError, PeerLostError, ProtocolError
+from devices.frames import CountingSocket
 from devices.handshake import CLOCK_ROUNDS, make_hello, shake
 from devices.mesh import Mesh
-from devices.transport import CountingSocket, Outgoing
+from devices.transport import Outgoing
 
 
 def free_ports(count: int) -> list[int]:
