@@ -7,8 +7,9 @@
 - `devices.transport`, `devices.mesh`: the TCP mesh between the P workers; sends from the
   compute thread (a sender thread for what does not fit at once), a receiver thread per peer;
   messages without length prefix; byte counters.
-- `devices.handshake`: the once-per-connection agreement (fingerprints, partition, method)
-  and the clock ping-pong.
+- `devices.handshake`: the once-per-connection agreement (fingerprints, partition, method,
+  the run secret's proof) and the clock ping-pong; `devices.frames`: its length-prefixed
+  JSON frames, read with bounds, and what each may hold.
 - `devices.session`: the inference loop that drives `tracevq.engine.DeviceRun` over the mesh
   and times compute, send and wait per block.
 - `devices.records`: the typed records a device writes, and their reader.

@@ -32,7 +32,7 @@ from devices.records import (
     write_records,
 )
 from devices.session import Session
-from devices.spec import MethodRun, RunSpec
+from devices.spec import MethodRun, RunSpec, read_secret
 from devices.transport import MessageFormat
 from tracevq.bundle import Bundle, model_fingerprint
 from tracevq.methods import Method
@@ -53,6 +53,7 @@ class Device:
         self.levels: dict[str, dict[str, Any]] = {}
         self.clock = Clock(spec.clock_skew_s)
         self.mesh = Mesh(spec.rank, spec.addresses, self.clock)
+        self.secret = None if spec.secret_file is None else read_secret(spec.secret_file)
         spec.out.mkdir(parents=True, exist_ok=True)
 
     def hello(self) -> dict[str, Any]:
@@ -67,6 +68,7 @@ class Device:
             model_fingerprint=model_fingerprint(self.model),
             warmup=spec.warmup,
             inputs=self.inputs.description,
+            authenticated=self.secret is not None,
         )
 
     def _run_hello(self, run: MethodRun) -> dict[str, Any]:
@@ -89,12 +91,13 @@ class Device:
                 self.levels[run.id] = choose_level(method, tokens, spec.batch, spec.rate_mbit)
             hello = self.hello()
             names = [self.mesh.name(peer) for peer in range(spec.devices)]
+            hosts = [host for host, _ in spec.addresses]
             with self.mesh:
                 began = time.perf_counter()
                 self.mesh.open(
                     spec.connect_timeout_s,
                     lambda conn, expected, connected: shake(
-                        conn, hello, expected, connected, names, self.clock
+                        conn, hello, expected, connected, names, self.clock, hosts, self.secret
                     ),
                 )
                 self.timing_s["connect_s"] = time.perf_counter() - began

@@ -1,12 +1,24 @@
 """Errors of the device worker. The CLI prints the message (one line) and exits non-zero.
 
-Protocol violations (a handshake mismatch, a corrupted or desynchronised message) raise
-`tracevq.errors.ProtocolError`, the codec's error, so that callers catch one type for both.
+A peer is never trusted: whatever it sends that breaks the protocol (a malformed, oversized
+or mismatched handshake, a message that cannot be delimited or decoded, an index beyond its
+codebook, a non-finite activation) raises `ProtocolError`, naming the peer (rank and
+address) and, once the session runs, the block and the inference. The method library
+raises its own `tracevq.errors.ProtocolError` (here `MessageError`) for a bad message; the
+worker's `ProtocolError` is a subclass of both, so that one `except MessageError` catches
+every protocol violation.
 """
 
-from tracevq.errors import ProtocolError
+from tracevq.errors import ProtocolError as MessageError
 
-__all__ = ["WorkerError", "SpecError", "ConnectError", "PeerLostError", "ProtocolError"]
+__all__ = [
+    "WorkerError",
+    "SpecError",
+    "ConnectError",
+    "PeerLostError",
+    "ProtocolError",
+    "MessageError",
+]
 
 
 class WorkerError(Exception):
@@ -23,3 +35,8 @@ class ConnectError(WorkerError):
 
 class PeerLostError(WorkerError):
     """A peer closed its connection, failed or went silent mid-session; names peer and block."""
+
+
+class ProtocolError(WorkerError, MessageError):
+    """A peer broke the protocol; the message names the peer (rank and address) and, after
+    the handshake, the block and the inference."""

@@ -9,20 +9,50 @@ receive timestamps). With t0 / t3 the local send / receive times and t_peer the 
 round with the smallest round trip gives offset = t_peer - (t0 + t3) / 2 (the peer's clock
 minus ours) within +- half that round trip. On one host the offset is ~0 (one kernel clock);
 across machines it aligns the devices' records.
+
+Nothing a peer sends is trusted. Every frame is bounded and parsed as strict JSON
+(devices.frames); a hello, a verdict and a clock estimate are validated field by field
+(`Hello`, `Verdict`, `ClockEstimate`: types, ranges, lengths, no unknown keys) before any
+field is compared or printed, and the side that accepts checks that the connection comes
+from the address the spec gives the rank it claims. Any violation is a ProtocolError naming
+the peer: its rank and address once the hello has named a valid rank, else the address the
+connection comes from.
+
+With a run secret (`RunSpec.secret_file`, shared by the devices of a run and never sent),
+each side proves that it knows it: every hello carries a fresh random nonce, and each
+verdict carries HMAC-SHA256(secret, both hellos), the sender's first; a peer whose proof is
+wrong or missing is refused. The proof covers both nonces and both hellos, so it cannot be
+replayed on another connection nor reflected back. It authenticates the connection at its
+start; the payload that follows is neither encrypted nor authenticated.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
+import json
+import secrets
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 from devices.clock import Clock
 from devices.errors import ProtocolError
-from devices.transport import CountingSocket
+from devices.frames import (
+    CLOCK_ROUNDS,
+    MAX_SHOWN_CHARS,
+    NONCE_BYTES,
+    ClockEstimate,
+    CountingSocket,
+    Hello,
+    Verdict,
+    brief,
+    validated,
+)
+from devices.transport import remote
 
-PROTOCOL_VERSION = 2
-CLOCK_ROUNDS = 8
+PROTOCOL_VERSION = 3
 PING = b"p"
 CLOCK = struct.Struct("!q")  # ns
 
@@ -37,7 +67,15 @@ AGREED_FIELDS = {
     "model_fingerprint": "model fingerprint",
     "warmup": "warm-up count",
     "inputs": "inputs",
+    "authenticated": "run secret",
 }
+
+
+def proof(secret: bytes, sender: dict[str, Any], receiver: dict[str, Any]) -> str:
+    """The sender's proof that it knows the run's secret: an HMAC of both hellos (each with
+    its connection's nonce), the sender's first."""
+    both = json.dumps({"from": sender, "to": receiver}, sort_keys=True).encode()
+    return hmac.new(secret, both, hashlib.sha256).hexdigest()
 
 
 def make_hello(rank: int, **fields: Any) -> dict[str, Any]:
@@ -67,22 +105,50 @@ class PeerHandshake:
         }
 
 
+def protocol_problem(mine: dict[str, Any], theirs: dict[str, Any], name: str) -> str | None:
+    """Why the peer speaks another protocol version, or None; checked before anything else
+    (another version may have other fields)."""
+    if theirs.get("protocol") != mine["protocol"]:
+        return (
+            f"{name} speaks protocol version {brief(theirs.get('protocol'))}, device "
+            f"{mine['rank']} speaks {mine['protocol']}"
+        )
+    return None
+
+
 def disagreement(
     mine: dict[str, Any], theirs: dict[str, Any], expected: set[int], name: str
 ) -> str | None:
-    """The first reason the two hellos cannot share a session, or None."""
-    rank, peer = mine["rank"], theirs.get("rank")
-    if theirs.get("protocol") != mine["protocol"]:
-        return (
-            f"{name} speaks protocol version {theirs.get('protocol')}, device {rank} "
-            f"speaks {mine['protocol']}"
-        )
+    """The first reason the two hellos cannot share a session, or None. `theirs` has passed
+    `Hello`."""
+    rank, peer = mine["rank"], theirs["rank"]
     if peer not in expected:
         wanted = " or ".join(str(r) for r in sorted(expected))
         return f"{name} says it is device {peer}, expected device {wanted}"
     for key, words in AGREED_FIELDS.items():
-        if theirs.get(key) != mine.get(key):
-            return f"device {peer} has {words} {theirs.get(key)}, device {rank} has {mine.get(key)}"
+        if theirs[key] != mine.get(key):
+            return (
+                f"device {peer} has {words} {shorten(theirs[key])}, device {rank} has "
+                f"{shorten(mine.get(key))}"
+            )
+    return None
+
+
+def shorten(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def source_problem(conn: CountingSocket, host: str) -> str | None:
+    """Why the connection cannot be from the device whose spec address is `host`, or None.
+    Checked where the spec gives an IP address (a host name is not resolved here)."""
+    try:
+        wanted = ipaddress.ip_address(host)
+        actual = ipaddress.ip_address(remote(conn.sock).rpartition(":")[0].strip("[]"))
+    except ValueError:
+        return None
+    if actual != wanted:
+        return f"connects from {actual}, but the spec gives that device {wanted}"
     return None
 
 
@@ -93,8 +159,11 @@ def shake(
     connected: bool,
     names: list[str],
     clock: Clock,
+    hosts: list[str] | None = None,
+    secret: bytes | None = None,
 ) -> PeerHandshake:
-    """Run the handshake on a fresh connection; raises ProtocolError on any mismatch.
+    """Run the handshake on a fresh connection; raises ProtocolError on any mismatch or
+    malformed frame, naming the peer.
 
     Args:
         conn: the connection, with a timeout set.
@@ -103,23 +172,56 @@ def shake(
         connected: True on the side that connected (it drives the clock ping-pong).
         names: how to name each rank in messages ("device 1 (host:port)").
         clock: this device's clock, for the ping-pong.
+        hosts: each rank's host in the spec; the side that accepts checks that the
+            connection comes from the claimed rank's (None: not checked).
+        secret: the run's secret; the peer must prove that it knows it (None: no proof is
+            asked; the hellos' `authenticated` must agree).
     """
+    name = names[min(expected)] if connected else f"a device connecting from {remote(conn.sock)}"
+    mine = {**mine, "nonce": secrets.token_hex(NONCE_BYTES)}  # fresh for every connection
     conn.send_frame(mine)
-    theirs = conn.recv_frame()
-    peer = theirs.get("rank")
-    name = names[peer] if isinstance(peer, int) and 0 <= peer < len(names) else "a device"
-    problem = disagreement(mine, theirs, expected, name)
-    conn.send_frame({"ok": problem is None, "error": problem})
-    verdict = conn.recv_frame()
+    theirs: dict[str, Any] = {}
+    try:
+        theirs = conn.recv_frame()
+        problem = protocol_problem(mine, theirs, name)
+        if problem is None:
+            validated(Hello, theirs, "hello")
+            if not connected and theirs["rank"] in expected:
+                name = names[theirs["rank"]]
+            problem = disagreement(mine, theirs, expected, name)
+        if problem is None and not connected and hosts is not None:
+            wrong = source_problem(conn, hosts[theirs["rank"]])
+            problem = wrong and f"{name} {wrong}"
+    except ProtocolError as error:
+        problem = str(error)
+    mine_proof = proof(secret, mine, theirs) if secret is not None and problem is None else None
+    try:  # the peer learns why, if it still listens
+        conn.send_frame(
+            {"ok": problem is None, "error": problem and shorten(problem), "proof": mine_proof}
+        )
+    except OSError:
+        if problem is None:
+            raise
     if problem is not None:
         raise ProtocolError(f"handshake with {name}: {problem}")
-    if not verdict.get("ok"):
-        raise ProtocolError(f"{name} refused the handshake: {verdict.get('error')}")
-    result = PeerHandshake(peer, theirs)
+    try:
+        verdict = validated(Verdict, conn.recv_frame(), "verdict")
+    except ProtocolError as error:
+        raise ProtocolError(f"handshake with {name}: {error}") from None
+    if not verdict.ok:
+        raise ProtocolError(f"{name} refused the handshake: {verdict.error}")
+    if secret is not None and not (
+        verdict.proof and hmac.compare_digest(verdict.proof, proof(secret, theirs, mine))
+    ):
+        raise ProtocolError(
+            f"handshake with {name}: its proof of the run secret is "
+            f"{'wrong' if verdict.proof else 'missing'}: it does not know this run's secret"
+        )
+    result = PeerHandshake(theirs["rank"], theirs)
     if connected:
         measure_clock(conn, result, clock)
     else:
-        answer_clock(conn, result, clock)
+        answer_clock(conn, result, clock, name)
     return result
 
 
@@ -143,15 +245,15 @@ def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> 
     )
 
 
-def answer_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> None:
+def answer_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock, name: str) -> None:
     for _ in range(CLOCK_ROUNDS):
         if conn.recv_exact(len(PING)) != PING:
-            raise ProtocolError(f"device {result.peer}: clock ping-pong out of step")
+            raise ProtocolError(f"handshake with {name}: clock ping-pong out of step")
         conn.send(CLOCK.pack(clock.now_ns()))
-    estimate = conn.recv_frame()
     try:
-        result.clock_offset_ns = int(estimate["offset_ns"])
-        result.clock_uncertainty_ns = int(estimate["uncertainty_ns"])
-        result.round_trips_ns = [int(t) for t in estimate["round_trips_ns"]]
-    except (KeyError, TypeError, ValueError):
-        raise ProtocolError(f"device {result.peer}: malformed clock estimate") from None
+        estimate = validated(ClockEstimate, conn.recv_frame(), "clock estimate")
+    except ProtocolError as error:
+        raise ProtocolError(f"handshake with {name}: {error}") from None
+    result.clock_offset_ns = estimate.offset_ns
+    result.clock_uncertainty_ns = estimate.uncertainty_ns
+    result.round_trips_ns = estimate.round_trips_ns

@@ -1,7 +1,8 @@
 """The full TCP mesh of one device: set-up without deadlock, a start barrier, shutdown.
 
-Rank i listens on its own port, connects to every j < i (retrying until the deadline while j
-starts) and accepts every j > i. Connects only go downwards in rank, so no two devices wait
+Rank i listens on its own address and port (the spec's, never every interface), connects to
+every j < i from that address (retrying until the deadline while j starts) and accepts every
+j > i. Connects only go downwards in rank, so no two devices wait
 on each other. Each new connection runs the handshake given to `open`, whose bytes are
 counted apart from the payload, as are the barrier's.
 """
@@ -16,9 +17,9 @@ from typing import Protocol
 
 from devices.clock import Clock
 from devices.errors import ConnectError, PeerLostError, ProtocolError
+from devices.frames import CountingSocket
 from devices.transport import (
     READY,
-    CountingSocket,
     MessageFormat,
     Outgoing,
     PeerClosed,
@@ -28,6 +29,7 @@ from devices.transport import (
     format_address,
     listen,
     recv_exact,
+    remote,
 )
 
 log = logging.getLogger(__name__)
@@ -61,10 +63,11 @@ class Mesh:
         deadline = time.perf_counter() + timeout_s
         devices = len(self.addresses)
         if self.rank < devices - 1:
-            self._listener = listen(self.addresses[self.rank][1])
+            self._listener = listen(self.addresses[self.rank])
+        own_host = self.addresses[self.rank][0]
         for peer in range(self.rank):
             log.debug("connecting to %s", self.name(peer))
-            sock = connect(self.addresses[peer], deadline, self.name(peer))
+            sock = connect(self.addresses[peer], deadline, self.name(peer), source=own_host)
             self._register(sock, handshake, {peer}, True, deadline)
         waiting = set(range(self.rank + 1, devices))
         while waiting:
@@ -93,8 +96,8 @@ class Mesh:
     ) -> int:
         self._pending.append(sock)
         sock.settimeout(max(deadline - time.perf_counter(), 0.001))
-        counting = CountingSocket(sock)
-        who = self.name(min(expected)) if connected else "a connecting device"
+        counting = CountingSocket(sock, deadline)
+        who = self.name(min(expected)) if connected else f"a device connecting from {remote(sock)}"
         try:
             result = handshake(counting, expected, connected)
         except TimeoutError:

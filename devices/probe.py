@@ -1,7 +1,10 @@
 """`python -m devices.probe`: achieved bulk TCP throughput between two hosts.
 
-    python -m devices.probe serve --port 5201 [--host ADDR] [--once]
-    python -m devices.probe send --to host:5201 (--seconds 2 | --bytes 10000000)
+    python -m devices.probe serve --host ADDR --port 5201 [--once]
+    python -m devices.probe send --to ADDR:5201 (--seconds 2 | --bytes 10000000)
+
+The receiver listens on ADDR only (the device's own address on the run's network), never on
+every interface.
 
 The sender writes zeros for a bounded time or byte count, then half-closes. The receiver
 times the stream from the chunk that completes its first tenth to the last chunk, so the
@@ -77,9 +80,12 @@ def receive_all(sock: socket.socket) -> dict[str, Any]:
     }
 
 
-def serve(port: int, once: bool, timeout_s: float | None = None) -> dict[str, Any] | None:
-    """Measure every incoming sender (one line each); with `once`, only the first."""
-    with listen(port) as server:
+def serve(
+    address: tuple[str, int], once: bool, timeout_s: float | None = None
+) -> dict[str, Any] | None:
+    """Measure every sender that connects to `address` (one line each); with `once`, only
+    the first."""
+    with listen(address) as server:
         server.settimeout(timeout_s)
         while True:
             try:
@@ -145,6 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     server = commands.add_parser("serve", help="receive and measure")
+    server.add_argument("--host", required=True, help="listen on this address only")
     server.add_argument("--port", type=int, required=True)
     server.add_argument("--once", action="store_true", help="exit after one sender")
     server.add_argument("--timeout-s", type=float, help="give up if no sender connects")
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.command == "serve":
-            serve(args.port, args.once, args.timeout_s)
+            serve((args.host, args.port), args.once, args.timeout_s)
         else:
             if (args.seconds or 0) < 0 or (args.bytes is not None and args.bytes <= 0):
                 raise ProbeError("--seconds must be >= 0 and --bytes > 0")

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from devices.clock import Clock
-from devices.errors import PeerLostError, ProtocolError
+from devices.errors import MessageError, PeerLostError, ProtocolError
 from devices.mesh import Mesh
 from devices.records import ArrivalRecord, BlockRecord, InferenceRecord
 from devices.transport import Incoming, Outgoing
@@ -41,6 +41,7 @@ class Session:
         self.devices = len(mesh.addresses)
         self.sizes = partition_sizes(method.model.config.tokens, self.devices)
         self.depth = method.model.config.depth
+        self.peer_names = {peer: mesh.name(peer) for peer in range(self.devices)}
 
     @torch.no_grad()
     def infer(
@@ -49,7 +50,7 @@ class Session:
         """One inference; `label` ("inference 3 of run x", "warm-up 0 ...") names it in errors."""
         now = self.clock.now_ns
         start = now()
-        device_run = DeviceRun(self.method, self.rank, self.devices, inputs)
+        device_run = DeviceRun(self.method, self.rank, self.devices, inputs, self.peer_names)
         outgoing: dict[int, Outgoing] = {}
         marks, arrivals = [], []
         for block in range(self.depth):
@@ -63,7 +64,7 @@ class Session:
             messages = {peer: item.message for peer, item in incoming.items()}
             try:
                 message = device_run.attend(block, messages)
-            except ProtocolError as error:  # the receiver names the peer and the block
+            except MessageError as error:  # the receiver names the peer and the block
                 raise ProtocolError(f"{label}: {error}") from None
             self._post(outgoing, block + 1, message, context)
             ffn_start = now()

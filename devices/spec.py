@@ -57,6 +57,10 @@ class RunSpec(BaseModel):
     connect_timeout_s: float = Field(30.0, gt=0)
     recv_timeout_s: float = Field(60.0, gt=0)
     rate_mbit: float | None = Field(None, gt=0, description="link rate for level_k=auto")
+    secret_file: Path | None = Field(
+        None, description="the run's secret (hex, at least 32 digits): every peer must prove "
+        "it knows it in the handshake; the file, kept out of results, is read, never copied"
+    )  # fmt: skip
     clock_skew_s: float = Field(
         0.0, description="added to every timestamp this device takes: emulates a board whose "
         "clock is off, to test the alignment of clocks"
@@ -151,6 +155,29 @@ def describe_validation_error(error: ValidationError) -> str:
             message = problem["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: {message}" if problem["loc"] else message)
     return "; ".join(lines)
+
+
+MIN_SECRET_BYTES = 16
+
+
+def read_secret(path: Path) -> bytes:
+    """The run secret of a file of hex digits; SpecError names the file, never its content."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecError(
+            f"secret_file {path}: cannot be read ({error.__class__.__name__})"
+        ) from None
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise SpecError(f"secret_file {path}: expected hex digits") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise SpecError(
+            f"secret_file {path}: {len(secret)} bytes, at least {MIN_SECRET_BYTES} needed "
+            f"({2 * MIN_SECRET_BYTES} hex digits)"
+        )
+    return secret
 
 
 def check_method(run: MethodRun) -> None:

@@ -1,9 +1,11 @@
 """The TCP mesh between the P workers of a session, and the threads that move messages.
 
-- A `Mesh` connects every pair of devices once: rank i connects to every j < i (retrying
-  while j starts, until a deadline) and accepts from every j > i, so the set-up cannot
-  deadlock. TCP_NODELAY is on. Each new connection runs the handshake (devices.handshake)
-  on a `CountingSocket` so that its bytes are counted apart from the payload.
+- A `Mesh` (devices.mesh) connects every pair of devices once: rank i listens on its own
+  address (`listen`, never every interface), connects from it to every j < i (`connect`,
+  retrying while j starts, until a deadline) and accepts from every j > i, so the set-up
+  cannot deadlock. TCP_NODELAY is on. Each new connection runs the handshake
+  (devices.handshake) on a `devices.frames.CountingSocket` so that its bytes are counted
+  apart from the payload.
 - A `PeerLink` owns one connection after the handshake. A message is sent from the thread
   that posts it whenever the socket takes it without blocking (so no thread wake-up delays
   its departure); otherwise a sender thread writes it, in order. A receiver thread reads the
@@ -16,23 +18,20 @@
 
 from __future__ import annotations
 
-import json
+import errno
 import logging
 import queue
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from devices.clock import ANCILLARY_BYTES, Clock, enable_rx_timestamps
-from devices.errors import ConnectError, PeerLostError, ProtocolError
+from devices.errors import ConnectError, MessageError, PeerLostError
 
 log = logging.getLogger(__name__)
 
-FRAME_HEADER = struct.Struct("!I")
-MAX_FRAME_BYTES = 1 << 20
 RETRY_INTERVAL_S = 0.1
 READY = b"R"
 # (header bytes, message bytes from the header): how to delimit one message on the stream
@@ -42,6 +41,17 @@ MessageFormat = tuple[int, Callable[[bytes], int]]
 def format_address(address: tuple[str, int]) -> str:
     host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def remote(sock: socket.socket) -> str:
+    """The address a connection comes from ("h:p"; an IPv4 peer of an IPv6 socket unmapped)."""
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        peer = None
+    if not isinstance(peer, tuple):  # gone, or not an IP socket (a test's socketpair)
+        return "an unknown address"
+    return format_address((peer[0].removeprefix("::ffff:"), peer[1]))
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -58,43 +68,6 @@ class PeerClosed(Exception):
     def __init__(self, received: int):
         super().__init__(f"connection closed after {received} bytes of a read")
         self.received = received
-
-
-class CountingSocket:
-    """A socket with exact reads and length-prefixed JSON frames, counting bytes each way."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-        self.bytes_sent += len(data)
-
-    def recv_exact(self, size: int) -> bytes:
-        data = recv_exact(self.sock, size)
-        self.bytes_received += size
-        return data
-
-    def send_frame(self, payload: dict) -> None:
-        body = json.dumps(payload, sort_keys=True).encode()
-        self.send(FRAME_HEADER.pack(len(body)) + body)
-
-    def recv_frame(self) -> dict:
-        (size,) = FRAME_HEADER.unpack(self.recv_exact(FRAME_HEADER.size))
-        if size > MAX_FRAME_BYTES:
-            raise ProtocolError(
-                f"handshake frame of {size} bytes (limit {MAX_FRAME_BYTES}): "
-                "the peer does not speak this protocol"
-            )
-        try:
-            payload = json.loads(self.recv_exact(size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ProtocolError(f"handshake frame is not JSON: {error}") from None
-        if not isinstance(payload, dict):
-            raise ProtocolError("handshake frame is not a JSON object")
-        return payload
 
 
 def recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -138,15 +111,29 @@ def configure(sock: socket.socket) -> socket.socket:
     return sock
 
 
-def listen(port: int) -> socket.socket:
-    """A listening socket on every interface (IPv4 and IPv6 where the host has both)."""
-    if socket.has_dualstack_ipv6():
-        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-    return socket.create_server(("", port))
+def listen(address: tuple[str, int]) -> socket.socket:
+    """A listening socket on `address` only: the device's own address on the run's network,
+    never every interface. Raises ConnectError when the address is not this host's (a spec
+    that gives a device an address it does not hold, e.g. one behind NAT) or is in use."""
+    host, port = address
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise ConnectError(
+            f"cannot listen on {format_address(address)}: {error.strerror or error} (a worker "
+            "listens on its own address in the spec's peers, which must be an address of "
+            "the device)"
+        ) from None
 
 
-def connect(address: tuple[str, int], deadline: float, what: str) -> socket.socket:
-    """Connect, retrying while the peer is not listening yet, until `deadline` (perf_counter)."""
+def connect(
+    address: tuple[str, int], deadline: float, what: str, source: str | None = None
+) -> socket.socket:
+    """Connect, retrying while the peer is not listening yet, until `deadline` (perf_counter).
+
+    `source`: the local address to connect from (the device's own), so that the peer sees
+    the connection come from the address the spec gives this device."""
     last_error = "no attempt"
     while True:
         remaining = deadline - time.perf_counter()
@@ -156,8 +143,17 @@ def connect(address: tuple[str, int], deadline: float, what: str) -> socket.sock
                 f"in time (last error: {last_error})"
             )
         try:
-            return configure(socket.create_connection(address, timeout=remaining))
+            return configure(
+                socket.create_connection(
+                    address, timeout=remaining, source_address=source and (source, 0)
+                )
+            )
         except OSError as error:
+            if error.errno == errno.EADDRNOTAVAIL and source is not None:
+                raise ConnectError(
+                    f"cannot connect to {what} from {source}: {error.strerror} (the spec's "
+                    "address of this device must be one of its addresses)"
+                ) from None
             last_error = error.strerror or str(error)
             time.sleep(min(RETRY_INTERVAL_S, max(deadline - time.perf_counter(), 0)))
 
@@ -318,7 +314,7 @@ class PeerLink:
             except OSError as error:
                 self._closed(f"receiving failed: {error.strerror or error}")
                 return
-            except ProtocolError as error:
+            except MessageError as error:
                 # the header cannot be delimited (unknown level): hand it on as it is, so the
                 # method's decoder names peer and block, and stop reading this stream
                 self.inbox.put(Incoming(header, stamped.kernel_ns, self.clock.now_ns()))

@@ -56,7 +56,9 @@ def _absolute(path: str) -> str:
 
 class Board(_Strict):
     """One board. `address` is where the controller connects; `data_address` is where the
-    other boards reach it (default: `address`)."""
+    other boards reach it (default: `address`) and where its worker listens, so it must be
+    an address the board itself holds (not one translated by NAT; an IP address rather than
+    a host name that the board may resolve to 127.0.1.1)."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     address: str = Field(min_length=1)

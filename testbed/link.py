@@ -69,8 +69,10 @@ def probe(backend: Backend, sender: Device, receiver: Device, byte_count: int) -
     and the probe would last that much longer on a slow link."""
     python = backend.python
     server = backend.spawn(
-        receiver, [python, "-m", "devices.probe", "serve", "--port", str(PROBE_PORT), "--once"]
-    )
+        receiver,
+        [python, "-m", "devices.probe", "serve", "--host", receiver.address,
+         "--port", str(PROBE_PORT), "--once"],
+    )  # fmt: skip
     try:
         client = backend.run(
             sender,

@@ -21,7 +21,15 @@ from tracevq.partition import partition_ranges
 class DeviceRun:
     """Device `rank`'s state for one inference of a batch."""
 
-    def __init__(self, method: Method, rank: int, devices: int, inputs: Tensor):
+    def __init__(
+        self,
+        method: Method,
+        rank: int,
+        devices: int,
+        inputs: Tensor,
+        peer_names: dict[int, str] | None = None,
+    ):
+        """`peer_names` name the peers in errors about their messages (default "device p")."""
         self.method, self.rank = method, rank
         self.model = method.model
         self.ranges = partition_ranges(self.model.config.tokens, devices)
@@ -33,6 +41,8 @@ class DeviceRun:
             for peer, (a, b) in enumerate(self.ranges)
             if peer != rank
         }
+        for peer, receiver in self.receivers.items():
+            receiver.peer_name = (peer_names or {}).get(peer)
         self.x = self.model.embed(inputs, start, stop)  # (B, n, D)
         self.z: Tensor | None = None
         self.local: tuple[Tensor, Tensor, Tensor] | None = None  # this block's own Q, K, V

@@ -1,6 +1,7 @@
 """What a board must have before the ssh backend deploys to it: a Python at least as new as
 the project's, the modules the worker imports (torch against the project's pin), iproute2's
-`tc`, and `sudo -n` for tc and ip when the user is not root (shaping needs it).
+`tc`, `sudo -n` for tc and ip when the user is not root (shaping needs it), and that the
+board holds the address its worker will listen on (`data_address`, else `address`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def check_board(session: BoardSession) -> None:
     """The board's Python, what the worker imports, tc, and sudo when not root."""
     board = session.board
     python_min, torch_pin = project_requirements()
-    result = session.execute([board.python, "-c", CHECK, json.dumps(WORKER_MODULES)])
+    result = session.execute(
+        [board.python, "-c", CHECK, json.dumps(WORKER_MODULES), board.peer_address]
+    )
     if not result.ok:
         raise DeviceError(
             f"{board.label}: python '{board.python}' does not run there ({result.tail(1)}); "
@@ -59,6 +62,18 @@ def check_board(session: BoardSession) -> None:
         log.warning("%s has torch %s, the project pins %s: logits may differ",
                     board.label, torch_version, torch_pin)  # fmt: skip
     _check_tools(session)
+    _check_address(session)
+
+
+def _check_address(session: BoardSession) -> None:
+    """The worker listens on the board's peer address only: the board must hold it."""
+    board, binds = session.board, session.facts.get("binds")
+    if binds and binds[0] != 0:
+        raise DeviceError(
+            f"{board.label}: its worker listens on {board.peer_address}, which the board "
+            f"cannot bind ({binds[1]}); set boards[{session.rank}].data_address to an address "
+            "the board holds on the network the boards share (not one translated by NAT)"
+        )
 
 
 def _check_tools(session: BoardSession) -> None:

@@ -44,6 +44,14 @@ def version(distribution):
         return metadata.version(distribution)
     except Exception:
         return ""
+def binds(host):
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, 0), family=family).close()
+        return [0, ""]
+    except OSError as error:
+        return [1, error.strerror or str(error)]
 uid = os.getuid()
 print(json.dumps({
     "python": platform.python_version(), "executable": sys.executable, "uid": uid,
@@ -52,6 +60,7 @@ print(json.dumps({
     "modules": {m: version(d) for m, d in json.loads(sys.argv[1]).items() if util.find_spec(m)},
     "tc": run("tc", "-V"), "ethtool": run("ethtool", "--version"),
     "sudo": {tool: run("sudo", "-n", "-l", tool) for tool in ("tc", "ip")} if uid else {},
+    "binds": binds(sys.argv[2]) if len(sys.argv) > 2 else None,
 }))
 """
 VERIFY = """

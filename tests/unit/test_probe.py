@@ -49,7 +49,9 @@ def run(*args: str) -> tuple[int, str, str]:
 )
 def test_probe_reports_the_receivers_rate(amount):
     port = free_port()
-    server = probe("serve", "--port", str(port), "--once", "--timeout-s", "20")
+    server = probe(
+        "serve", "--host", "127.0.0.1", "--port", str(port), "--once", "--timeout-s", "20"
+    )
     try:
         status, stdout, stderr = run("send", "--to", f"127.0.0.1:{port}", *amount)
         server_out, _ = server.communicate(timeout=TIMEOUT_S)
@@ -120,3 +122,23 @@ def test_rate_is_timed_after_the_first_tenth_of_the_bytes():
     assert result["mbit_per_s"] == pytest.approx(8 * 900 / result["seconds"] / 1e6)
     # a probe's byte count is `seconds` of traffic at the target rate, headers included
     assert 8 * probe_bytes(10, 0.5) * WIRE_PER_PAYLOAD / 10e6 == pytest.approx(0.5, rel=1e-5)
+
+
+def test_probe_listens_on_its_address_only():
+    """The receiver binds the address it is given: one the host does not hold (TEST-NET-1)
+    is refused in one line, and a receiver on 127.0.0.1 is not reachable at 127.0.0.2."""
+    status, stdout, stderr = run("serve", "--host", "192.0.2.1", "--port", str(free_port()))
+    assert status == 1 and stdout == ""
+    assert stderr.startswith("probe: cannot listen on 192.0.2.1:") and stderr.count("\n") == 1
+    port = free_port()
+    server = probe("serve", "--host", "127.0.0.1", "--port", str(port), "--timeout-s", "20")
+    try:
+        reached, _, stderr = run("send", "--to", f"127.0.0.1:{port}", "--bytes", "10")
+        assert reached == 0, stderr  # the receiver is up
+        status, _, stderr = run(
+            "send", "--to", f"127.0.0.2:{port}", "--bytes", "10", "--connect-timeout-s", "1"
+        )
+    finally:
+        server.kill()
+        server.communicate()
+    assert status == 1 and "did not accept a connection" in stderr

@@ -213,6 +213,15 @@ def test_the_check_and_batch_scripts_report_as_json():
     )  # fmt: skip
     assert found["python"].startswith("3.") and found["cores"] >= 1
     assert set(found["modules"]) == set(WORKER_MODULES) and found["modules"]["torch"]
+    assert found["binds"] is None
+    for address, code in [("127.0.0.1", 0), ("192.0.2.1", 1)]:  # TEST-NET-1: not this host's
+        found = json.loads(
+            subprocess.run(
+                [sys.executable, "-c", CHECK, json.dumps(WORKER_MODULES), address],
+                capture_output=True, text=True, check=True,
+            ).stdout
+        )  # fmt: skip
+        assert found["binds"][0] == code, found["binds"]
     commands = [["sh", "-c", "echo a; exit 2"], ["/nonexistent/tool"]]
     results = json.loads(
         subprocess.run(

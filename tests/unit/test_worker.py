@@ -349,18 +349,18 @@ def corrupted(case: str) -> bytes:
     [
         (
             "block-counter",
-            r"inference 0 of run trace-b: trace-b message from device 1 for block 0: block "
-            r"counter mismatch: expected 0 .* received 5",
+            r"inference 0 of run trace-b: trace-b message from device 1 \(127.0.0.1:\d+\) "
+            r"for block 0: block counter mismatch: expected 0 .* received 5",
         ),
         (
             "too-long",
-            r"inference 0 of run trace-b: trace-b message from device 1 for block 1: block "
-            r"counter mismatch: expected 1",
+            r"inference 0 of run trace-b: trace-b message from device 1 \(127.0.0.1:\d+\) "
+            r"for block 1: block counter mismatch: expected 1",
         ),
         (
             "unknown-level",
-            r"inference 0 of run trace-b: trace-b message from device 1 for block 0: level 15 "
-            r"not in the codebook tree",
+            r"inference 0 of run trace-b: trace-b message from device 1 \(127.0.0.1:\d+\) "
+            r"for block 0: level 15 not in the codebook tree",
         ),
         (
             "too-short",

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
 from devices.clock import Clock
-from devices.errors import PeerLostError, ProtocolError
+from devices.errors import ConnectError, PeerLostError, ProtocolError
+from devices.frames import CountingSocket
 from devices.handshake import CLOCK_ROUNDS, make_hello, shake
 from devices.mesh import Mesh
-from devices.transport import CountingSocket, Outgoing
+from devices.transport import Outgoing
 
 
 def free_ports(count: int) -> list[int]:
@@ -36,12 +38,16 @@ FIELDS = dict(
     model_fingerprint="aa",
     warmup=0,
     inputs="generated seed 0",
+    authenticated=False,
 )
 NAMES = ["device 0 (a:1)", "device 1 (b:2)"]
 
 
 def run_pair(
-    hello0: dict, hello1: dict, clocks: tuple[Clock, Clock] = (Clock(), Clock())
+    hello0: dict,
+    hello1: dict,
+    clocks: tuple[Clock, Clock] = (Clock(), Clock()),
+    secrets: tuple[bytes | None, bytes | None] = (None, None),
 ) -> tuple[object, object]:
     """Handshake over a socket pair; device 1 is the side that connected. Returns each side's
     result or the exception it raised."""
@@ -52,8 +58,9 @@ def run_pair(
         sock.settimeout(10)
         try:
             results[index] = shake(
-                CountingSocket(sock), hello, expected, index == 1, NAMES, clocks[index]
-            )
+                CountingSocket(sock), hello, expected, index == 1, NAMES, clocks[index],
+                secret=secrets[index],
+            )  # fmt: skip
         except Exception as error:  # noqa: BLE001 - the test inspects it
             results[index] = error
 
@@ -200,3 +207,74 @@ def test_data_after_the_last_expected_message_is_named():
     finally:
         for mesh in meshes:
             mesh.close(graceful=False)
+
+
+def test_a_mesh_listens_on_its_own_address_only():
+    """Device 0 at 127.0.0.2 is not reachable at 127.0.0.1 (it would be on 0.0.0.0), and a
+    device whose spec address is not the host's stops at once, naming the address."""
+    (port,) = free_ports(1)
+    mesh = Mesh(0, [("127.0.0.2", port), ("127.0.0.1", free_ports(1)[0])], Clock())
+    accepted: list[str] = []
+
+    def handshake(conn, expected, connected):
+        accepted.append(conn.sock.getpeername()[0])
+        raise TimeoutError  # ends the set-up: a ConnectError in the thread
+
+    def open_mesh() -> None:
+        with pytest.raises(ConnectError):
+            mesh.open(3, handshake)
+
+    opened = threading.Thread(target=open_mesh, daemon=True)
+    opened.start()
+    try:
+        deadline = time.monotonic() + 10
+        while mesh._listener is None:
+            assert time.monotonic() < deadline and opened.is_alive(), "never listened"
+            time.sleep(0.01)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    finally:
+        opened.join(10)
+        mesh.close(graceful=False)
+    assert len(accepted) == 1  # the connection to 127.0.0.2
+    foreign = Mesh(0, [("192.0.2.1", port), ("127.0.0.1", port)], Clock())
+    with pytest.raises(ConnectError, match=r"cannot listen on 192\.0\.2\.1:\d+: Cannot assign"):
+        foreign.open(3, None)
+
+
+SECRET = bytes(range(16))
+
+
+def test_devices_that_share_the_run_secret_agree():
+    hellos = [make_hello(rank, **{**FIELDS, "authenticated": True}) for rank in (0, 1)]
+    first, second = run_pair(*hellos, secrets=(SECRET, SECRET))
+    assert first.peer == 1 and second.peer == 0
+    assert first.hello["nonce"] != second.hello["nonce"]  # fresh per connection
+
+
+def test_a_device_with_another_secret_is_refused_on_both_sides():
+    hellos = [make_hello(rank, **{**FIELDS, "authenticated": True}) for rank in (0, 1)]
+    first, second = run_pair(*hellos, secrets=(SECRET, bytes(16)))
+    assert isinstance(first, ProtocolError) and isinstance(second, ProtocolError)
+    assert str(first) == (
+        "handshake with device 1 (b:2): its proof of the run secret is wrong: it does not "
+        "know this run's secret"
+    )
+    assert str(second).startswith("handshake with device 0 (a:1): its proof of the run secret")
+
+
+def test_a_device_without_the_secret_is_refused_by_name():
+    first, second = run_pair(
+        make_hello(0, **{**FIELDS, "authenticated": True}),
+        make_hello(1, **FIELDS),
+        secrets=(SECRET, None),
+    )
+    assert (
+        str(first)
+        == "handshake with device 1 (b:2): device 1 has run secret False, device 0 has True"
+    )
+    assert (
+        str(second)
+        == "handshake with device 0 (a:1): device 0 has run secret True, device 1 has False"
+    )

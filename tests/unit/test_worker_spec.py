@@ -93,3 +93,24 @@ def test_cli_prints_one_line_and_exits_non_zero(tmp_path, capsys):
     assert status == 1
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
     assert stderr.startswith("worker 0: run 'a': method 'astra': K must be an integer in 2..65536")
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "cannot be read (FileNotFoundError)"),
+        ("not hex", "expected hex digits"),
+        ("00ff", "2 bytes, at least 16 needed (32 hex digits)"),
+    ],
+    ids=["missing", "not-hex", "short"],
+)
+def test_a_bad_secret_file_is_named_without_its_content(tmp_path, content, problem):
+    from devices.spec import read_secret
+
+    path = tmp_path / "run.key"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SpecError) as raised:
+        read_secret(path)
+    assert str(raised.value) == f"secret_file {path}: {problem}"
+    assert read_secret(write(tmp_path, "ab" * 16 + "\n", "good.key")) == bytes([0xAB] * 16)

@@ -8,7 +8,10 @@ each inference a device makes one `Sender` and, per peer, one `Receiver`:
 - `Sender.post_attention(b, x, z)` is called with the block input and the post-attention
   residual Z_p of block b, before its FFN, and returns the message for block b + 1, or None.
   A message returned here can travel while the FFN runs (Trace's overlap).
-- `Receiver.remote_kv(b, message)` turns the peer's message for block b into its K/V.
+- `Receiver.remote_kv(b, message)` turns the peer's message for block b into its K/V. A
+  message from another process is untrusted: its length, every codebook index (against the
+  size of the codebook or tree level it indexes) and every value (finite) are checked, and a
+  bad one raises `ProtocolError` naming the peer (`Receiver.peer_name`) and the block.
 
 Messages are the exact bytes that cross the link; their size follows from the method, the
 sender's token count and batch, and (for Trace) the header byte, so no length prefix is needed.
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import abc
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from tracevq.errors import ProtocolError
@@ -37,8 +42,39 @@ class Sender:
 
 
 class Receiver(abc.ABC):
+    peer: int
+    # how errors name the peer; the network worker sets its address too ("device 1 (h:p)")
+    peer_name: str | None = None
+
     @abc.abstractmethod
     def remote_kv(self, block: int, message: bytes) -> RemoteKV: ...
+
+    def refuse(self, what: str, block: int, problem: str) -> ProtocolError:
+        """The error for a bad message: `what` (e.g. "voltage message") from this peer for
+        `block`, and the problem."""
+        name = self.peer_name or f"device {self.peer}"
+        return ProtocolError(f"{what} from {name} for block {block}: {problem}")
+
+    def check_length(self, message: bytes, expected: int, method: str, block: int) -> None:
+        if len(message) != expected:
+            raise self.refuse(
+                f"{method} message", block, f"expected {expected} bytes, got {len(message)}"
+            )
+
+    def check_indices(
+        self, indices: np.ndarray, size: int, method: str, block: int, codebook: str = "K"
+    ) -> None:
+        """Every index below `size`, the codewords of `codebook` (one vectorised max: the
+        decoded indices are never negative)."""
+        if indices.size and (largest := int(indices.max())) >= size:
+            raise self.refuse(
+                f"{method} message", block, f"index {largest} out of range for {codebook} = {size}"
+            )
+
+    def check_finite(self, values: Tensor, method: str, block: int) -> None:
+        if not bool(torch.isfinite(values).all()):
+            bad = int((~torch.isfinite(values)).sum())
+            raise self.refuse(f"{method} message", block, f"{bad} values are not finite (NaN/inf)")
 
 
 class Method(abc.ABC):
@@ -77,11 +113,3 @@ class Method(abc.ABC):
     def describe(self) -> dict[str, object]:
         """Parameters and derived facts for records (level, bits, buffer memory ...)."""
         return {"method": self.name, **self.spec.params()}
-
-
-def check_length(message: bytes, expected: int, what: str, peer: int, block: int) -> None:
-    if len(message) != expected:
-        raise ProtocolError(
-            f"{what} message from device {peer} for block {block}: "
-            f"expected {expected} bytes, got {len(message)}"
-        )

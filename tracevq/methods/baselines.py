@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from tracevq.codec import index_bits, pack_indices, unpack_indices
-from tracevq.methods.base import Method, Receiver, Sender, check_length
+from tracevq.methods.base import Method, Receiver, Sender
 from tracevq.models import RemoteKV, VisionTransformer
 from tracevq.spec import MethodSpec
 from tracevq.vq import VectorQuantizer
@@ -36,8 +36,9 @@ class VoltageReceiver(Receiver):
         self.method, self.peer, self.shape = method, peer, (batch, tokens, method.dim)
 
     def remote_kv(self, block: int, message: bytes) -> RemoteKV:
-        check_length(message, 4 * math.prod(self.shape), "voltage", self.peer, block)
+        self.check_length(message, 4 * math.prod(self.shape), "voltage", block)
         x = bytes_tensor(message, np.dtype("<f4"), self.shape)  # (B, n, D)
+        self.check_finite(x, "voltage", block)
         return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
 
 
@@ -75,8 +76,9 @@ class PrismReceiver(Receiver):
 
     def remote_kv(self, block: int, message: bytes) -> RemoteKV:
         expected = self.method.dtype.itemsize * math.prod(self.shape)
-        check_length(message, expected, "prism", self.peer, block)
-        means = bytes_tensor(message, self.method.dtype, self.shape)
+        self.check_length(message, expected, "prism", block)
+        means = bytes_tensor(message, self.method.dtype, self.shape)  # (B, groups, D)
+        self.check_finite(means, "prism", block)
         k, v = self.method.model.blocks[block].attn.kv_heads(means)
         return RemoteKV(k, v, self.bias)
 
@@ -111,8 +113,11 @@ class AstraReceiver(Receiver):
         self.expected_bytes = method.message_bytes(tokens, batch)
 
     def remote_kv(self, block: int, message: bytes) -> RemoteKV:
-        check_length(message, self.expected_bytes, "astra", self.peer, block)
-        indices = self.method.unpack(message, math.prod(self.shape)).reshape(self.shape)
+        self.check_length(message, self.expected_bytes, "astra", block)
+        array = self.method.unpack(message, math.prod(self.shape))
+        # 16-bit words, or packed at ceil(log2 K) bits: either can hold an index >= K
+        self.check_indices(array, self.method.spec.K, "astra", block)
+        indices = torch.from_numpy(array).reshape(self.shape)
         x = self.method.quantizers[block].decode(indices)  # (B, n, D)
         return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
 
@@ -132,12 +137,11 @@ class Astra(Method):
             return pack_indices(indices.numpy(), self.bits)
         return indices.numpy().astype("<u2").tobytes()
 
-    def unpack(self, message: bytes, rows: int) -> Tensor:
+    def unpack(self, message: bytes, rows: int) -> np.ndarray:
+        """The message's `rows` indices (int64), not yet checked against K."""
         if self.spec.packed:
-            array = unpack_indices(message, rows, self.bits)
-        else:
-            array = np.frombuffer(message, dtype="<u2").astype(np.int64)
-        return torch.from_numpy(array)
+            return unpack_indices(message, rows, self.bits)
+        return np.frombuffer(message, dtype="<u2").astype(np.int64)
 
     def sender(self, rank: int, tokens: int, batch: int) -> Sender:
         return AstraSender(self)

@@ -55,9 +55,10 @@ class TraceReceiver(Receiver):
         try:
             level, positions = decode_trace_message(message, count, tree.level_bits, block)
         except ProtocolError as error:
-            raise ProtocolError(
-                f"{method.name} message from device {self.peer} for block {block}: {error}"
-            ) from error
+            raise self.refuse(f"{method.name} message", block, str(error)) from error
+        # r bits hold up to 2^r - 1, more than a level of K_m < 2^r codewords has
+        size = tree.level_sizes[level]
+        self.check_indices(positions, size, method.name, block, f"level {level}'s K_m")
         rows = tree.rows(torch.from_numpy(positions), level).reshape(self.batch, self.tokens)
         if method.name == "trace-nb":
             return self._shadow_kv(block, rows)
