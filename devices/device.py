@@ -9,6 +9,7 @@ measured inference of each run in turn.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import platform
 import time
@@ -111,27 +112,29 @@ class Device:
             raise
         self.write_session("done")
 
-    def slots(self) -> list[tuple[MethodRun, int, bool]]:
+    def slots(self) -> Iterator[tuple[MethodRun, int, bool]]:
         """Every inference of the session in order: (run, index, measured). Warm-ups of each
         run first, then the measured ones round-robin. Every device runs the same order (the
-        handshake agreed on the runs), so a message's size is known before it arrives."""
+        handshake agreed on the runs), so a message's size is known before it arrives. A new
+        iterator per call: the compute loop and each peer's receiver walk it on their own."""
         spec = self.spec
-        warmups = [(run, index, False) for run in spec.runs for index in range(spec.warmup)]
-        return warmups + [(spec.runs[r], index, True) for r, index in spec.schedule()]
+        warmups = ((run, index, False) for run in spec.runs for index in range(spec.warmup))
+        measured = ((spec.runs[r], index, True) for r, index in spec.schedule())
+        return itertools.chain(warmups, measured)
 
     def _infer_all(self) -> None:
-        spec, slots = self.spec, self.slots()
+        spec = self.spec
         sessions = {
             run.id: Session(self.methods[run.id][0], spec.rank, self.mesh, spec.batch,
                             spec.recv_timeout_s)
             for run in spec.runs
         }  # fmt: skip
-        self.mesh.start(lambda peer: self._formats(peer, slots))
+        self.mesh.start(lambda peer: self._formats(peer, self.slots()))
         inferences: list[InferenceRecord] = []
         blocks: list[BlockRecord] = []
         arrivals: list[ArrivalRecord] = []
         logits: dict[str, list[torch.Tensor]] = {run.id: [] for run in spec.runs}
-        for run, index, measured in slots:
+        for run, index, measured in self.slots():
             inputs, labels = self.inputs.get(index)
             label = f"{'inference' if measured else 'warm-up'} {index} of run {run.id}"
             record, rows, arrived, output = sessions[run.id].infer(run.id, index, inputs, label)
@@ -150,7 +153,7 @@ class Device:
         self._write_logits(logits)
 
     def _formats(
-        self, peer: int, slots: list[tuple[MethodRun, int, bool]]
+        self, peer: int, slots: Iterator[tuple[MethodRun, int, bool]]
     ) -> Iterator[MessageFormat]:
         """(header bytes, size from the header) of each message `peer` will send, in order:
         one per block of every inference."""

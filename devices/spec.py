@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +99,13 @@ class RunSpec(BaseModel):
     def addresses(self) -> list[tuple[str, int]]:
         return [parse_address(peer) for peer in self.peers]
 
-    def schedule(self) -> list[tuple[int, int]]:
-        """(run index, inference index) in the order they run: round-robin over the runs."""
+    def schedule(self) -> Iterator[tuple[int, int]]:
+        """(run index, inference index) in the order they run: round-robin over the runs.
+        Lazily: a session of a million inferences does not list them first."""
         rounds = max(run.inferences for run in self.runs)
-        return [
+        return (
             (r, i) for i in range(rounds) for r, run in enumerate(self.runs) if i < run.inferences
-        ]
+        )
 
     def write(self, path: Path) -> Path:
         """The spec as JSON, for `python -m devices.worker PATH`."""

@@ -45,7 +45,7 @@ def test_yaml_spec_and_peers_as_a_string(tmp_path):
 def test_runs_interleave_round_robin():
     spec = parse_spec({**BASE, "runs": [{"id": "a", "inferences": 3}, {"id": "b", "inferences": 1},
                                          {"id": "c", "inferences": 2}]})  # fmt: skip
-    assert spec.schedule() == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
+    assert list(spec.schedule()) == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
 
 
 @pytest.mark.parametrize(
