@@ -174,6 +174,18 @@ class Links:
             state.serial = self.switch.stats()
         return state
 
+    def set_rate(self, rate_mbit: float) -> None:
+        """Every device's uplink at `rate_mbit` from now on, changed in place and not probed:
+        a replayed trace's step (`testbed.replay`). The links must have been `shape`d."""
+        devices = self.backend.devices
+        if self.switch is not None:
+            for device in devices:
+                self.switch.set_rate(device.rank, rate_mbit)
+        else:
+            plan = shaping.plan(self.profile, rate_mbit)
+            for device in devices:
+                self.backend.change_rate(device, plan)
+
     def sent_bytes(self) -> dict[int, int]:
         """Bytes each device's link has carried so far (its egress qdisc's counter)."""
         return {d.rank: qdisc_sent_bytes(self.backend.qdisc_stats(d)) for d in self.backend.devices}

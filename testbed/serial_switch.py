@@ -114,6 +114,7 @@ class SerialSwitch:
         self.cpusets = list(cpusets or [None] * len(device_netns))
         self.device_netns = list(device_netns)
         self.rates_mbit = [float(rate_mbit)] * len(device_netns)
+        self._backpressured: set[int] = set()  # ranks whose sl0 has its tbf
         self.netns = f"tb-{tag}-{SWITCH_SUFFIX}"
         self.process: subprocess.Popen[str] | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -229,14 +230,19 @@ class SerialSwitch:
         return range(len(self.device_netns))
 
     def _shape(self, rank: int) -> None:
-        """With backpressure: tbf at the port's rate on the device's `sl0`."""
+        """With backpressure: tbf at the port's rate on the device's `sl0`, attached the
+        first time and changed in place afterwards (never unshaped in between)."""
         if not self.backpressure:
             return
-        from testbed.shaping import ShapingPlan, apply, tbf_params
+        from testbed.shaping import ShapingPlan, apply, change, tbf_params
 
         rate_mbit = self.rates_mbit[rank]
         plan = ShapingPlan("serial-backpressure", rate_mbit, tbf_params(rate_mbit))
-        apply(self.device_netns[rank], DEVICE_INTERFACE, plan)
+        if rank in self._backpressured:
+            change(self.device_netns[rank], DEVICE_INTERFACE, plan)
+        else:
+            apply(self.device_netns[rank], DEVICE_INTERFACE, plan)
+            self._backpressured.add(rank)
 
     # Talking to the emulator --------------------------------------------------------------
 

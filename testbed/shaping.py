@@ -346,6 +346,29 @@ def apply(
     set_offloads(netns_path, interface)
 
 
+def change(netns_path: str | None, interface: str, shaping: ShapingPlan) -> None:
+    """Changes the rate, bucket and limit of the tbf root that `apply` attached, in place
+    (`tc qdisc change`): the link is never unshaped between two rates, where a delete and
+    re-add would let a moment of traffic through at line rate. A netem child stays."""
+    where = _where(netns_path, interface)
+    _, argv, kind, keywords = netlink_requests(interface, shaping)[0]
+    log.debug("%s: %s", where, " ".join(change_argv(interface, shaping)))
+    with _netlink(netns_path, interface) as (ipr, netlink_error, index):
+        try:
+            ipr.tc("change", kind, index, **keywords)
+        except netlink_error as error:
+            raise ShapingError(
+                f"{where}: changing the tbf to {shaping.tbf.rate_bit_s} bit/s failed: {error} "
+                "(a link is shaped once before its rate can change)"
+            ) from None
+
+
+def change_argv(interface: str, shaping: ShapingPlan) -> list[str]:
+    """`change` as a `tc` command: the root tbf's parameters, replaced in place."""
+    argv = tc_argv(interface, shaping)[0]
+    return [*argv[:2], "change", *argv[3:]]
+
+
 def netlink_requests(
     interface: str, shaping: ShapingPlan
 ) -> list[tuple[str, list[str], str, dict[str, Any]]]:

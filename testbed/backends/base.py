@@ -163,6 +163,12 @@ class Backend(abc.ABC):
 
         shaping.apply(device.netns_path, device.interface, plan, self.qdisc_support())
 
+    def change_rate(self, device: Device, plan: ShapingPlan) -> None:
+        """Changes the rate of the device's shaped egress in place (`shaping.change`)."""
+        from testbed import shaping
+
+        shaping.change(device.netns_path, device.interface, plan)
+
     def qdisc_stats(self, device: Device) -> str:
         """`tc -s qdisc show` of the device's interface, as text."""
         from testbed import shaping

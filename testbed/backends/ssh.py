@@ -328,6 +328,15 @@ class SshBackend(Backend):
                     f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
                 )
 
+    def change_rate(self, device: Device, plan: shaping.ShapingPlan) -> None:
+        session = self._session(device)
+        argv = shaping.change_argv(device.interface, plan)
+        (result,) = run_as_root(session, [argv])
+        if not result.ok:
+            raise ShapingError(
+                f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
+            )
+
     def qdisc_stats(self, device: Device) -> str:
         session = self._session(device)
         result = session.execute(["tc", "-s", "qdisc", "show", "dev", device.interface])

@@ -1,0 +1,239 @@
+"""Bandwidth traces: a link's rate over time, read from a file or generated, replayed by
+`testbed.replay` on a live link.
+
+A trace is a step function: rate `rates_mbit[i]` from `times_s[i]` until the next step, over
+`duration_s`, then (looped) again from the start. Rates are tc's (10^6 bit/s). Two formats:
+
+- CSV: a header `t_s,mbit` and one row per step, times ascending from 0; the last row's rate
+  holds until `duration_s`, which is the last time plus the median step length unless a row
+  `t_s` = duration with an empty rate ends the file.
+- Mahimahi's packet-delivery traces (`*.mahimahi`, or `--format mahimahi`): one line per
+  delivery opportunity of a 1500-byte packet, its time in whole milliseconds, ascending; the
+  file repeats after its last time. Read as the rate of each `bin_ms` window.
+
+Generated traces (`generate`, seeded, documented in `MODELS`) are what `netem_profiles/`
+ships: `python -m testbed.traces generate` rewrites them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import csv
+import math
+import statistics
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from testbed.errors import ConfigError
+
+MAHIMAHI_PACKET_BYTES = 1500
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "netem_profiles"
+
+
+@dataclass(frozen=True)
+class RateTrace:
+    times_s: tuple[float, ...]
+    rates_mbit: tuple[float, ...]
+    duration_s: float
+    name: str = "trace"
+
+    def __post_init__(self) -> None:
+        where = f"trace {self.name}"
+        if not self.times_s or len(self.times_s) != len(self.rates_mbit):
+            raise ConfigError(f"{where}: needs one rate per step time, and at least one step")
+        if self.times_s[0] != 0:
+            raise ConfigError(f"{where}: the first step starts at t = 0, not {self.times_s[0]:g}")
+        if any(b <= a for a, b in zip(self.times_s, self.times_s[1:], strict=False)):
+            raise ConfigError(f"{where}: step times must increase")
+        if not self.duration_s > self.times_s[-1]:
+            raise ConfigError(f"{where}: the duration must exceed the last step's time")
+        bad = [r for r in self.rates_mbit if not (math.isfinite(r) and r > 0)]
+        if bad:
+            raise ConfigError(f"{where}: rates must be finite and positive, got {bad[0]!r}")
+
+    def rate_at(self, t_s: float) -> float:
+        """The rate in force at `t_s` seconds after the start (looped)."""
+        position = t_s % self.duration_s
+        return self.rates_mbit[bisect.bisect_right(self.times_s, position) - 1]
+
+    def changes(self, start_s: float = 0.0) -> Iterator[tuple[float, float]]:
+        """(time, rate) of every step from `start_s` on, looping for ever: time in seconds
+        from the trace's start, the first one at `start_s` itself."""
+        loop = math.floor(start_s / self.duration_s)
+        yield start_s, self.rate_at(start_s)
+        while True:
+            base = loop * self.duration_s
+            for t, rate in zip(self.times_s, self.rates_mbit, strict=True):
+                if base + t > start_s:
+                    yield base + t, rate
+            loop += 1
+
+    def stretched(self, factor: float) -> RateTrace:
+        """The same trace played `factor` times slower (its steps `factor` times longer)."""
+        if not factor > 0:
+            raise ConfigError(f"trace {self.name}: stretch must be positive, got {factor!r}")
+        return RateTrace(
+            tuple(t * factor for t in self.times_s),
+            self.rates_mbit,
+            self.duration_s * factor,
+            self.name,
+        )
+
+    def mean_mbit(self) -> float:
+        """The time-weighted mean rate over one period."""
+        ends = (*self.times_s[1:], self.duration_s)
+        lengths = [end - start for start, end in zip(self.times_s, ends, strict=True)]
+        return sum(r * d for r, d in zip(self.rates_mbit, lengths, strict=True)) / self.duration_s
+
+
+def read_csv(path: Path) -> RateTrace:
+    path = Path(path)
+    times, rates, end = [], [], None
+    with path.open(newline="") as handle:
+        rows = list(csv.reader(line for line in handle if not line.lstrip().startswith("#")))
+    if not rows or [c.strip() for c in rows[0]] != ["t_s", "mbit"]:
+        raise ConfigError(f"{path}: a trace CSV starts with the header 't_s,mbit'")
+    for number, row in enumerate(rows[1:], start=2):
+        cells = [c.strip() for c in row] + [""] * (2 - len(row))
+        try:
+            t = float(cells[0])
+            if cells[1] == "":
+                end = t
+                continue
+            rate = float(cells[1])
+        except ValueError:
+            raise ConfigError(f"{path}:{number}: not a number in {row!r}") from None
+        if end is not None:
+            raise ConfigError(f"{path}:{number}: a row after the end row (t_s with no rate)")
+        times.append(t)
+        rates.append(rate)
+    if not times:
+        raise ConfigError(f"{path}: no steps")
+    if end is None:
+        steps = np.diff(times)
+        end = times[-1] + (statistics.median(steps) if len(steps) else 1.0)
+    return RateTrace(tuple(times), tuple(rates), end, path.stem)
+
+
+def read_mahimahi(path: Path, bin_ms: int = 500) -> RateTrace:
+    """A Mahimahi trace as the rate of each `bin_ms` window (the last window ends with the
+    file's last opportunity, where Mahimahi loops)."""
+    path = Path(path)
+    stamps = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        text = line.strip()
+        if not text:
+            continue
+        if not text.isdigit():
+            raise ConfigError(f"{path}:{number}: a Mahimahi trace holds whole milliseconds")
+        stamps.append(int(text))
+    if not stamps or any(b < a for a, b in zip(stamps, stamps[1:], strict=False)):
+        raise ConfigError(f"{path}: Mahimahi timestamps must be present and non-decreasing")
+    period_ms = max(stamps[-1], 1)
+    bins = math.ceil(period_ms / bin_ms)
+    counts = np.bincount(np.minimum(np.array(stamps) // bin_ms, bins - 1), minlength=bins)
+    lengths = [min(bin_ms, period_ms - i * bin_ms) for i in range(bins)]
+    rates = [float(max(c, 1e-3)) * MAHIMAHI_PACKET_BYTES * 8 / (n / 1000) / 1e6
+             for c, n in zip(counts, lengths, strict=True)]  # fmt: skip
+    return RateTrace(
+        tuple(i * bin_ms / 1000 for i in range(bins)), tuple(rates), period_ms / 1000, path.stem
+    )
+
+
+def write_mahimahi(trace: RateTrace, path: Path) -> Path:
+    """One period of `trace` as delivery opportunities: each 1500-byte packet's ms time."""
+    stamps, debt = [], 0.0
+    for ms in range(1, round(trace.duration_s * 1000) + 1):
+        debt += trace.rate_at((ms - 1) / 1000) * 1e6 / 8 / 1000 / MAHIMAHI_PACKET_BYTES
+        while debt >= 1:
+            stamps.append(ms)
+            debt -= 1
+    path.write_text("".join(f"{s}\n" for s in stamps))
+    return path
+
+
+def write_csv(trace: RateTrace, path: Path, comment: str = "") -> Path:
+    lines = [f"# {line}" for line in comment.splitlines()] + ["t_s,mbit"]
+    lines += [f"{t:g},{r:.3f}" for t, r in zip(trace.times_s, trace.rates_mbit, strict=True)]
+    lines.append(f"{trace.duration_s:g},")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def load_trace(path: str | Path, directory: Path = PROFILES_DIR) -> RateTrace:
+    """A trace file by path, or by name in `netem_profiles/`; the format from its suffix."""
+    path = Path(path)
+    if not path.is_absolute() and not path.exists():
+        path = directory / path
+    if not path.is_file():
+        raise ConfigError(f"trace file not found: {path}")
+    return read_mahimahi(path) if path.suffix == ".mahimahi" else read_csv(path)
+
+
+# Generated traces ----------------------------------------------------------------------------
+
+MODELS = {
+    "walking-wifi": (
+        "Someone walking away from an access point and back, 60 s: the rate follows the "
+        "distance (20 Mbit/s near, 3 far, log-distance falloff), with 1 s steps and a "
+        "lognormal fading of 15%."
+    ),
+    "lte-drops": (
+        "An LTE uplink, 60 s: 8 Mbit/s on average, 1 s steps of a mean-reverting "
+        "lognormal walk (sigma 25%), and three drops to 0.5-1 Mbit/s lasting 2-4 s."
+    ),
+    "step-20-2-20": "20 Mbit/s for 10 s, 2 Mbit/s for 10 s, 20 Mbit/s for 10 s.",
+}
+
+
+def generate(name: str, seed: int = 0) -> RateTrace:
+    rng = np.random.default_rng(seed)
+    if name == "walking-wifi":
+        t = np.arange(60.0)
+        distance = 1 + 14 * np.sin(np.pi * t / 60)  # metres: 1 -> 15 -> 1
+        rate = 20 * (1 - np.log(distance) / np.log(15) * (1 - 3 / 20))
+        rate = rate * rng.lognormal(0, 0.15, len(t))
+    elif name == "lte-drops":
+        t = np.arange(60.0)
+        walk = np.zeros(len(t))
+        for i in range(1, len(t)):
+            walk[i] = 0.7 * walk[i - 1] + rng.normal(0, 0.25)
+        rate = 8 * np.exp(walk)
+        for start in rng.choice(np.arange(5, 55, 10), 3, replace=False):
+            length = int(rng.integers(2, 5))
+            rate[start : start + length] = rng.uniform(0.5, 1.0, length)
+    elif name == "step-20-2-20":
+        t, rate = np.array([0.0, 10.0, 20.0]), np.array([20.0, 2.0, 20.0])
+        return RateTrace(tuple(t), tuple(rate), 30.0, name)
+    else:
+        raise ConfigError(f"unknown trace model {name!r}; known: {', '.join(MODELS)}")
+    rate = np.clip(rate, 0.25, None).round(3)
+    return RateTrace(tuple(float(v) for v in t), tuple(float(v) for v in rate), 60.0, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.traces",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=["generate"])
+    parser.add_argument("--out", type=Path, default=PROFILES_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name, model in MODELS.items():
+        trace = generate(name, args.seed)
+        comment = f"{model}\nGenerated by `python -m testbed.traces generate` (seed {args.seed})."
+        print(write_csv(trace, args.out / f"{name}.csv", comment))
+    lte = generate("lte-drops", args.seed)
+    print(write_mahimahi(lte, args.out / "lte-drops.mahimahi"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

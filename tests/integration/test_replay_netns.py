@@ -1,0 +1,55 @@
+"""A bandwidth trace replayed on real links: two local devices, each emulator, a trace that
+steps 20 -> 2 -> 20 Mbit/s. The rate is changed in place at each step, on time, and a bulk
+probe in each phase, started after the step, runs within 5% of that phase's rate."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from testbed.backends.base import DeviceSpec
+from testbed.backends.local import LocalBackend, remove_leftovers
+from testbed.link import WIRE_PER_PAYLOAD, Links, probe, probe_bytes
+from testbed.profiles import load_profile
+from testbed.replay import TraceReplay
+from testbed.traces import RateTrace
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+PHASE_S = 4.0
+TRACE = RateTrace((0.0, PHASE_S, 2 * PHASE_S), (20.0, 2.0, 20.0), 3 * PHASE_S, "steps")
+
+
+@pytest.mark.parametrize("emulator", ["tbf", "serial"])
+def test_a_replayed_step_trace_is_followed_by_the_link(root, tmp_path: Path, emulator: str):
+    run_id = uuid.uuid4().hex[:12]
+    backend = LocalBackend(run_id, tmp_path)
+    try:
+        backend.start(DeviceSpec(count=2, cpus=1, memory_mb=512))
+        with Links(backend, load_profile("ideal"), emulator, run_id) as links:
+            links.shape(20.0, 0.2)
+            sender, receiver = backend.devices
+            measured = []
+            with TraceReplay(links.set_rate, TRACE) as replay:
+                for phase, rate in enumerate(TRACE.rates_mbit):
+                    settle = replay.start_ns / 1e9 + phase * PHASE_S + 0.3 - time.time()
+                    time.sleep(max(settle, 0))
+                    payload_mbit = probe(backend, sender, receiver, probe_bytes(rate, 1.5))
+                    assert time.time() < replay.start_ns / 1e9 + (phase + 1) * PHASE_S, (
+                        "the probe ran into the next step: the host is too slow for this test"
+                    )
+                    measured.append(payload_mbit * WIRE_PER_PAYLOAD)
+    finally:
+        backend.stop()
+        remove_leftovers(run_id)
+    for rate, wire in zip(TRACE.rates_mbit, measured, strict=True):
+        assert wire == pytest.approx(rate, rel=0.05), (emulator, measured)
+    # every step was applied within 50 ms of its time, and the log answers "rate at t"
+    assert replay.applied_mbit[:3] == [20.0, 2.0, 20.0]
+    for step, at_ns in enumerate(replay.applied_ns[:3]):
+        assert 0 <= at_ns - replay.start_ns - step * PHASE_S * 1e9 < 50e6
+    assert replay.rate_at_ns(replay.start_ns + int(1.5 * PHASE_S * 1e9)) == 2.0
+    assert replay.rate_at_ns(replay.start_ns - 1) is None
