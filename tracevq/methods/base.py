@@ -8,7 +8,9 @@ each inference a device makes one `Sender` and, per peer, one `Receiver`:
 - `Sender.post_attention(b, x, z)` is called with the block input and the post-attention
   residual Z_p of block b, before its FFN, and returns the message for block b + 1, or None.
   A message returned here can travel while the FFN runs (Trace's overlap).
-- `Receiver.remote_kv(b, message)` turns the peer's message for block b into its K/V.
+- `Receiver.remote_kv(b, message)` turns the peer's message for block b into its K/V, or
+  (`dedup`) into the codebook rows of its tokens, whose K/V the engine asks of
+  `Method.row_kv(b, rows)` once per distinct row of all peers.
 
 Messages are the exact bytes that cross the link; their size follows from the method, the
 sender's token count and batch, and (for Trace) the header byte, so no length prefix is needed.
@@ -21,7 +23,7 @@ import abc
 from torch import Tensor
 
 from tracevq.errors import ProtocolError
-from tracevq.models import RemoteKV, VisionTransformer
+from tracevq.models import RemoteKV, RemoteRows, VisionTransformer
 from tracevq.payload import message_bits
 from tracevq.spec import MethodSpec
 
@@ -38,7 +40,7 @@ class Sender:
 
 class Receiver(abc.ABC):
     @abc.abstractmethod
-    def remote_kv(self, block: int, message: bytes) -> RemoteKV: ...
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV | RemoteRows: ...
 
 
 class Method(abc.ABC):
@@ -67,6 +69,11 @@ class Method(abc.ABC):
     def message_bytes(self, tokens: int, batch: int, header: bytes = b"") -> int:
         """Bytes of one message (header included) from a device holding `tokens` tokens."""
         return -(-self.payload_bits(tokens, batch) // 8)
+
+    def row_kv(self, block: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """K/V at block `block` of tokens whose state is codebook row `rows` (U,): (1, H, U, d)
+        each. Only methods whose receivers return `RemoteRows` implement it."""
+        raise NotImplementedError(f"method {self.name!r} has no K/V per codebook row")
 
     @abc.abstractmethod
     def sender(self, rank: int, tokens: int, batch: int) -> Sender: ...

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from tracevq.codec import index_bits, pack_indices, unpack_indices
 from tracevq.methods.base import Method, Receiver, Sender, check_length
-from tracevq.models import RemoteKV, VisionTransformer
+from tracevq.models import RemoteKV, RemoteRows, VisionTransformer
 from tracevq.spec import MethodSpec
 from tracevq.vq import VectorQuantizer
 
@@ -110,9 +110,11 @@ class AstraReceiver(Receiver):
         self.method, self.peer, self.shape = method, peer, (batch, tokens)
         self.expected_bytes = method.message_bytes(tokens, batch)
 
-    def remote_kv(self, block: int, message: bytes) -> RemoteKV:
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV | RemoteRows:
         check_length(message, self.expected_bytes, "astra", self.peer, block)
         indices = self.method.unpack(message, math.prod(self.shape)).reshape(self.shape)
+        if self.method.spec.dedup:
+            return RemoteRows(indices)
         x = self.method.quantizers[block].decode(indices)  # (B, n, D)
         return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
 
@@ -126,6 +128,10 @@ class Astra(Method):
         super().__init__(spec, model)
         self.quantizers = quantizers
         self.bits = index_bits(spec.K)
+
+    def row_kv(self, block: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.quantizers[block].decode(rows).unsqueeze(0)  # (1, U, D)
+        return self.model.blocks[block].remote_kv(x)
 
     def pack(self, indices: Tensor) -> bytes:
         if self.spec.packed:
