@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tracevq.errors import ConfigError
 from tracevq.methods import Method
 from tracevq.models import RemoteKV, RemoteRows
 from tracevq.partition import partition_ranges
@@ -23,6 +24,12 @@ class DeviceRun:
     """Device `rank`'s state for one inference of a batch."""
 
     def __init__(self, method: Method, rank: int, devices: int, inputs: Tensor):
+        if method.name == "single" and devices > 1:
+            raise ConfigError(
+                f"method 'single' runs on one device, not {devices}: use 'voltage' for the "
+                "exact sequence-parallel run (it sends and counts its payload)",
+                "devices",
+            )
         self.method, self.rank = method, rank
         self.model = method.model
         self.ranges = partition_ranges(self.model.config.tokens, devices)
@@ -44,7 +51,7 @@ class DeviceRun:
         return list(self.receivers)
 
     def begin_block(self, block: int) -> bytes | None:
-        return self.sender.pre_block(block, self.x)
+        return self.sender.pre_block(block, self.x) if self.receivers else None
 
     def project_local(self, block: int) -> None:
         """The block's Q/K/V of the local tokens: needs nothing from peers."""
@@ -77,7 +84,7 @@ class DeviceRun:
             ]
             bias = torch.cat(parts, dim=1)  # (B, n_keys)
         self.z = self.x + layer.attn.attend(q, keys, values, bias)
-        return self.sender.post_attention(block, self.x, self.z)
+        return self.sender.post_attention(block, self.x, self.z) if self.receivers else None
 
     def _unique_kv(self, block: int, remotes: list[RemoteRows]) -> RemoteKV:
         """One key per distinct row of all peers (the union over the batch), log(count) on its
