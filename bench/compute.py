@@ -22,7 +22,10 @@ from tracevq.models import VisionTransformer
 
 
 @torch.no_grad()
-def device0_compute_ms(method: Method, inputs: torch.Tensor, devices: int) -> float:
+def device0_compute_ms(
+    method: Method, inputs: torch.Tensor, devices: int, unique_keys: list | None = None
+) -> float:
+    """Device 0's compute; `unique_keys` (if given) gets its distinct remote keys per block."""
     runs = [DeviceRun(method, rank, devices, inputs) for rank in range(devices)]
     inbox: dict[int, dict[int, bytes]] = defaultdict(dict)
     spent = 0.0
@@ -46,6 +49,8 @@ def device0_compute_ms(method: Method, inputs: torch.Tensor, devices: int) -> fl
             message = step(run, run.attend, block, messages)
             if message is not None:
                 inbox[block + 1][run.rank] = message
+        if unique_keys is not None:
+            unique_keys.append(runs[0].unique_remote_keys)
         for run in runs:
             step(run, run.finish_block, block)
     step(runs[0], runs[0].logits)

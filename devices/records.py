@@ -47,6 +47,8 @@ class BlockRecord:
     written_ns: the kernel had accepted the last byte of the last copy.
     wait_start_ns, wait_end_ns: the compute thread blocked for the peers' messages
     (None without peers); attention starts at wait_end_ns.
+    unique_remote_keys: with `dedup`, the distinct codebook rows of all peers' tokens that the
+    block's attention used as remote keys (the union over the batch); None without dedup.
     """
 
     run: str
@@ -64,6 +66,7 @@ class BlockRecord:
     wait_end_ns: int | None
     ffn_start_ns: int
     ffn_end_ns: int
+    unique_remote_keys: int | None = None
 
 
 @dataclass

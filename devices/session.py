@@ -52,7 +52,7 @@ class Session:
         start = now()
         device_run = DeviceRun(self.method, self.rank, self.devices, inputs, self.peer_names)
         outgoing: dict[int, Outgoing] = {}
-        marks, arrivals = [], []
+        marks, arrivals, unique_keys = [], [], []
         for block in range(self.depth):
             context = f"block {block} of {label}"
             block_start = now()
@@ -67,6 +67,7 @@ class Session:
             except MessageError as error:  # the receiver names the peer and the block
                 raise ProtocolError(f"{label}: {error}") from None
             self._post(outgoing, block + 1, message, context)
+            unique_keys.append(device_run.unique_remote_keys)
             ffn_start = now()
             device_run.finish_block(block)
             ffn_end = now()
@@ -82,6 +83,8 @@ class Session:
             self._block_record(run, index, b, outgoing.get(b), times, arrivals)
             for b, times in enumerate(marks)
         ]
+        for record, count in zip(blocks, unique_keys, strict=True):
+            record.unique_remote_keys = count
         return self._inference_record(run, index, start, end, blocks), blocks, arrivals, logits
 
     def _post(

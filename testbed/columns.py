@@ -127,6 +127,8 @@ LAYER_MARKS = _columns(
     ("wait_end_ms", "float64", "ms", "had them all (attention starts)"),
     ("ffn_start_ms", "float64", "ms", "the FFN started"),
     ("ffn_end_ms", "float64", "ms", "the FFN ended"),
+    ("unique_remote_keys", "Int64", "", "with dedup, the distinct codewords of all peers' "
+     "tokens attended as remote keys (each with log(count) on its logit); empty without"),
 )  # fmt: skip
 
 _PER_BLOCK = {"effective_ms", "analytic_comm_ms", "analytic_comm_ms_paper",

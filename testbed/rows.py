@@ -182,6 +182,7 @@ def layer_row(
         "wait_end_ms": mark(block.wait_end_ns),
         "ffn_start_ms": mark(block.ffn_start_ns),
         "ffn_end_ms": mark(block.ffn_end_ns),
+        "unique_remote_keys": block.unique_remote_keys,
     }
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tracevq.errors import ConfigError
 from tracevq.methods import Method
+from tracevq.models import RemoteKV, RemoteRows
 from tracevq.partition import partition_ranges
 
 
@@ -30,6 +32,12 @@ class DeviceRun:
         peer_names: dict[int, str] | None = None,
     ):
         """`peer_names` name the peers in errors about their messages (default "device p")."""
+        if method.name == "single" and devices > 1:
+            raise ConfigError(
+                f"method 'single' runs on one device, not {devices}: use 'voltage' for the "
+                "exact sequence-parallel run (it sends and counts its payload)",
+                "devices",
+            )
         self.method, self.rank = method, rank
         self.model = method.model
         self.ranges = partition_ranges(self.model.config.tokens, devices)
@@ -46,13 +54,14 @@ class DeviceRun:
         self.x = self.model.embed(inputs, start, stop)  # (B, n, D)
         self.z: Tensor | None = None
         self.local: tuple[Tensor, Tensor, Tensor] | None = None  # this block's own Q, K, V
+        self.unique_remote_keys: int | None = None  # last attend's distinct remote rows (dedup)
 
     @property
     def peers(self) -> list[int]:
         return list(self.receivers)
 
     def begin_block(self, block: int) -> bytes | None:
-        return self.sender.pre_block(block, self.x)
+        return self.sender.pre_block(block, self.x) if self.receivers else None
 
     def project_local(self, block: int) -> None:
         """The block's Q/K/V of the local tokens: needs nothing from peers."""
@@ -67,16 +76,39 @@ class DeviceRun:
         assert self.local is not None
         (q, k, v), self.local = self.local, None
         layer = self.model.blocks[block]
-        remotes = [self.receivers[peer].remote_kv(block, messages[peer]) for peer in self.peers]
-        keys = torch.cat([k, *(r.k for r in remotes)], dim=2)  # (B, H, N, d)
+        received = [self.receivers[peer].remote_kv(block, messages[peer]) for peer in self.peers]
+        remotes = [r for r in received if isinstance(r, RemoteKV)]
+        rows = [r for r in received if isinstance(r, RemoteRows)]
+        self.unique_remote_keys = None
+        if rows:
+            remotes.append(self._unique_kv(block, rows))
+        keys = torch.cat([k, *(r.k for r in remotes)], dim=2)  # (B, H, n_keys, d)
         values = torch.cat([v, *(r.v for r in remotes)], dim=2)
         bias = None
-        if any(r.bias is not None for r in remotes):  # Prism: log(count) per mean key
-            parts = [torch.zeros(k.shape[2])]
-            parts += [r.bias if r.bias is not None else torch.zeros(r.k.shape[2]) for r in remotes]
-            bias = torch.cat(parts)
+        if any(r.bias is not None for r in remotes):  # log(count) per mean key or unique row
+            batch = q.shape[0]
+            parts = [torch.zeros(batch, k.shape[2])]
+            parts += [
+                torch.zeros(batch, r.k.shape[2]) if r.bias is None else r.bias.expand(batch, -1)
+                for r in remotes
+            ]
+            bias = torch.cat(parts, dim=1)  # (B, n_keys)
         self.z = self.x + layer.attn.attend(q, keys, values, bias)
-        return self.sender.post_attention(block, self.x, self.z)
+        return self.sender.post_attention(block, self.x, self.z) if self.receivers else None
+
+    def _unique_kv(self, block: int, remotes: list[RemoteRows]) -> RemoteKV:
+        """One key per distinct row of all peers (the union over the batch), log(count) on its
+        logit; -inf where a batch element has none of that row. Softmax over n equal rows
+        equals softmax over one of them with log(n) added, so the output is unchanged."""
+        rows = torch.cat([r.rows for r in remotes], dim=1)  # (B, n_remote)
+        unique, inverse = torch.unique(rows, return_inverse=True)  # (U,), (B, n_remote)
+        batch, distinct = rows.shape[0], unique.shape[0]
+        offsets = torch.arange(batch).unsqueeze(1) * distinct  # (B, 1)
+        counts = torch.bincount((inverse + offsets).reshape(-1), minlength=batch * distinct)
+        k, v = self.method.row_kv(block, unique)  # (1, H, U, d) each
+        self.unique_remote_keys = distinct
+        bias = counts.view(batch, distinct).to(k.dtype).log()  # (B, U)
+        return RemoteKV(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), bias)
 
     def finish_block(self, block: int) -> None:
         assert self.z is not None, "finish_block before attend"

@@ -22,7 +22,19 @@ class RemoteKV:
 
     k: Tensor  # (B, H, n, d)
     v: Tensor  # (B, H, n, d)
-    bias: Tensor | None = None  # (n,) added to the attention logits of these keys
+    bias: Tensor | None = None  # (n,) or (B, n) added to the attention logits of these keys
+
+
+@dataclass
+class RemoteRows:
+    """A peer's tokens as codebook rows whose K/V are a function of the row alone.
+
+    The engine attends once per distinct row of all peers together, with log(count) added to
+    its logit (`Method.row_kv` gives the K/V of those rows): the same output as attending over
+    every token, with fewer keys.
+    """
+
+    rows: Tensor  # (B, n) int64
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -50,7 +62,9 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
         """Softmax attention of q over k/v, then the output projection: (B, n_q, D)."""
-        mask = None if bias is None else bias.to(q.dtype).view(1, 1, 1, -1)
+        mask = None
+        if bias is not None:  # (n_k,) for every batch element, or (B, n_k)
+            mask = bias.to(q.dtype).view(-1 if bias.dim() == 2 else 1, 1, 1, bias.shape[-1])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, n_q, d)
         batch, heads, tokens, head_dim = out.shape
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, heads * head_dim))

@@ -6,6 +6,7 @@ import math
 
 from tracevq.codec import HEADER_BYTES, index_bits
 from tracevq.config import ModelConfig, model_config
+from tracevq.errors import ConfigError
 from tracevq.partition import partition_sizes
 from tracevq.spec import MethodSpec, method_spec
 
@@ -32,10 +33,12 @@ def payload_bits(
 ) -> list[int]:
     """Payload bits per layer for each device rank (one copy, as in the paper's Table II).
 
-    A single device (or the `single` method) sends nothing.
+    A single device sends nothing; `single` at more than one device is refused.
     """
     config = model if isinstance(model, ModelConfig) else model_config(model)
     spec = method_spec(method, **params)
+    if spec.name == "single" and devices > 1:
+        raise ConfigError(f"method 'single' runs on one device, not {devices}", "devices")
     sizes = partition_sizes(config.tokens, devices)
     if devices == 1:
         return [0]

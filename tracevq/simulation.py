@@ -36,14 +36,15 @@ def simulate(
     bundle: Bundle | None = None,
     **method_params: object,
 ) -> SimulationResult:
-    """Run `method` on `devices` simulated devices; the messages are the real wire bytes."""
+    """Run `method` on `devices` simulated devices; the messages are the real wire bytes.
+
+    One device runs the same engine with no peers: nothing is sent. `single` is refused at
+    more than one device (tracevq.engine.DeviceRun)."""
     if not isinstance(method, Method):
         method = make_method(method, model, bundle, **method_params)
     depth = model.config.depth
     payload = np.zeros((depth, devices), dtype=np.int64)
     wire = np.zeros((depth, devices), dtype=np.int64)
-    if devices == 1 or method.name == "single":
-        return SimulationResult(model(inputs), payload[:, :1], wire[:, :1])
     runs = [DeviceRun(method, rank, devices, inputs) for rank in range(devices)]
     inbox: dict[int, dict[int, bytes]] = defaultdict(dict)  # block -> sender -> message
 
@@ -64,5 +65,5 @@ def simulate(
             post(block + 1, run.rank, run.attend(block, messages))
         for run in runs:
             run.finish_block(block)
-        inbox.pop(block)
+        inbox.pop(block, None)
     return SimulationResult(runs[0].logits(), payload, wire)

@@ -16,9 +16,9 @@ _ACCEPTS: dict[str, tuple[str, ...]] = {
     "single": (),
     "voltage": (),
     "prism": ("segment", "mean_bits"),
-    "astra": ("K", "packed"),
-    "trace-b": ("K", "level_k", "buffers"),
-    "trace-nb": ("K", "level_k"),
+    "astra": ("K", "packed", "dedup"),
+    "trace-b": ("K", "level_k", "buffers", "dedup"),
+    "trace-nb": ("K", "level_k", "dedup"),
 }
 
 
@@ -35,6 +35,9 @@ class MethodSpec:
         mean_bits: width of each transmitted Prism mean element (32 = fp32, 16 = fp16).
         packed: Astra indices packed at ceil(log2 K) bits instead of 16-bit words.
         buffers: Trace-b gathers precomputed K/V rows (True) or recomputes the chain (False).
+        dedup: receivers attend once per distinct remote codeword, with log(count) on its
+            logit (exact wherever remote K/V depend on the index alone: astra, trace-b,
+            trace-nb's block 0); False attends over every remote token.
     """
 
     name: str
@@ -44,6 +47,7 @@ class MethodSpec:
     mean_bits: int = 32
     packed: bool = False
     buffers: bool = True
+    dedup: bool = True
 
     @property
     def uses_codebooks(self) -> bool:
@@ -98,7 +102,7 @@ def _check(spec: MethodSpec) -> None:
         raise ConfigError(
             f"{where}: mean_bits must be 16 or 32, got {spec.mean_bits!r}", "mean_bits"
         )
-    for flag in ("packed", "buffers"):
+    for flag in ("packed", "buffers", "dedup"):
         if not isinstance(getattr(spec, flag), bool):
             raise ConfigError(f"{where}: {flag} must be true or false", flag)
     level = spec.level_k

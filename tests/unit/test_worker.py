@@ -153,6 +153,17 @@ def check_bytes(blocks, reference, rank: int, devices: int) -> None:
         assert row.received_bytes == sum(reference.wire_bytes[row.block, p] for p in peers)
 
 
+def check_unique_keys(blocks, method: str, tokens: int) -> None:
+    """dedup (on by default) records the distinct remote codewords of every block where the
+    remote K/V depend on the index alone: astra, trace-b, trace-nb's block 0."""
+    for row in blocks:
+        deduped = method in ("astra", "trace-b") or (method == "trace-nb" and row.block == 0)
+        if deduped:
+            assert 1 <= row.unique_remote_keys <= min(K, BATCH * tokens)
+        else:
+            assert row.unique_remote_keys is None
+
+
 def check_order(blocks, trace: bool) -> None:
     """Within a device: where each message leaves relative to the FFNs."""
     for row in blocks:
@@ -207,6 +218,7 @@ def test_worker_matches_simulation(tmp_path, model, bundle_path, devices):
             assert [b.block for b in blocks] == list(range(model.config.depth))
             check_bytes(blocks, reference, rank, devices)
             check_order(blocks, trace=method.startswith("trace"))
+            check_unique_keys(blocks, method, model.config.tokens)
             for record in (r for r in device.inferences if r.run == case):
                 assert record.effective_ms == pytest.approx(
                     record.compute_ms + record.wait_ms, abs=1e-3

@@ -8,10 +8,12 @@ each inference a device makes one `Sender` and, per peer, one `Receiver`:
 - `Sender.post_attention(b, x, z)` is called with the block input and the post-attention
   residual Z_p of block b, before its FFN, and returns the message for block b + 1, or None.
   A message returned here can travel while the FFN runs (Trace's overlap).
-- `Receiver.remote_kv(b, message)` turns the peer's message for block b into its K/V. A
-  message from another process is untrusted: its length, every codebook index (against the
-  size of the codebook or tree level it indexes) and every value (finite) are checked, and a
-  bad one raises `ProtocolError` naming the peer (`Receiver.peer_name`) and the block.
+- `Receiver.remote_kv(b, message)` turns the peer's message for block b into its K/V, or
+  (`dedup`) into the codebook rows of its tokens, whose K/V the engine asks of
+  `Method.row_kv(b, rows)` once per distinct row of all peers. A message from another
+  process is untrusted: its length, every codebook index (against the size of the codebook
+  or tree level it indexes) and every value (finite) are checked, and a bad one raises
+  `ProtocolError` naming the peer (`Receiver.peer_name`) and the block.
 
 Messages are the exact bytes that cross the link; their size follows from the method, the
 sender's token count and batch, and (for Trace) the header byte, so no length prefix is needed.
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor
 
 from tracevq.errors import ProtocolError
-from tracevq.models import RemoteKV, VisionTransformer
+from tracevq.models import RemoteKV, RemoteRows, VisionTransformer
 from tracevq.payload import message_bits
 from tracevq.spec import MethodSpec
 
@@ -47,7 +49,7 @@ class Receiver(abc.ABC):
     peer_name: str | None = None
 
     @abc.abstractmethod
-    def remote_kv(self, block: int, message: bytes) -> RemoteKV: ...
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV | RemoteRows: ...
 
     def refuse(self, what: str, block: int, problem: str) -> ProtocolError:
         """The error for a bad message: `what` (e.g. "voltage message") from this peer for
@@ -103,6 +105,11 @@ class Method(abc.ABC):
     def message_bytes(self, tokens: int, batch: int, header: bytes = b"") -> int:
         """Bytes of one message (header included) from a device holding `tokens` tokens."""
         return -(-self.payload_bits(tokens, batch) // 8)
+
+    def row_kv(self, block: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """K/V at block `block` of tokens whose state is codebook row `rows` (U,): (1, H, U, d)
+        each. Only methods whose receivers return `RemoteRows` implement it."""
+        raise NotImplementedError(f"method {self.name!r} has no K/V per codebook row")
 
     @abc.abstractmethod
     def sender(self, rank: int, tokens: int, batch: int) -> Sender: ...

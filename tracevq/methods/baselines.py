@@ -12,7 +12,7 @@ from torch import Tensor
 
 from tracevq.codec import index_bits, pack_indices, unpack_indices
 from tracevq.methods.base import Method, Receiver, Sender
-from tracevq.models import RemoteKV, VisionTransformer
+from tracevq.models import RemoteKV, RemoteRows, VisionTransformer
 from tracevq.spec import MethodSpec
 from tracevq.vq import VectorQuantizer
 
@@ -112,12 +112,14 @@ class AstraReceiver(Receiver):
         self.method, self.peer, self.shape = method, peer, (batch, tokens)
         self.expected_bytes = method.message_bytes(tokens, batch)
 
-    def remote_kv(self, block: int, message: bytes) -> RemoteKV:
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV | RemoteRows:
         self.check_length(message, self.expected_bytes, "astra", block)
         array = self.method.unpack(message, math.prod(self.shape))
         # 16-bit words, or packed at ceil(log2 K) bits: either can hold an index >= K
         self.check_indices(array, self.method.spec.K, "astra", block)
         indices = torch.from_numpy(array).reshape(self.shape)
+        if self.method.spec.dedup:
+            return RemoteRows(indices)
         x = self.method.quantizers[block].decode(indices)  # (B, n, D)
         return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
 
@@ -131,6 +133,10 @@ class Astra(Method):
         super().__init__(spec, model)
         self.quantizers = quantizers
         self.bits = index_bits(spec.K)
+
+    def row_kv(self, block: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.quantizers[block].decode(rows).unsqueeze(0)  # (1, U, D)
+        return self.model.blocks[block].remote_kv(x)
 
     def pack(self, indices: Tensor) -> bytes:
         if self.spec.packed:

@@ -22,7 +22,7 @@ from torch import Tensor
 from tracevq.codec import decode_trace_message, encode_trace_message, trace_message_bytes
 from tracevq.errors import ConfigError, ProtocolError
 from tracevq.methods.base import Method, Receiver, Sender
-from tracevq.models import RemoteKV, VisionTransformer, split_heads
+from tracevq.models import RemoteKV, RemoteRows, VisionTransformer, split_heads
 from tracevq.spec import MethodSpec
 from tracevq.tree import CodebookTree
 from tracevq.vq import VectorQuantizer
@@ -48,7 +48,7 @@ class TraceReceiver(Receiver):
         self.tokens, self.batch = tokens, batch
         self.shadow: Tensor | None = None  # trace-nb: the peer's block input as seen here
 
-    def remote_kv(self, block: int, message: bytes) -> RemoteKV:
+    def remote_kv(self, block: int, message: bytes) -> RemoteKV | RemoteRows:
         method = self.method
         tree = method.trees[block]
         count = self.tokens * self.batch
@@ -62,6 +62,8 @@ class TraceReceiver(Receiver):
         rows = tree.rows(torch.from_numpy(positions), level).reshape(self.batch, self.tokens)
         if method.name == "trace-nb":
             return self._shadow_kv(block, rows)
+        if method.spec.dedup:
+            return RemoteRows(rows)
         if method.buffers is not None:
             k, v = method.buffers[block][rows].chunk(2, dim=-1)  # (B, n, D) each
             heads = method.model.config.heads
@@ -69,11 +71,14 @@ class TraceReceiver(Receiver):
         x = method.block_input_of_codewords(block, method.quantizers[block].decode(rows))
         return RemoteKV(*method.model.blocks[block].remote_kv(x))
 
-    def _shadow_kv(self, block: int, rows: Tensor) -> RemoteKV:
+    def _shadow_kv(self, block: int, rows: Tensor) -> RemoteKV | RemoteRows:
         codewords = self.method.quantizers[block].decode(rows)  # (B, n, D)
         blocks = self.method.model.blocks
         if block == 0:
             self.shadow = codewords
+            # the shadow starts as the codeword: K/V of block 0 depend on the index alone
+            if self.method.spec.dedup:
+                return RemoteRows(rows)
         else:
             assert self.shadow is not None, "trace-nb receiver skipped block 0"
             self.shadow = blocks[block - 1].ffn(self.shadow + codewords)
@@ -141,6 +146,16 @@ class TraceMethod(Method):
     def block_input_of_codewords(self, block: int, codewords: Tensor) -> Tensor:
         """Block `block`'s input for tokens whose exchanged state is `codewords` (trace-b)."""
         return codewords if block == 0 else self.model.blocks[block - 1].ffn(codewords)
+
+    def row_kv(self, block: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """K/V of codebook rows (U,): buffer rows, or the chain run on those rows only."""
+        if self.buffers is not None:
+            k, v = self.buffers[block][rows].unsqueeze(0).chunk(2, dim=-1)  # (1, U, D) each
+            heads = self.model.config.heads
+            return split_heads(k, heads), split_heads(v, heads)
+        codewords = self.quantizers[block].decode(rows).unsqueeze(0)  # (1, U, D)
+        x = self.block_input_of_codewords(block, codewords)
+        return self.model.blocks[block].remote_kv(x)
 
     @torch.no_grad()
     def _compute_buffers(self) -> list[Tensor]:
