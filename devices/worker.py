@@ -73,17 +73,17 @@ def load_methods(spec: RunSpec, model: Any) -> dict[str, tuple[Any, Any]]:
 
     bundles: dict[Path, Any] = {}
     methods = {}
+    fingerprint = model_fingerprint(model) if any(r.bundle for r in spec.runs) else ""
     for run in spec.runs:
         bundle = None
         if run.bundle is not None:
             if run.bundle not in bundles:
                 bundles[run.bundle] = Bundle.load(run.bundle)
             bundle = bundles[run.bundle]
-            if bundle.model_fingerprint != model_fingerprint(model):
+            if bundle.model_fingerprint != fingerprint:
                 raise SpecError(
                     f"run {run.id!r}: bundle {run.bundle} was fitted for a model with "
-                    f"fingerprint {bundle.model_fingerprint}, this model has "
-                    f"{model_fingerprint(model)}"
+                    f"fingerprint {bundle.model_fingerprint}, this model has {fingerprint}"
                 )
         methods[run.id] = (make_method(run.method, model, bundle, **run.params), bundle)
     return methods

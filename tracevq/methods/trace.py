@@ -159,7 +159,18 @@ class TraceMethod(Method):
 
     @torch.no_grad()
     def _compute_buffers(self) -> list[Tensor]:
-        """Per block, the K and V rows of every codeword side by side: (K, 2D)."""
+        """Per block, the K and V rows of every codeword side by side: (K, 2D). Computed once
+        per model and codebooks: the Trace-b variants of a session (levels) share them. The
+        cache lives on the model, keyed by the codebooks and the tensors' versions (an
+        in-place update of a codebook or a weight makes a new entry); each entry holds its
+        quantizers, so their ids cannot be reused while it exists."""
+        key = (
+            tuple((id(q), q.codebook._version) for q in self.quantizers),
+            sum(p._version for p in self.model.parameters()),
+        )
+        cache = self.model.__dict__.setdefault("_trace_kv_buffers", {})
+        if key in cache:
+            return cache[key][1]
         buffers = []
         dim = self.model.config.dim
         for block, quantizer in enumerate(self.quantizers):
@@ -167,6 +178,7 @@ class TraceMethod(Method):
             target = self.model.blocks[block]
             qkv = target.attn.qkv
             buffers.append(F.linear(target.norm1(x), qkv.weight[dim:], qkv.bias[dim:]))
+        cache[key] = (self.quantizers, buffers)
         return buffers
 
     @property
