@@ -1,7 +1,7 @@
 # Set-up, tests, lint and the worker image of the Trace edge testbed.
 #
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
-#   make smoke        the same pipeline on a tiny model in about two minutes
+#   make smoke        the same pipeline on a tiny model in about a minute
 #   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
