@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from ipaddress import ip_network
 from typing import Any
@@ -149,14 +150,7 @@ class Links:
     def shape(self, rate_mbit: float, probe_seconds: float) -> LinkState:
         """Every device's uplink at `rate_mbit`, then each one's rate probed."""
         devices = self.backend.devices
-        if self.switch is not None:
-            for device in devices:
-                self.switch.set_rate(device.rank, rate_mbit)
-        else:
-            plan = shaping.plan(self.profile, rate_mbit)
-            for device in devices:
-                log.debug("shaping %s/%s to %g Mbit/s", device.name, device.interface, rate_mbit)
-                self.backend.shape(device, plan)
+        self._set(rate_mbit, self.backend.shape)
         state = LinkState(rate_mbit)
         byte_count = probe_bytes(rate_mbit, probe_seconds)
         if len(devices) > 1:
@@ -177,14 +171,16 @@ class Links:
     def set_rate(self, rate_mbit: float) -> None:
         """Every device's uplink at `rate_mbit` from now on, changed in place and not probed:
         a replayed trace's step (`testbed.replay`). The links must have been `shape`d."""
-        devices = self.backend.devices
-        if self.switch is not None:
-            for device in devices:
+        self._set(rate_mbit, self.backend.change_rate)
+
+    def _set(self, rate_mbit: float, apply: Callable[[Device, shaping.ShapingPlan], None]) -> None:
+        """The serial emulator's rate, or `apply` (shape or change) of tbf's plan, per device."""
+        for device in self.backend.devices:
+            if self.switch is not None:
                 self.switch.set_rate(device.rank, rate_mbit)
-        else:
-            plan = shaping.plan(self.profile, rate_mbit)
-            for device in devices:
-                self.backend.change_rate(device, plan)
+            else:
+                log.debug("shaping %s/%s to %g Mbit/s", device.name, device.interface, rate_mbit)
+                apply(device, shaping.plan(self.profile, rate_mbit))
 
     def sent_bytes(self) -> dict[int, int]:
         """Bytes each device's link has carried so far (its egress qdisc's counter)."""
