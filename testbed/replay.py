@@ -20,7 +20,8 @@ from testbed.traces import RateTrace
 class TraceReplay:
     def __init__(self, set_rate: Callable[[float], None], trace: RateTrace):
         self.set_rate, self.trace = set_rate, trace
-        self.applied_ns: list[int] = []  # when each rate was in force (after the change)
+        self.asked_ns: list[int] = []  # when each change was started
+        self.applied_ns: list[int] = []  # when each rate was in force (the change returned)
         self.applied_mbit: list[float] = []
         self.start_ns = 0
         self._stop = threading.Event()
@@ -36,6 +37,7 @@ class TraceReplay:
         return self
 
     def _apply(self, rate_mbit: float) -> None:
+        self.asked_ns.append(time.time_ns())
         self.set_rate(rate_mbit)
         self.applied_ns.append(time.time_ns())
         self.applied_mbit.append(rate_mbit)

@@ -47,9 +47,12 @@ def test_a_replayed_step_trace_is_followed_by_the_link(root, tmp_path: Path, emu
         remove_leftovers(run_id)
     for rate, wire in zip(TRACE.rates_mbit, measured, strict=True):
         assert wire == pytest.approx(rate, rel=0.05), (emulator, measured)
-    # every step was applied within 50 ms of its time, and the log answers "rate at t"
+    # every step was started within 20 ms of its time and in force within 250 ms (changing
+    # a qdisc in a namespace through netlink takes tens of ms), and the log answers "rate at t"
     assert replay.applied_mbit[:3] == [20.0, 2.0, 20.0]
-    for step, at_ns in enumerate(replay.applied_ns[:3]):
-        assert 0 <= at_ns - replay.start_ns - step * PHASE_S * 1e9 < 50e6
+    for step in range(3):
+        due_ns = replay.start_ns + step * PHASE_S * 1e9
+        assert 0 <= replay.asked_ns[step] - due_ns < 20e6
+        assert 0 <= replay.applied_ns[step] - due_ns < 250e6
     assert replay.rate_at_ns(replay.start_ns + int(1.5 * PHASE_S * 1e9)) == 2.0
     assert replay.rate_at_ns(replay.start_ns - 1) is None
