@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 
-from testbed import voice
+from testbed import interrupts, voice
 from testbed.errors import ConfigError, TestbedError
 from testbed.names import SLUG_RULE, is_slug
 
@@ -71,20 +70,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-_MAIN_PID = os.getpid()
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so the backend removes what it made. Only in this
-    process: a child forked by a library (pyroute2 enters namespaces that way) inherits the
-    handler and must simply die, not run our clean-up on its copy of the stack."""
-    if os.getpid() != _MAIN_PID:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    raise KeyboardInterrupt
-
-
 def print_plan(plan_rows: list[dict]) -> None:
     print(f"{'trial':44} {'rank':>4} {'payload bits/layer':>18} {'analytic comm ms':>16}")
     for row in plan_rows:
@@ -100,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupts.install()
     voice.restart()
     voice.quiet(args.quiet)
     args.run_dir = None  # set once known: an unexpected error's traceback goes there

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from testbed import environment, voice
+from testbed import environment, interrupts, voice
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
@@ -164,12 +164,14 @@ class Runner:
                 self._write_environment(backend, count)
                 for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
                     group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
+                    interrupts.check()
                     progress.start((count, rate), what)
                     link = links.shape(rate, self.experiment.link.probe_s)
                     self._save_link(link, count)
                     voice.say(f"{what}: {self.emulator} link, {_probed(link, count)}")
                     ok = self._run_session(links, group, plan, files, link, outcome)
                     progress.finish((count, rate), what, "ok" if ok else "FAILED")
+                    interrupts.check()
 
     def _run_session(
         self,

@@ -87,11 +87,11 @@ def test_clean_keeps_live_and_unlocked_runs_and_removes_dead_ones(tmp_path):
 
 
 HOLDER = """
-import signal, sys, time
+import sys, time
 from pathlib import Path
+from testbed import interrupts
 from testbed.lock import RunLock
-from testbed.run import _raise_interrupt
-signal.signal(signal.SIGTERM, _raise_interrupt)
+interrupts.install()
 try:
     with RunLock(sys.argv[1], Path(sys.argv[2])):
         print("locked", flush=True)
