@@ -59,10 +59,13 @@ class Device:
 
     def hello(self) -> dict[str, Any]:
         spec = self.spec
+        # each bundle hashed once: several runs share one (Trace-b's levels)
+        bundles = {id(b): b for _, b in self.methods.values() if b is not None}
+        fingerprints = {key: bundle.fingerprint for key, bundle in bundles.items()}
         return make_hello(
             spec.rank,
             devices=spec.devices,
-            runs=[self._run_hello(run) for run in spec.runs],
+            runs=[self._run_hello(run, fingerprints) for run in spec.runs],
             partition=self.sizes,
             batch=spec.batch,
             model=self.model.config.name,
@@ -72,14 +75,14 @@ class Device:
             authenticated=self.secret is not None,
         )
 
-    def _run_hello(self, run: MethodRun) -> dict[str, Any]:
+    def _run_hello(self, run: MethodRun, fingerprints: dict[int, str]) -> dict[str, Any]:
         method, bundle = self.methods[run.id]
         uses_bundle = method.spec.uses_codebooks and bundle is not None
         return {
             "id": run.id,
             "method": method.name,
             "params": method.spec.params(),
-            "bundle_fingerprint": bundle.fingerprint if uses_bundle else None,
+            "bundle_fingerprint": fingerprints[id(bundle)] if uses_bundle else None,
             "inferences": run.inferences,
         }
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_worker_protocol import free_ports
 
 import tracevq
 from devices.device import Device
@@ -63,16 +64,6 @@ def bundle_path(tmp_path_factory, model) -> Path:
     calibration = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     bundle = fit_bundle(model, calibration, K=K, families=("astra", "trace-b"))
     return bundle.save(tmp_path_factory.mktemp("bundle") / "b.pt")
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 def make_spec(
