@@ -22,7 +22,7 @@ import torch
 from devices.clock import Clock
 from devices.handshake import make_hello, shake
 from devices.inputs import InputSource
-from devices.level import choose_level
+from devices.level import LiveLevel, choose_level
 from devices.mesh import Mesh
 from devices.records import (
     ArrivalRecord,
@@ -32,11 +32,11 @@ from devices.records import (
     write_json,
     write_records,
 )
-from devices.session import Session
+from devices.session import Session, stamped
 from devices.spec import MethodRun, RunSpec, read_secret
 from devices.transport import MessageFormat
 from tracevq.bundle import Bundle, model_fingerprint
-from tracevq.methods import Method
+from tracevq.methods import Method, TraceMethod
 from tracevq.partition import partition_sizes
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class Device:
                             spec.recv_timeout_s)
             for run in spec.runs
         }  # fmt: skip
+        live = self._live_levels()
         self.mesh.start(lambda peer: self._formats(peer, self.slots()))
         inferences: list[InferenceRecord] = []
         blocks: list[BlockRecord] = []
@@ -141,6 +142,9 @@ class Device:
             inputs, labels = self.inputs.get(index)
             label = f"{'inference' if measured else 'warm-up'} {index} of run {run.id}"
             record, rows, arrived, output = sessions[run.id].infer(run.id, index, inputs, label)
+            if run.id in live:
+                record.est_rate_mbit = live[run.id].rate_mbit
+                live[run.id].update(arrived, rows)  # the level of this run's next inference
             if not measured:
                 continue
             if output is not None:
@@ -155,17 +159,29 @@ class Device:
         write_records(spec.out, inferences, blocks, arrivals)
         self._write_logits(logits)
 
+    def _live_levels(self) -> dict[str, LiveLevel]:
+        """The level choosers of the runs with `level_k: auto`, by run id."""
+        handshakes = self.mesh.handshakes
+        offsets = {peer: h.clock_offset_ns for peer, h in handshakes.items()}
+        latency = {peer: h.clock_uncertainty_ns for peer, h in handshakes.items()}
+        tokens, batch = self.sizes[self.spec.rank], self.spec.batch
+        return {
+            run.id: LiveLevel(method, tokens, batch, offsets, latency)
+            for run in self.spec.runs
+            if isinstance(method := self.methods[run.id][0], TraceMethod) and stamped(method)
+        }
+
     def _formats(
         self, peer: int, slots: Iterator[tuple[MethodRun, int, bool]]
     ) -> Iterator[MessageFormat]:
-        """(header bytes, size from the header) of each message `peer` will send, in order:
-        one per block of every inference."""
+        """How to delimit each message `peer` will send, in order: one per block of every
+        inference."""
         tokens, batch = self.sizes[peer], self.spec.batch
         for run, _, _ in slots:
             method = self.methods[run.id][0]
             size = functools.partial(method.message_bytes, tokens, batch)
             for _ in range(self.model.config.depth):
-                yield method.header_bytes, size
+                yield MessageFormat(method.header_bytes, size, stamped(method))
 
     def _write_logits(self, logits: dict[str, list[torch.Tensor]]) -> None:
         folder = self.spec.out / "logits"
@@ -198,6 +214,10 @@ class Device:
             bytes={
                 "handshake": mesh.handshake_bytes,
                 "control": mesh.control_bytes,
+                "stamps": {
+                    way: sum(link.stamp_bytes[way] for link in links)
+                    for way in ("sent", "received")
+                },
                 "payload": {
                     "sent": sum(link.bytes_sent for link in links),
                     "received": sum(link.bytes_received for link in links),

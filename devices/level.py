@@ -1,22 +1,37 @@
-"""The Trace level of a session when `level_k=auto`, kept simple (docs/method.md, Level
-selection).
+"""The Trace level of a run with `level_k=auto` (docs/method.md, Level selection): the finest
+tree level whose message crosses the link within this device's FFN time, so that
+communication stays hidden behind it. Each device chooses for itself: the header of every
+message carries its level, so the receivers follow.
 
-The finest tree level whose message crosses the link within this device's local FFN time
-(so that communication stays hidden behind it), via `tracevq.methods.auto_level`. The FFN
-time is measured here, before the session, on the device's own partition shape: every
-block's FFN on random activations, a few rounds, the median per block. The link rate comes
-from the caller (`--rate-mbit`, 10^6 bit/s, e.g. the probe's figure); without it the finest
-level is used. Each device chooses for itself: the header of every message carries its level.
+- At the start (`choose_level`): the FFN time is measured on the device's own partition shape
+  (every block's FFN on random activations, a few rounds, the median), the link rate is the
+  spec's `rate_mbit` (the testbed's probe figure); without one, the finest level.
+- During the session (`LiveLevel`), at every inference boundary: from the messages of the last
+  inference. Every message of an auto run carries its departure time (devices.transport,
+  STAMP), so the receiver knows its one-way time on its own clock: the kernel's receive
+  timestamp of its last byte minus the departure corrected by the handshake's clock offset.
+  Less the small-message latency of the handshake (half its best round trip), that is the
+  time the link took for the message's frames; the median per frame byte over the last
+  inference's messages predicts each level's transfer time, and the budget is the median FFN
+  time of the last inference's blocks. The messages observed are the peers' (a device's
+  downlink); the choice is for its own uplink's messages. That is the same link where one
+  channel is shared or the rates are alike (a replayed trace plays on every device), and not
+  where devices have rates of their own: there the peers' estimates would have to be sent
+  back.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from devices.records import ArrivalRecord, BlockRecord
+from devices.transport import STAMP, tcp_frame_bytes
+from tracevq.codec import trace_message_bytes
 from tracevq.methods import Method, TraceMethod, auto_level
 
 FFN_ROUNDS = 3
@@ -62,3 +77,55 @@ def choose_level(
         "ffn_ms": ffn_ms,
         "transfer_ms": transfer_ms,
     }
+
+
+class LiveLevel:
+    """Re-chooses an auto run's level from its last inference (see the module docstring).
+
+    offsets_ns: per peer, the peer's clock minus this device's (the handshake's);
+    latency_ns: per peer, half the handshake's best round trip (its small-message latency).
+    """
+
+    def __init__(
+        self,
+        method: TraceMethod,
+        tokens: int,
+        batch: int,
+        offsets_ns: Mapping[int, int],
+        latency_ns: Mapping[int, int],
+    ):
+        self.method, self.offsets_ns, self.latency_ns = method, offsets_ns, latency_ns
+        rows = tokens * batch
+        self.wire_bytes = [
+            tcp_frame_bytes(STAMP.size + trace_message_bytes(rows, bits))
+            for bits in method.level_bits
+        ]
+        self.rate_mbit: float | None = None  # the last estimate
+
+    def update(self, arrivals: Sequence[ArrivalRecord], blocks: Sequence[BlockRecord]) -> int:
+        """Set the level for the next inference from the last one's arrivals and blocks;
+        returns it (unchanged when nothing could be measured)."""
+        ns_per_byte = [
+            max(self._link_ns(a), 0) / tcp_frame_bytes(STAMP.size + a.message_bytes)
+            for a in arrivals
+            if a.sent_ns is not None
+        ]
+        ffn_ms = [(b.ffn_end_ns - b.ffn_start_ns) / 1e6 for b in blocks]
+        if not ns_per_byte or not ffn_ms:
+            return self.method.level
+        per_byte = statistics.median(ns_per_byte)
+        budget_ms = statistics.median(ffn_ms)
+        self.rate_mbit = 8e3 / per_byte if per_byte > 0 else None
+        level = 0
+        for candidate, wire in enumerate(self.wire_bytes):
+            if wire * per_byte / 1e6 <= budget_ms:
+                level = candidate
+        self.method.set_level(level)
+        return level
+
+    def _link_ns(self, arrival: ArrivalRecord) -> int:
+        """The message's one-way time less the handshake's small-message latency."""
+        assert arrival.sent_ns is not None
+        received = arrival.read_ns if arrival.kernel_ns is None else arrival.kernel_ns
+        sent_here = arrival.sent_ns - self.offsets_ns.get(arrival.peer, 0)
+        return received - sent_here - self.latency_ns.get(arrival.peer, 0)

@@ -74,7 +74,8 @@ class ArrivalRecord:
     """A peer's message for block `block`, as this device received it.
 
     kernel_ns: the kernel's receive timestamp of its last byte (None where the kernel gives
-    none); read_ns: the receiver thread had read it off the socket.
+    none); read_ns: the receiver thread had read it off the socket; sent_ns: its departure on
+    the sender's clock, which a stamped message carries (`level_k: auto`; None otherwise).
     """
 
     run: str
@@ -84,6 +85,7 @@ class ArrivalRecord:
     message_bytes: int
     kernel_ns: int | None
     read_ns: int
+    sent_ns: int | None = None
 
 
 @dataclass
@@ -93,8 +95,10 @@ class InferenceRecord:
     effective_ms: wall time from the start (input in hand) to the device's output: the logits
     on device 0, the end of the last block elsewhere. compute_ms = effective_ms - wait_ms
     (embedding and head included). level, level_k, r_bits: the Trace tree level in use, its
-    codewords and bits per index. predicted: device 0's classes; correct: how many matched
-    the labels (when the inputs have labels).
+    codewords and bits per index. est_rate_mbit: with `level_k: auto`, the link rate this
+    device estimated from the previous inference's messages, from which it chose the level
+    (devices.level.LiveLevel; None before the first estimate). predicted: device 0's classes;
+    correct: how many matched the labels (when the inputs have labels).
     """
 
     run: str
@@ -107,6 +111,7 @@ class InferenceRecord:
     level: int | None = None
     level_k: int | None = None
     r_bits: int | None = None
+    est_rate_mbit: float | None = None
     predicted: list[int] | None = None
     correct: int | None = None
 

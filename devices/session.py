@@ -31,6 +31,12 @@ from tracevq.partition import partition_sizes
 LOSS_GRACE_S = 0.3
 
 
+def stamped(method: Method) -> bool:
+    """Whether the method's messages carry their departure time: a run with `level_k: auto`
+    re-chooses its level from their one-way times (devices.level.LiveLevel)."""
+    return isinstance(method, TraceMethod) and method.spec.level_k == "auto"
+
+
 class Session:
     """Runs inferences of `method` as device `rank` of the mesh's devices."""
 
@@ -42,6 +48,7 @@ class Session:
         self.sizes = partition_sizes(method.model.config.tokens, self.devices)
         self.depth = method.model.config.depth
         self.peer_names = {peer: mesh.name(peer) for peer in range(self.devices)}
+        self.stamped = stamped(method)
 
     @torch.no_grad()
     def infer(
@@ -73,7 +80,9 @@ class Session:
             ffn_end = now()
             marks.append((block_start, wait_start, wait_end, ffn_start, ffn_end))
             arrivals += [
-                ArrivalRecord(run, index, block, peer, len(m.message), m.kernel_ns, m.read_ns)
+                ArrivalRecord(
+                    run, index, block, peer, len(m.message), m.kernel_ns, m.read_ns, m.sent_ns
+                )
                 for peer, m in incoming.items()
             ]
         logits = device_run.logits() if self.rank == 0 else None
@@ -95,7 +104,7 @@ class Session:
         for link in self.mesh.links.values():
             if link.send_error is not None:
                 raise PeerLostError(f"lost {link.name} at {context}: {link.send_error}")
-        outgoing[block] = Outgoing(block, message, len(self.mesh.links))
+        outgoing[block] = Outgoing(block, message, len(self.mesh.links), self.stamped)
         self.mesh.post(outgoing[block])
 
     def _collect(self, context: str) -> dict[int, Incoming]:

@@ -14,18 +14,25 @@
   only when a block needs them.
 - Messages carry no length prefix: the receiver reads the method's header bytes, then the
   rest of the size that the method derives from the header (docs/method.md, Wire format).
+- A stamped message (the runs of `level_k: auto`, devices.level) is preceded by its departure
+  time, 8 bytes (`STAMP`: ns on the sender's clock, taken when its first byte is offered to
+  the kernel), so that the receiver knows each message's one-way time while the session runs.
+  Stamps are counted apart from the payload (`stamp_bytes`).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from devices.clock import ANCILLARY_BYTES, Clock, enable_rx_timestamps
 from devices.errors import ConnectError, MessageError, PeerLostError
@@ -34,8 +41,27 @@ log = logging.getLogger(__name__)
 
 RETRY_INTERVAL_S = 0.1
 READY = b"R"
-# (header bytes, message bytes from the header): how to delimit one message on the stream
-MessageFormat = tuple[int, Callable[[bytes], int]]
+STAMP = struct.Struct("<q")  # a stamped message's departure time, ns on the sender's clock
+# MTU 1500 and TCP timestamps (Linux's default)
+TCP_MSS_BYTES = 1448  # 1500 - 20 IP - 32 TCP
+TCP_FRAME_HEADER_BYTES = 66  # 14 Ethernet + 20 IP + 32 TCP
+
+
+def tcp_frame_bytes(payload_bytes: int) -> int:
+    """Bytes of the Ethernet frames that carry a TCP message: ceil(payload / MSS) segments,
+    each with its Ethernet, IP and TCP headers (0 for no message)."""
+    if payload_bytes <= 0:
+        return 0
+    segments = math.ceil(payload_bytes / TCP_MSS_BYTES)
+    return payload_bytes + segments * TCP_FRAME_HEADER_BYTES
+
+
+class MessageFormat(NamedTuple):
+    """How to delimit one message on the stream."""
+
+    header_bytes: int
+    size: Callable[[bytes], int]  # the message's bytes, from its header
+    stamped: bool = False  # preceded by its departure time (STAMP)
 
 
 def format_address(address: tuple[str, int]) -> str:
@@ -170,6 +196,7 @@ class Outgoing:
     block: int
     message: bytes
     peers: int
+    stamped: bool = False
     departed_ns: dict[int, int] = field(default_factory=dict)
     written_ns: dict[int, int] = field(default_factory=dict)
     bytes_written: dict[int, int] = field(default_factory=dict)
@@ -193,11 +220,13 @@ class Outgoing:
 @dataclass
 class Incoming:
     """A peer's message: when its last byte reached this host (the kernel's receive
-    timestamp, None where the kernel gives none) and when the receiver thread had read it."""
+    timestamp, None where the kernel gives none), when the receiver thread had read it, and
+    for a stamped message its departure on the sender's clock."""
 
     message: bytes
     kernel_ns: int | None
     read_ns: int
+    sent_ns: int | None = None
 
 
 @dataclass
@@ -213,9 +242,11 @@ class PeerLink:
     def __init__(self, peer: int, address: tuple[str, int], sock: socket.socket, clock: Clock):
         self.peer, self.address, self.sock, self.clock = peer, address, sock, clock
         self.name = f"device {peer} ({format_address(address)})"
-        self.outbox: queue.SimpleQueue[tuple[Outgoing, int] | None] = queue.SimpleQueue()
+        # (message, its bytes as sent (stamp first), bytes already written)
+        self.outbox: queue.SimpleQueue[tuple[Outgoing, bytes, int] | None] = queue.SimpleQueue()
         self.inbox: queue.SimpleQueue[Incoming | _Closed] = queue.SimpleQueue()
         self.bytes_sent = self.bytes_received = 0
+        self.stamp_bytes = {"sent": 0, "received": 0}
         self.messages_sent = self.messages_received = 0
         self.send_error: str | None = None
         self.closed: _Closed | None = None  # set by the receiver thread when the peer is gone
@@ -239,23 +270,31 @@ class PeerLink:
         message: all of it, so no thread wake-up delays it); the sender thread writes the
         rest, and every message posted while it is busy, in order."""
         with self._send_lock:
-            written = 0
+            written, data = 0, outgoing.message
             if self._backlog == 0 and self.send_error is None:
-                outgoing.depart(self.peer, self.clock.now_ns())
+                data = self._depart(outgoing)
                 try:
-                    written = self.sock.send(outgoing.message, socket.MSG_DONTWAIT)
+                    written = self.sock.send(data, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     written = 0
                 except OSError as error:
                     self.send_error = f"sending failed: {error.strerror or error}"
-                if written == len(outgoing.message) or self.send_error is not None:
+                if written == len(data) or self.send_error is not None:
                     self._written(outgoing, written)
                     return
             self._backlog += 1
-            self.outbox.put((outgoing, written))
+            self.outbox.put((outgoing, data, written))
+
+    def _depart(self, outgoing: Outgoing) -> bytes:
+        """The bytes of the message as they go out now: its stamp (if any) says now."""
+        now = self.clock.now_ns()
+        outgoing.depart(self.peer, now)
+        return STAMP.pack(now) + outgoing.message if outgoing.stamped else outgoing.message
 
     def _written(self, outgoing: Outgoing, written: int) -> None:
-        self.bytes_sent += written
+        stamp = STAMP.size if outgoing.stamped else 0
+        self.stamp_bytes["sent"] += min(written, stamp)
+        self.bytes_sent += max(written - stamp, 0)
         self.messages_sent += 1
         outgoing.finish(self.peer, written, self.clock.now_ns(), self.send_error)
 
@@ -282,10 +321,11 @@ class PeerLink:
 
     def _send_loop(self) -> None:
         while (item := self.outbox.get()) is not None:
-            outgoing, written = item
+            outgoing, data, written = item
             if self.send_error is None:
-                outgoing.depart(self.peer, self.clock.now_ns())
-                view = memoryview(outgoing.message)
+                if written == 0:  # nothing of it went out yet: it departs now
+                    data = self._depart(outgoing)
+                view = memoryview(data)
                 try:
                     while written < len(view):
                         written += self.sock.send(view[written:])
@@ -297,9 +337,12 @@ class PeerLink:
 
     def _receive_loop(self, formats: Iterator[MessageFormat]) -> None:
         stamped = Stamped(self.sock, self.clock)
-        for header_bytes, message_bytes in formats:
-            header = b""
+        for header_bytes, message_bytes, has_stamp in formats:
+            header, sent_ns = b"", None
             try:
+                if has_stamp:
+                    (sent_ns,) = STAMP.unpack(stamped.read(STAMP.size))
+                    self.stamp_bytes["received"] += STAMP.size
                 header = stamped.read(header_bytes)
                 rest = stamped.read(message_bytes(header) - header_bytes)
             except PeerClosed as closed:
@@ -322,7 +365,7 @@ class PeerLink:
                 return
             self.bytes_received += len(header) + len(rest)
             self.messages_received += 1
-            self.inbox.put(Incoming(header + rest, stamped.kernel_ns, self.clock.now_ns()))
+            self.inbox.put(Incoming(header + rest, stamped.kernel_ns, self.clock.now_ns(), sent_ns))
         self._await_end(stamped)
 
     def _await_end(self, stamped: Stamped) -> None:

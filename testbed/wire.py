@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 
+# the worker's own TCP arithmetic (its level choice needs it too), re-exported
+from devices.transport import TCP_FRAME_HEADER_BYTES as TCP_FRAME_HEADER_BYTES
+from devices.transport import TCP_MSS_BYTES as TCP_MSS_BYTES
+from devices.transport import tcp_frame_bytes as tcp_frame_bytes
 from testbed.errors import ShapingError
 
 FULL_FRAME_BYTES = 1514  # MTU 1500 + Ethernet header
-TCP_MSS_BYTES = 1448  # MTU 1500 - 20 IP - 32 TCP with timestamps
-TCP_FRAME_HEADER_BYTES = 66  # 14 Ethernet + 20 IP + 32 TCP with timestamps
 QUEUE_MS = 50.0  # as tbf's queue_latency_ms
 QUEUE_BURST_FRAMES = 2  # as tbf's bucket
 MIN_QUEUE_FRAMES = 32  # TCP's initial window (10 segments) with room to spare
@@ -42,15 +44,6 @@ def departure_s(
     """
     start = max(arrival_s, free_at_s)
     return start, start + wire_time_s(frame_bytes, rate_bit_s)
-
-
-def tcp_frame_bytes(payload_bytes: int) -> int:
-    """Bytes of the Ethernet frames that carry a TCP message: ceil(payload / MSS) segments,
-    each with its Ethernet, IP and TCP headers (0 for no message)."""
-    if payload_bytes <= 0:
-        return 0
-    segments = math.ceil(payload_bytes / TCP_MSS_BYTES)
-    return payload_bytes + segments * TCP_FRAME_HEADER_BYTES
 
 
 def tcp_message_wire_s(payload_bytes: int, rate_bit_s: float) -> float:

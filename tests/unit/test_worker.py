@@ -249,25 +249,43 @@ def simulate_input(model, bundle_path, method, params, devices, index):
         torch.set_num_threads(threads)
 
 
-def test_auto_level_picks_coarsest_on_a_slow_link(tmp_path, model, bundle_path):
-    """level_k=auto with a 100 bit/s link: nothing fits under the FFN (even level 0's 24 bits
-    take 240 ms, far more than a loaded machine's FFN of this model), so level 0 (1 bit); the
-    logits are those of the simulation at that level. Two threads, recorded."""
+def test_auto_level_starts_coarsest_on_a_slow_link_then_follows_the_messages(
+    tmp_path, model, bundle_path
+):
+    """level_k=auto with a 100 bit/s link given at the start: nothing fits under the FFN (even
+    level 0's 24 bits take 240 ms, far more than a loaded machine's FFN of this model), so the
+    first inference runs at level 0 (1 bit). From then on each device re-chooses from the
+    stamped messages' one-way times on loopback; whatever it chose, the logits of every
+    inference are the simulation's at the level that inference recorded, and the estimate
+    it chose from is recorded. Two threads, recorded."""
     run = MethodRun(id="auto", method="trace-b", params={"K": K, "level_k": "auto"},
-                    bundle=bundle_path)  # fmt: skip
-    results = run_session(tmp_path, 2, [run], rate_mbit=0.0001, threads=2)
+                    bundle=bundle_path, inferences=3)  # fmt: skip
+    results = run_session(tmp_path, 2, [run], rate_mbit=0.0001, threads=2, warmup=0)
     for rank, (status, stderr) in enumerate(results):
         assert status == 0, f"worker {rank} failed: {stderr}"
-    reference = simulate(model, bundle_path, "trace-b", {"K": K, "level_k": 2}, 2)
     logits = np.load(tmp_path / "device0" / "logits" / "auto.npy")
-    np.testing.assert_allclose(logits[0], reference.logits.numpy(), atol=1e-5, rtol=0)
+    sizes = tracevq.Bundle.load(bundle_path).family("trace-b")[1][0].level_sizes
     for rank in range(2):
         device = read_records(tmp_path / f"device{rank}")
         choice = device.session.runs["auto"]["level_choice"]
         assert choice["mode"] == "auto" and choice["level"] == 0 and choice["ffn_ms"] > 0
         assert device.session.threads["torch"] == 2
-        (record,) = device.inferences
-        assert (record.level, record.level_k, record.r_bits) == (0, 2, 1)
+        first, *later = device.inferences
+        assert (first.level, first.level_k, first.r_bits, first.est_rate_mbit) == (0, 2, 1, None)
+        assert all(r.est_rate_mbit is not None and r.est_rate_mbit > 0 for r in later)
+        assert all(a.sent_ns is not None for a in device.arrivals)
+        assert device.session.bytes["stamps"]["sent"] == 8 * model.config.depth * 3
+    # each device chooses its own level; the simulation has one level for all, so inferences
+    # where the two chose alike are checked (the first always: both start at level 0)
+    levels = [[r.level for r in read_records(tmp_path / f"device{rank}").inferences]
+              for rank in range(2)]  # fmt: skip
+    for index, (level, peer_level) in enumerate(zip(*levels, strict=True)):
+        if level != peer_level:
+            continue
+        reference = simulate_input(
+            model, bundle_path, "trace-b", {"K": K, "level_k": sizes[level]}, 2, index
+        )
+        np.testing.assert_allclose(logits[index], reference.numpy(), atol=1e-5, rtol=0)
 
 
 def test_mismatched_bundle_is_refused_on_both_sides(tmp_path, model, bundle_path):

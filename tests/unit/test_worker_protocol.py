@@ -14,7 +14,7 @@ from devices.errors import ConnectError, PeerLostError, ProtocolError
 from devices.frames import CountingSocket
 from devices.handshake import CLOCK_ROUNDS, make_hello, shake
 from devices.mesh import Mesh
-from devices.transport import Outgoing
+from devices.transport import MessageFormat, Outgoing
 
 
 def free_ports(count: int) -> list[int]:
@@ -124,7 +124,7 @@ def test_mesh_of_three_connects_exchanges_and_counts_bytes():
                 ),
             )
             mesh.barrier(10)
-            mesh.start(lambda peer: iter([(1, lambda header: 1 + header[0])]))
+            mesh.start(lambda peer: iter([MessageFormat(1, lambda header: 1 + header[0])]))
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
@@ -184,7 +184,7 @@ def connected_pair() -> list[Mesh]:
 def test_lost_peer_is_named_with_the_context():
     meshes = connected_pair()
     for mesh in meshes:
-        mesh.start(lambda peer: iter([(0, lambda header: 4)] * 10))
+        mesh.start(lambda peer: iter([MessageFormat(0, lambda header: 4)] * 10))
     meshes[1].close(graceful=False)
     with pytest.raises(
         PeerLostError,
@@ -199,7 +199,7 @@ def test_data_after_the_last_expected_message_is_named():
     """The receiver follows the agreed schedule: a peer that sends more is out of step."""
     meshes = connected_pair()
     try:
-        meshes[0].start(lambda peer: iter([(0, lambda header: 2)]))
+        meshes[0].start(lambda peer: iter([MessageFormat(0, lambda header: 2)]))
         meshes[1].links[0].sock.sendall(b"okX")
         assert meshes[0].links[1].take(5, "block 0").message == b"ok"
         with pytest.raises(PeerLostError, match=r"sent data after its last message \(b'X'\.\.\.\)"):

@@ -1,0 +1,80 @@
+"""`level_k: auto` during a session: the level each inference boundary chooses from the last
+inference's stamped messages (devices.level.LiveLevel), on records made for a known link."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tracevq
+from devices.level import LiveLevel
+from devices.records import ArrivalRecord, BlockRecord
+from devices.transport import STAMP, tcp_frame_bytes
+from tracevq.bundle import fit_bundle
+from tracevq.codec import trace_message_bytes
+from tracevq.methods import make_method
+
+BATCH = 100  # 9 tokens x 100: messages of 114, 226, 339 and 451 bytes at levels 0..3
+TOKENS = 9
+OFFSET_NS = 5_000_000_000  # the peer's clock is 5 s ahead
+LATENCY_NS = 40_000
+
+
+@pytest.fixture(scope="module")
+def method():
+    model = tracevq.build_model("vit-tiny")
+    bundle = fit_bundle(model, torch.randn(4, 3, 32, 32), K=16, families=("trace-b",))
+    return make_method("trace-b", model, bundle, K=16, level_k="auto")
+
+
+def wire_bytes(method, level: int) -> int:
+    return tcp_frame_bytes(
+        STAMP.size + trace_message_bytes(TOKENS * BATCH, method.level_bits[level])
+    )
+
+
+def inference(method, level: int, rate_mbit: float, ffn_ms: float):
+    """The records of one inference whose peer sent at `level` over a `rate_mbit` link."""
+    message = trace_message_bytes(TOKENS * BATCH, method.level_bits[level])
+    link_ns = round(wire_bytes(method, level) * 8 / rate_mbit * 1e3)
+    arrivals, blocks = [], []
+    for block in range(4):
+        sent_here = 1_000_000_000 * (block + 1)
+        arrival = sent_here + LATENCY_NS + link_ns
+        arrivals.append(ArrivalRecord("r", 0, block, 1, message, arrival, arrival + 10_000,
+                                      sent_here + OFFSET_NS))  # fmt: skip
+        start = sent_here - 2_000_000
+        ffn_end = start + round(ffn_ms * 1e6)
+        blocks.append(BlockRecord("r", 0, block, ffn_ms, 0.0, 0, 0, message, start, None, None,
+                                  None, None, start, ffn_end))  # fmt: skip
+    return arrivals, blocks
+
+
+@pytest.mark.parametrize(
+    ("rate_mbit", "ffn_ms", "expected"),
+    [
+        (1.0, 10.0, 3),  # 525 wire bytes take 4.2 ms: the finest level fits
+        (1.0, 3.0, 1),  # 300 bytes take 2.4 ms, 413 take 3.3 ms
+        (1.0, 1.0, 0),  # nothing fits: the coarsest
+        (100.0, 0.05, 3),  # 42 us
+    ],
+)
+def test_the_finest_level_whose_frames_cross_within_the_ffn_time(
+    method, rate_mbit, ffn_ms, expected
+):
+    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, {1: LATENCY_NS})
+    for observed_level in (2, expected):  # the estimate does not depend on the level sent at
+        method.set_level(observed_level)
+        assert live.update(*inference(method, observed_level, rate_mbit, ffn_ms)) == expected
+        assert method.level == expected
+        assert live.rate_mbit == pytest.approx(rate_mbit, rel=1e-3)
+
+
+def test_without_stamped_messages_the_level_stays(method):
+    live = LiveLevel(method, TOKENS, BATCH, {1: 0}, {1: 0})
+    method.set_level(2)
+    arrivals, blocks = inference(method, 2, 1.0, 0.1)
+    unstamped = [dataclasses.replace(a, sent_ns=None) for a in arrivals]
+    assert live.update(unstamped, blocks) == 2 and live.rate_mbit is None
