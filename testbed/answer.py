@@ -1,7 +1,9 @@
 """The answer a run prints when it ends: per device count, every method variant at every
 rate with its effective latency (median over repetitions of the slowest device, 95% interval),
 its communication (median of the devices' mean) and its speedup over Voltage (median of the
-per-repetition ratios, the repetitions paired in time), in the figures' variant order.
+per-repetition ratios, the repetitions paired in time), in the figures' variant order. Over
+a replayed trace the rows are the rates in force when the inferences started, with the mean
+codewords of the levels used.
 
     P=2 vit-b16 (6 repetitions)   effective ms [95% CI]      comm ms   vs voltage
     1 Mbit/s  voltage             14,210 [14,102, 14,305]     13,402       1.00x
@@ -27,14 +29,14 @@ def _ms(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.1f}"
 
 
-def _speedups(ok: pd.DataFrame) -> dict[tuple, float]:
+def _speedups(ok: pd.DataFrame, rate_column: str) -> dict[tuple, float]:
     """Median over repetitions of Voltage's effective time over each variant's, per (devices,
     rate, variant); empty where the run has no Voltage."""
     slowest = stats.by_repetition(
-        ok, ["devices", "bandwidth_mbit", "variant"], ["effective_ms"], how="max"
+        ok, ["devices", rate_column, "variant"], ["effective_ms"], how="max"
     )
     gains = {}
-    for (devices, rate), part in slowest.groupby(["devices", "bandwidth_mbit"]):
+    for (devices, rate), part in slowest.groupby(["devices", rate_column]):
         per = {v: p.set_index("repeat")["effective_ms"] for v, p in part.groupby("variant")}
         if BASELINE not in per:
             continue
@@ -47,10 +49,14 @@ def answer_lines(results: Results) -> list[str]:
     ok = ok_trials(results)
     if ok.empty:
         return ["no trial succeeded: nothing to summarize"]
-    keys = ["devices", "bandwidth_mbit", "variant"]
+    # over a replayed trace, the rate is the one in force when each inference started
+    traced = "trace" in ok and ok["trace"].fillna("").astype(str).str.len().any()
+    rate_column = "link_rate_mbit" if traced else "bandwidth_mbit"
+    keys = ["devices", rate_column, "variant"]
     effective = stats.summarize(ok, keys, ["effective_ms"], "max").set_index(keys)
     comm = stats.summarize(ok, keys, ["comm_ms"], "mean").set_index(keys)
-    gains = _speedups(ok)
+    levels = ok.groupby(keys)["level_k"].mean() if traced else None
+    gains = _speedups(ok, rate_column)
     order = variant_order(ok)
     width = max(len(v) for v in order) + 2
     model = results.config["model"]["name"]
@@ -59,9 +65,10 @@ def answer_lines(results: Results) -> list[str]:
         at = effective.loc[devices]
         n = int(at["n"].max())
         title = f"P={devices} {model} ({n} repetitions)"
+        level_head = f"{'mean K used':>13}" if traced else ""
         lines += ["", f"{title:<{10 + width}}{'effective ms [95% CI]':>26}{'comm ms':>11}"
-                  f"{'vs ' + BASELINE:>13}"]  # fmt: skip
-        for rate in sorted(ok.loc[ok["devices"] == devices, "bandwidth_mbit"].unique()):
+                  f"{'vs ' + BASELINE:>13}{level_head}"]  # fmt: skip
+        for rate in sorted(ok.loc[ok["devices"] == devices, rate_column].unique()):
             first = True
             for name in order:
                 if (rate, name) not in at.index:
@@ -72,11 +79,12 @@ def answer_lines(results: Results) -> list[str]:
                     f"{_ms(cell['effective_ms_high'])}]"
                 )
                 gain = gains.get((devices, rate, name), math.nan)
+                level = "" if levels is None else f"{_ms(levels.loc[(devices, rate, name)]):>13}"
                 rate_text = f"{rate:g} Mbit/s" if first else ""
                 lines.append(
                     f"{rate_text:<10}{name:<{width}}{interval:>26}"
                     f"{_ms(comm.loc[(devices, rate, name), 'comm_ms']):>11}"
-                    f"{'-' if math.isnan(gain) else f'{gain:,.2f}x':>13}"
+                    f"{'-' if math.isnan(gain) else f'{gain:,.2f}x':>13}{level}"
                 )
                 first = False
     return lines

@@ -95,6 +95,15 @@ CONTEXT = _columns(
     ("measured_wire_mbit", "float64", "Mbit/s", "the same as a frame rate: measured_mbit x "
      "1514/1448 (MTU 1500, TCP timestamps)"),
     ("rate_flagged", "boolean", "", "measured_wire_mbit more than 5% off bandwidth_mbit"),
+    ("trace", "string", "", "the bandwidth trace replayed on the links during the session "
+     "(link.trace), empty for a constant rate"),
+    ("trace_s", "float64", "s", "with a trace: when the inference started, seconds since the "
+     "replay started (looped traces keep counting)"),
+    ("link_rate_mbit", "float64", "Mbit/s", "the rate in force on the links when the "
+     "inference started: bandwidth_mbit, or the trace's step applied by then"),
+    ("est_rate_mbit", "float64", "Mbit/s", "with level_k=auto: the device's own estimate of "
+     "the link rate from the previous inference's messages, which chose this inference's "
+     "level; empty before its first estimate and for other methods"),
     ("link_sent_bytes", "Int64", "B", "bytes the device's link carried during the whole "
      "session (its trials, warm-ups, handshakes, TCP/IP headers and ACKs included)"),
     ("clock_offset_ms", "float64", "ms", "device 0's clock minus this device's, from the "

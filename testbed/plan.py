@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed.schema import Experiment
+from testbed.errors import ConfigError
+from testbed.schema import DEFAULT_RATE_MBIT, Experiment, LinkSection
+from testbed.traces import RateTrace, load_trace
 from tracevq.codec import index_bits
 from tracevq.config import model_config
 from tracevq.payload import payload_bits
@@ -52,10 +54,26 @@ def _short(value: Any) -> str:
     return str(value)
 
 
+def link_rates(link: LinkSection) -> list[float]:
+    """The trials' rates: the swept ones, or a trace's time-weighted mean."""
+    if link.trace is not None:
+        return [round(link_trace(link).mean_mbit(), 3)]
+    return link.bandwidth_mbit or [DEFAULT_RATE_MBIT]
+
+
+def link_trace(link: LinkSection) -> RateTrace:
+    """The experiment's trace as played (stretched). Raises ConfigError naming link.trace."""
+    assert link.trace is not None
+    try:
+        return load_trace(link.trace).stretched(link.trace_stretch)
+    except ConfigError as error:
+        raise ConfigError(f"link.trace: {error}") from None
+
+
 def plan_trials(experiment: Experiment) -> list[Trial]:
     trials = []
     for count in experiment.devices.count:
-        for rate in experiment.link.bandwidth_mbit:
+        for rate in link_rates(experiment.link):
             for variant in experiment.method_variants():
                 params = tuple((k, v) for k, v in variant.items() if k != "name")
                 trials.append(Trial(experiment.name, count, rate, variant["name"], params))

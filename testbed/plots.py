@@ -9,7 +9,8 @@ except for effective latency, where the slowest device counts (the inference end
   variant's wire time (dashed) and the paper's analytic time (dotted) (Fig. 6 kind);
 - measured_vs_analytic.png: measured communication against the wire time and against the
   analytic time, coloured by rate, with the line y = x;
-- latency.png and compression.png: see `testbed.plots_latency` (Figs. 5 and 7 kinds).
+- latency.png and compression.png: see `testbed.plots_latency` (Figs. 5 and 7 kinds);
+- trace.png, for a run over a replayed bandwidth trace: see `testbed.plots_trace`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from testbed.plots_common import (
     yerr,
 )
 from testbed.plots_latency import compression, latency_breakdown
+from testbed.plots_trace import trace_timeline
 from testbed.results import Results
 from testbed.stats import Aggregate
 
@@ -186,5 +188,6 @@ def make_figures(results: Results) -> list[Path]:
         comm_vs_bandwidth(results, directory / "comm_vs_bandwidth.png"),
         measured_vs_analytic(results, directory / "measured_vs_analytic.png"),
         compression(results, directory / "compression.png"),
+        trace_timeline(results, directory / "trace.png"),
     ]
     return [p for p in made if p is not None]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from testbed.errors import ConfigError, ShapingError
 from testbed.link import emulator_for
+from testbed.plan import link_trace
 from testbed.profiles import LinkProfile, load_profile
 from testbed.schema import Experiment
 
@@ -78,6 +79,11 @@ def _check_files(experiment: Experiment, source: str) -> None:
             raise ConfigError(f"{source}: {field}: not a regular file: {name}{where}")
         if not os.access(path, os.R_OK):
             raise ConfigError(f"{source}: {field}: not readable: {name}")
+    if experiment.link.trace is not None:
+        try:
+            link_trace(experiment.link)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {error}") from None
 
 
 def host_cpus() -> int:

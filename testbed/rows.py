@@ -22,6 +22,7 @@ import pandas as pd
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
 from testbed.columns import LAYER_COLUMNS, LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, Column
+from testbed.replay import TraceReplay
 from testbed.wire import tcp_frame_bytes, wire_time_s
 
 TC_MEGABIT = 10**6
@@ -84,10 +85,15 @@ def arrival_ns(arrival: ArrivalRecord) -> int:
 
 
 def trial_rows(
-    identity: dict[int, dict[str, Any]], records: dict[int, DeviceRecords]
+    identity: dict[int, dict[str, Any]],
+    records: dict[int, DeviceRecords],
+    replay: TraceReplay | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Rows of one trial: `identity` holds each rank's plan, link and session facts (every
-    column that is not measured), `records` each rank's records of this trial's run only."""
+    column that is not measured), `records` each rank's records of this trial's run only,
+    `replay` the trace played during the session, if any (the rate in force at an inference's
+    start is the step it had applied by then: the devices' clocks are the host's, except on
+    ssh boards, whose clocks are only as close to the host's as their NTP keeps them)."""
     timeline = Timeline(records)
     ranks = sorted(records)
     trials, layers = [], []
@@ -115,8 +121,15 @@ def trial_rows(
             by_inference[block.inference].append(row)
             layers.append(row)
         for record in device.inferences:
+            if replay is None:
+                link = {"link_rate_mbit": facts.get("bandwidth_mbit")}
+            else:
+                link = {"link_rate_mbit": replay.rate_at_ns(record.start_ns),
+                        "trace_s": (record.start_ns - replay.start_ns) / 1e9}  # fmt: skip
             trials.append({
                 **context,
+                **link,
+                "est_rate_mbit": record.est_rate_mbit,
                 **totals(by_inference[record.inference]),
                 **levels.get(record.inference, {}),
                 "repeat": record.inference,

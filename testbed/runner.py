@@ -26,10 +26,11 @@ from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
 from testbed.link import Links, LinkState, emulator_for
 from testbed.lock import RunLock
-from testbed.plan import Trial, plan_rows, plan_trials
+from testbed.plan import Trial, link_trace, plan_rows, plan_trials
 from testbed.plots import make_figures
 from testbed.preflight import check_experiment
 from testbed.progress import TrialProgress
+from testbed.replay import TraceReplay
 from testbed.results import combine, finished_trials, load, save_trial, write_frame, write_text
 from testbed.schema import Experiment
 from testbed.sessions import WORKER_PORT, run_session, session_id
@@ -102,6 +103,8 @@ class Runner:
         # everything is checked before any device starts (testbed.run did it already)
         self.profile = check_experiment(experiment, backend, f"experiment {experiment.name}")
         self.emulator = emulator_for(experiment.link.emulator, backend)
+        link = experiment.link
+        self.trace = None if link.trace is None else link_trace(link)
         self.sessions = 0  # sessions started: each gets its own worker port
 
     def run(self, resume: bool = False) -> RunOutcome:
@@ -164,9 +167,13 @@ class Runner:
                 self._write_environment(backend, count)
                 for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
                     group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
+                    if self.trace is not None:
+                        what = f"P={count} trace {self.trace.name} (mean {rate:g} Mbit/s)"
                     interrupts.check()
                     progress.start((count, rate), what)
-                    link = links.shape(rate, self.experiment.link.probe_s)
+                    # a trace's link is shaped and probed at its first step
+                    shaped = rate if self.trace is None else self.trace.rates_mbit[0]
+                    link = links.shape(shaped, self.experiment.link.probe_s)
                     self._save_link(link, count)
                     voice.say(f"{what}: {self.emulator} link, {_probed(link, count)}")
                     ok = self._run_session(links, group, plan, files, link, outcome)
@@ -191,10 +198,13 @@ class Runner:
         identity = {t.trial_id: self._identity(backend, t, plan, link, name) for t in trials}
         port = WORKER_PORT + self.sessions % 1000
         self.sessions += 1
+        replay = None if self.trace is None else TraceReplay(links.set_rate, self.trace)
         result = run_session(
             backend, self.experiment, trials, directory, port, identity, link, files,
-            links.sent_bytes,
+            links.sent_bytes, replay,
         )  # fmt: skip
+        if replay is not None:
+            self._save_replay(replay, name)
         for trial in trials:
             trial_rows, layer_rows = result.rows[trial.trial_id]
             save_trial(self.run_dir, trial.trial_id, trial_rows, layer_rows)
@@ -217,6 +227,7 @@ class Runner:
             "emulator": self.emulator, "batch": self.experiment.batch,
             "cpus": self.experiment.devices.cpus, "threads": backend.devices[0].threads,
             "oversubscribed": backend.oversubscribed,
+            "trace": "" if self.trace is None else self.trace.name,
         }  # fmt: skip
         peers = trial.devices > 1
         return {
@@ -243,6 +254,13 @@ class Runner:
             "devices": [d.__dict__ for d in backend.devices],
         }
         write_text(path, json.dumps(facts, indent=2, default=str))
+
+    def _save_replay(self, replay: TraceReplay, session: str) -> None:
+        """What the replay applied and when (CLOCK_REALTIME ns), beside the session's files."""
+        steps = {"trace": replay.trace.name, "start_ns": replay.start_ns,
+                 "asked_ns": replay.asked_ns, "applied_ns": replay.applied_ns,
+                 "applied_mbit": replay.applied_mbit}  # fmt: skip
+        write_text(self.run_dir / "sessions" / session / "replay.json", json.dumps(steps))
 
     def _save_link(self, link: LinkState, count: int) -> None:
         path = self.run_dir / "links" / f"p{count}-{link.rate_mbit:g}mbit.json"

@@ -78,9 +78,19 @@ class DevicesSection(Strict):
 EMULATORS = ("tbf", "serial")
 
 
+DEFAULT_RATE_MBIT = 10.0
+
+
 class LinkSection(Strict):
     profile: str = Field("ideal", min_length=1)  # a name in netem_profiles/, or a file's path
-    bandwidth_mbit: list[float] = Field(default_factory=lambda: [10.0])
+    # the swept rates (default 10); leave out with a trace, which gives the rates itself
+    bandwidth_mbit: list[float] | None = None
+    # a bandwidth trace replayed on every device's uplink during each session instead of a
+    # constant rate (testbed.replay): a file in netem_profiles/ or a path; a CSV `t_s,mbit` or
+    # Mahimahi's packet-delivery format (`.mahimahi`); looped. The trials' bandwidth_mbit is
+    # its time-weighted mean; every inference records the rate in force when it started.
+    trace: str | None = Field(None, min_length=1)
+    trace_stretch: float = Field(1.0, gt=0, le=1000)  # play it this many times slower
     # traffic per rate probe, in seconds at the target rate (timed after its first tenth)
     probe_s: float = Field(0.5, gt=0, le=60)
     # what shapes the links: `serial` clocks every frame out at the rate in a userspace link
@@ -94,7 +104,9 @@ class LinkSection(Strict):
 
     @field_validator("bandwidth_mbit")
     @classmethod
-    def _in_range(cls, rates: list[float]) -> list[float]:
+    def _in_range(cls, rates: list[float] | None) -> list[float] | None:
+        if rates is None:
+            return None
         low, high = RATE_RANGE_MBIT
         wrong = [r for r in rates if not low <= r <= high]
         if not rates or wrong:
@@ -103,6 +115,15 @@ class LinkSection(Strict):
                 f"got {wrong[0] if wrong else 'none'}"
             )
         return rates
+
+    @model_validator(mode="after")
+    def _trace_or_rates(self) -> LinkSection:
+        if self.trace is not None and self.bandwidth_mbit is not None:
+            raise ValueError(
+                "link.bandwidth_mbit: a trace gives the rates (link.trace); leave "
+                "bandwidth_mbit out"
+            )
+        return self
 
     @field_validator("profile")
     @classmethod

@@ -13,6 +13,7 @@ workers' logs are kept); the sweep goes on with the next session.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from testbed.bundles import RunFiles
 from testbed.errors import TestbedError
 from testbed.link import LinkState
 from testbed.plan import Trial
+from testbed.replay import TraceReplay
 from testbed.results import write_text
 from testbed.rows import failed_rows, trial_rows
 from testbed.schema import Experiment
@@ -141,10 +143,12 @@ def run_session(
     link: LinkState,
     files: RunFiles,
     sent_bytes: Callable[[], dict[int, int]],
+    replay: TraceReplay | None = None,
 ) -> SessionOutcome:
     """Run `trials` in one session on the backend's devices; `identity[trial id][rank]` holds
     every column of a row that is not measured (plan, link and run facts); `sent_bytes()`
-    reads each device's link counter, before and after the session."""
+    reads each device's link counter, before and after the session; `replay`, a trace to
+    play on the links while the workers run (from their start to their end)."""
     peers = [f"{d.address}:{port}" for d in backend.devices]
     outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
     argvs = []
@@ -158,7 +162,8 @@ def run_session(
     started = time.monotonic()
     deadline_s = experiment.timeout_s * len(trials)
     why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
-    results = run_workers(backend, argvs, deadline_s, why)
+    with replay or contextlib.nullcontext():
+        results = run_workers(backend, argvs, deadline_s, why)
     session_s = round(time.monotonic() - started, 3)
     after = sent_bytes()
     for device in backend.devices:
@@ -191,7 +196,7 @@ def run_session(
             outcome.rows[trial.trial_id] = (failed_rows(identity[trial.trial_id], str(problem)),
                                             pd.DataFrame())  # fmt: skip
             continue
-        outcome.rows[trial.trial_id] = trial_rows(identity[trial.trial_id], mine)
+        outcome.rows[trial.trial_id] = trial_rows(identity[trial.trial_id], mine, replay)
     return outcome
 
 
