@@ -117,12 +117,18 @@ CASES: list[tuple[str, str, str]] = [
     ("profile-bad-rate", exp("link: {profile: {tmp}/nan.yaml}\n"), "link.profile: "),
     ("profile-duplicate", exp("link: {profile: {tmp}/dup.yaml}\n"), "duplicate key 'delay_ms'"),
     ("profile-serial-delay", exp("link: {profile: lte}\n"), "serial emulator does not add"),
-    ("trace-and-rates", exp("link: {trace: step-20-2-20.csv, bandwidth_mbit: 5}\n"),
-     "link.bandwidth_mbit: a trace gives the rates"),
+    (
+        "trace-and-rates",
+        exp("link: {trace: step-20-2-20.csv, bandwidth_mbit: 5}\n"),
+        "link.bandwidth_mbit: a trace gives the rates",
+    ),
     ("trace-missing", exp("link: {trace: nope.csv}\n"), "link.trace: trace file not found"),
     ("trace-bad-rate", exp("link: {trace: {tmp}/neg.csv}\n"), "link.trace: "),
-    ("trace-stretch-zero", exp("link: {trace: step-20-2-20.csv, trace_stretch: 0}\n"),
-     "link.trace_stretch: "),
+    (
+        "trace-stretch-zero",
+        exp("link: {trace: step-20-2-20.csv, trace_stretch: 0}\n"),
+        "link.trace_stretch: ",
+    ),
     ("emulator-unknown", exp("link: {emulator: netem}\n"), "link.emulator: "),
     ("emulator-serial-ssh", exp("backend: ssh\nlink: {emulator: serial}\n" + BOARDS), "serial"),
     # files the run would read
