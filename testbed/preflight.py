@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from testbed.errors import ConfigError, ShapingError
-from testbed.link import emulator_for
+from testbed.link.links import emulator_for
 from testbed.profiles import LinkProfile, load_profile
 from testbed.schema import Experiment
 
@@ -123,7 +123,7 @@ def _check_impairments(profile: LinkProfile, emulator: str, backend: str, source
         )
     if backend == "ssh" or os.geteuid() != 0:
         return  # the boards' kernels, or no probe without root: checked when shaping
-    from testbed.shaping import qdisc_support
+    from testbed.link.support import qdisc_support
 
     try:
         support = qdisc_support()

@@ -24,7 +24,7 @@ from testbed import environment, interrupts, voice
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
-from testbed.link import Links, LinkState, emulator_for
+from testbed.link.links import Links, LinkState, emulator_for
 from testbed.lock import RunLock
 from testbed.plan import Trial, plan_rows, plan_trials
 from testbed.plots import make_figures

@@ -87,7 +87,7 @@ class LinkSection(Strict):
     # between the devices (a lone small message takes its wire time, as on a real link);
     # `tbf` is the kernel's token bucket on each device's egress (holds the rate, but lets a
     # small message through at once). Default: serial, except on ssh boards (tbf); see
-    # testbed.link.emulator_for.
+    # testbed.link.links.emulator_for.
     emulator: Literal["tbf", "serial"] | None = None
 
     _list = field_validator("bandwidth_mbit", mode="before")(_as_list)

@@ -13,9 +13,9 @@ Both ends are up without IPv6 link-local addresses (only the experiment's traffi
 the link) and with offloads off, transmit checksums included: the emulator copies frames
 through packet sockets, and a frame whose checksum the sender left to the hardware arrives
 corrupt (measured: with `tx on`, no TCP handshake completes). So a missing `ethtool` is an
-error here, not a warning. Device ends get `gso_max_segs 1` (see `testbed.shaping.gso_argv`).
+error here, not a warning. Device ends get `gso_max_segs 1` (see `testbed.link.plan.gso_argv`).
 
-Backpressure (on by default): each `sl0` also gets the project's tbf (`testbed.shaping`) at
+Backpressure (on by default): each `sl0` also gets the project's tbf (`testbed.link.tbf`) at
 the port's rate. The emulator alone is a remote bottleneck with a drop-tail queue, which TCP
 learns of only by losses. Measured with 2 s bulk transfers at 1-20 Mbit/s (BBR): its start-up
 overflowed the 32-frame queue (47-69 retransmissions per transfer; at 5 and 10 Mbit/s the rate
@@ -234,7 +234,9 @@ class SerialSwitch:
         first time and changed in place afterwards (never unshaped in between)."""
         if not self.backpressure:
             return
-        from testbed.shaping import ShapingPlan, apply, change, tbf_params
+        from testbed.link.netlink import apply, change
+        from testbed.link.plan import ShapingPlan
+        from testbed.link.tbf import tbf_params
 
         rate_mbit = self.rates_mbit[rank]
         plan = ShapingPlan("serial-backpressure", rate_mbit, tbf_params(rate_mbit))

@@ -234,7 +234,7 @@ def test_usage_errors_are_one_line(capsys, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the netem probe needs root")
 def test_a_profile_needing_netem_on_a_kernel_without_it(capsys, tmp_path):
-    from testbed.shaping import qdisc_support
+    from testbed.link.support import qdisc_support
 
     if qdisc_support().get("netem"):
         pytest.skip("this kernel has sch_netem")

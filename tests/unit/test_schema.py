@@ -115,7 +115,7 @@ def test_planning_does_not_import_torch():
 
 
 def test_link_emulator_defaults_to_serial_and_refuses_it_on_ssh_boards():
-    from testbed.link import emulator_for
+    from testbed.link.links import emulator_for
 
     assert emulator_for(None, "docker") == emulator_for(None, "auto") == "serial"
     assert emulator_for(None, "ssh") == emulator_for("tbf", "local") == "tbf"

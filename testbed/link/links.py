@@ -3,7 +3,7 @@
 `Links` knows the emulator of an experiment (`link.emulator`) and what it changes about the
 devices:
 - `tbf`: each device's egress interface gets the kernel's token bucket at the trial's rate
-  (`testbed.shaping`), so every directed pair of devices sees that rate.
+  (`testbed.link.plan`), so every directed pair of devices sees that rate.
 - `serial`: a `testbed.serial_switch.SerialSwitch` joins the devices through a userspace link
   that clocks every frame out at its sender's rate; each device gets a second interface
   (`sl0`) on its own /24, and the devices' addresses become those, so the workers' and the
@@ -17,7 +17,6 @@ rate, timed after its first tenth) and the result is flagged when it is more tha
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -25,20 +24,16 @@ from dataclasses import dataclass, field, replace
 from ipaddress import ip_network
 from typing import Any
 
-from testbed import shaping
 from testbed.backends.base import Backend, Device
 from testbed.errors import ConfigError, ShapingError
+from testbed.link.plan import ShapingPlan, plan
+from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.profiles import LinkProfile
 from testbed.serial_switch import SerialSwitch
-from testbed.wire import FULL_FRAME_BYTES, TCP_MSS_BYTES
 
 log = logging.getLogger(__name__)
 
 RATE_TOLERANCE = 0.05
-PROBE_PORT = 5201
-# links meter whole Ethernet frames; the probe counts TCP payload (a full frame of 1514 bytes
-# carries 1448 payload bytes)
-WIRE_PER_PAYLOAD = FULL_FRAME_BYTES / TCP_MSS_BYTES
 
 
 @dataclass
@@ -56,49 +51,6 @@ class LinkState:
     def flagged(self, rank: int) -> bool:
         wire = self.wire_mbit(rank)
         return wire is None or abs(wire / self.rate_mbit - 1) > RATE_TOLERANCE
-
-
-def probe_bytes(rate_mbit: float, seconds: float) -> int:
-    """The payload that keeps a link shaped to `rate_mbit` busy for `seconds`."""
-    return max(1, round(rate_mbit * 1e6 / 8 * seconds / WIRE_PER_PAYLOAD))
-
-
-def probe(backend: Backend, sender: Device, receiver: Device, byte_count: int) -> float:
-    """Achieved rate (10^6 bit/s) from sender to receiver, measured at the receiver.
-
-    A fixed byte count, not a duration: a timed sender would go on filling its socket buffer
-    and the probe would last that much longer on a slow link."""
-    python = backend.python
-    server = backend.spawn(
-        receiver,
-        [python, "-m", "devices.probe", "serve", "--host", receiver.address,
-         "--port", str(PROBE_PORT), "--once"],
-    )  # fmt: skip
-    try:
-        client = backend.run(
-            sender,
-            [
-                python,
-                "-m",
-                "devices.probe",
-                "send",
-                "--to",
-                f"{receiver.address}:{PROBE_PORT}",
-                "--bytes",
-                str(byte_count),
-            ],
-            timeout_s=60,
-        )
-        server.wait(30)
-    finally:
-        server.kill()
-    if not client.ok:
-        raise ShapingError(
-            f"rate probe from device {sender.rank} to device {receiver.rank} failed: "
-            f"{client.tail(3)}"
-        )
-    line = client.stdout.strip().splitlines()[-1]
-    return float(json.loads(line)["mbit_per_s"])
 
 
 def emulator_for(requested: str | None, backend: str) -> str:
@@ -170,17 +122,17 @@ class Links:
 
     def set_rate(self, rate_mbit: float) -> None:
         """Every device's uplink at `rate_mbit` from now on, changed in place and not probed:
-        a replayed trace's step (`testbed.replay`). The links must have been `shape`d."""
+        a replayed trace's step (`testbed.link.replay`). The links must have been `shape`d."""
         self._set(rate_mbit, self.backend.change_rate)
 
-    def _set(self, rate_mbit: float, apply: Callable[[Device, shaping.ShapingPlan], None]) -> None:
+    def _set(self, rate_mbit: float, apply: Callable[[Device, ShapingPlan], None]) -> None:
         """The serial emulator's rate, or `apply` (shape or change) of tbf's plan, per device."""
         for device in self.backend.devices:
             if self.switch is not None:
                 self.switch.set_rate(device.rank, rate_mbit)
             else:
                 log.debug("shaping %s/%s to %g Mbit/s", device.name, device.interface, rate_mbit)
-                apply(device, shaping.plan(self.profile, rate_mbit))
+                apply(device, plan(self.profile, rate_mbit))
 
     def sent_bytes(self) -> dict[int, int]:
         """Bytes each device's link has carried so far (its egress qdisc's counter)."""
