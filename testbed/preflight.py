@@ -27,6 +27,7 @@ def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkP
     _check_files(experiment, source)
     _check_cpus(experiment, backend, source)
     emulator = _emulator(experiment, backend, source)
+    _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
     _check_impairments(profile, emulator, backend, source)
     return profile
@@ -102,6 +103,19 @@ def _emulator(experiment: Experiment, backend: str, source: str) -> str:
         return emulator_for(experiment.link.emulator, backend)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
+
+
+def _check_board_rates(experiment: Experiment, backend: str, source: str) -> None:
+    """Boards over ssh shape their uplinks (tbf); downlinks and pair caps are not done there."""
+    if backend != "ssh":
+        return
+    for field in ("downlink_mbit", "pair_mbit"):
+        if getattr(experiment.link, field):
+            raise ConfigError(
+                f"{source}: link.{field}: boards over ssh are shaped on their uplinks only "
+                "(link.uplink_mbit); downlink and per-pair rates need the docker or local "
+                "backend"
+            )
 
 
 def _profile(experiment: Experiment, source: str) -> LinkProfile:

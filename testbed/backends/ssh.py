@@ -319,6 +319,11 @@ class SshBackend(Backend):
     def shape(self, device: Device, plan: ShapingPlan) -> None:
         """The plan as `tc` commands on the board, after gso_max_segs 1 and offloads off."""
         session = self._session(device)
+        if not plan.is_tbf_only:
+            raise ShapingError(
+                f"{session.board.label}: downlink and per-pair rates are not shaped on boards "
+                "over ssh (link.downlink_mbit, link.pair_mbit); only uplinks"
+            )
         check_support(plan, self.qdisc_support())
         interface = device.interface
         if session.link_settings is None:

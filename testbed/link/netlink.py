@@ -1,6 +1,11 @@
 """Applying a plan: pyroute2 inside the device's network namespace, `ethtool` and `tc` through
 `nsenter` (argument lists, never a shell). A thin layer over `testbed.link.plan`.
 
+A root tbf (and netem) goes through pyroute2. A plan with per-peer classes or a downlink goes
+as the plan's own `tc`/`ip` argument lists through `nsenter`: the same commands the ssh
+backend and the logs show, where pyroute2's u32 keys and mirred actions would be a second
+rendering of them to keep in step.
+
 A shaped interface also gets offloads off and `gso_max_segs 1`, so that tbf meters, queues
 and drops real frames (see `testbed.link.plan.gso_argv` for what goes wrong otherwise).
 """
@@ -16,14 +21,18 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from testbed.errors import ShapingError
+from testbed.link.ifb import ifb_name
 from testbed.link.plan import (
     ShapingPlan,
     change_argv,
+    change_argvs,
     check_support,
     clear_argv,
+    downlink_clear_argv,
     gso_argv,
     netlink_requests,
     offload_argv,
+    tc_argv,
 )
 from testbed.link.support import ROOT, qdisc_support
 
@@ -58,6 +67,11 @@ def apply(
         except netlink_error as error:
             raise ShapingError(f"{where}: setting gso_max_segs to 1 failed: {error}") from None
         _delete_root(ipr, netlink_error, index, where, interface)
+        if not shaping.is_tbf_only:
+            _apply_argv(netns_path, interface, shaping)
+            set_offloads(netns_path, interface)
+            return
+        _clear_downlink(netns_path, interface)  # an earlier plan's, if it had one
         for action, argv, kind, keywords in netlink_requests(interface, shaping):
             log.debug("%s: %s", where, " ".join(argv))
             try:
@@ -72,8 +86,13 @@ def apply(
 def change(netns_path: str | None, interface: str, shaping: ShapingPlan) -> None:
     """Changes the rate, bucket and limit of the tbf root that `apply` attached, in place
     (`tc qdisc change`): the link is never unshaped between two rates, where a delete and
-    re-add would let a moment of traffic through at line rate. A netem child stays."""
+    re-add would let a moment of traffic through at line rate. A netem child stays. A plan
+    with per-peer classes or a downlink has each of its rates changed (`change_argvs`)."""
     where = _where(netns_path, interface)
+    if not shaping.is_tbf_only:
+        for argv in change_argvs(interface, shaping):
+            _run_tc(netns_path, argv, where, "changing a rate in place")
+        return
     _, argv, kind, keywords = netlink_requests(interface, shaping)[0]
     log.debug("%s: %s", where, " ".join(change_argv(interface, shaping)))
     with _netlink(netns_path, interface) as (ipr, netlink_error, index):
@@ -87,10 +106,50 @@ def change(netns_path: str | None, interface: str, shaping: ShapingPlan) -> None
 
 
 def clear(netns_path: str | None, interface: str) -> None:
-    """Removes the interface's root qdisc (back to the kernel default); no error when none."""
+    """Removes the interface's root qdisc (back to the kernel default), its ingress qdisc and
+    its ifb; no error when there are none."""
     where = _where(netns_path, interface)
     with _netlink(netns_path, interface) as (ipr, netlink_error, index):
         _delete_root(ipr, netlink_error, index, where, interface)
+    _clear_downlink(netns_path, interface)
+
+
+def _apply_argv(netns_path: str | None, interface: str, shaping: ShapingPlan) -> None:
+    """A plan's commands (root already deleted); on a failure nothing of it is left."""
+    where = _where(netns_path, interface)
+    _clear_downlink(netns_path, interface)
+    try:
+        for argv in tc_argv(interface, shaping):
+            _run_tc(netns_path, argv, where, "shaping")
+    except ShapingError:
+        with contextlib.suppress(ShapingError):  # leave no half-shaped link behind
+            _run_tc(netns_path, clear_argv(interface), where, "clearing")
+        _clear_downlink(netns_path, interface)
+        raise
+    if shaping.downlink is not None:
+        set_offloads(netns_path, ifb_name(interface))
+
+
+def _clear_downlink(netns_path: str | None, interface: str) -> None:
+    for argv in downlink_clear_argv(interface):
+        with contextlib.suppress(ShapingError):  # absent: nothing to remove
+            _run_tc(netns_path, argv, _where(netns_path, interface), "clearing", quiet=True)
+
+
+def _run_tc(
+    netns_path: str | None, argv: list[str], where: str, doing: str, quiet: bool = False
+) -> None:
+    """One `tc` or `ip` command in the namespace; ShapingError with its stderr on failure."""
+    full = _in_netns(netns_path, argv)
+    log.debug("%s: %s", where, " ".join(argv))
+    try:
+        result = subprocess.run(full, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ShapingError(f"{where}: {doing}: `{' '.join(argv)}` failed: {error}") from None
+    if result.returncode != 0:
+        if not quiet:
+            log.debug("%s: failed: %s", where, result.stderr.strip())
+        raise ShapingError(f"{where}: {doing}: `{' '.join(argv)}` failed: {result.stderr.strip()}")
 
 
 def qdisc_stats(netns_path: str | None, interface: str) -> str:
