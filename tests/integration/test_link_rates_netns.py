@@ -98,3 +98,15 @@ def test_a_pair_cap_and_a_trace_step_change_in_place(backend: LocalBackend, reco
         assert capped == pytest.approx(2.0, rel=TOLERANCE)
         assert back == pytest.approx(5.0, rel=TOLERANCE)
         assert "qdisc htb 1: root" in backend.qdisc_stats(sender)
+
+
+def test_a_serial_downlink_slows_what_its_device_receives(backend: LocalBackend):
+    """The serial emulator clocks a frame at the least of uplink and downlink; the sender's
+    backpressure gets an htb class at the receiver's downlink."""
+    overrides = RateOverrides(downlink_mbit={1: 3.0})
+    links, state = shaped(backend, "serial", overrides, swept=10.0)
+    with links:
+        print(f"\nserial down: 0->1 {wire(state, '0->1'):.3f}, 1->0 {wire(state, '1->0'):.3f}")
+        assert wire(state, "0->1") == pytest.approx(3.0, rel=TOLERANCE)
+        assert wire(state, "1->0") == pytest.approx(10.0, rel=TOLERANCE)
+        assert "qdisc htb 1: root" in backend.qdisc_stats(backend.devices[0])
