@@ -4,8 +4,8 @@ Run as root from the repository root: `python -m bench.serial_link_check` (about
 `--help` for rates, sizes, counts, shapers). Two network namespaces, a sender `a` and a
 receiver `b`, joined by one of:
 
-- `tbf`: a veth pair, with `testbed.shaping.plan/apply` (profile `ideal`, the project's
-  two-frame bucket) on a's end, as the project shapes devices today;
+- `tbf`: a veth pair, with `testbed.link.plan.plan` and `testbed.link.netlink.apply` (profile
+  `ideal`, the project's two-frame bucket) on a's end, as the project shapes devices today;
 - `serial+tbf`: `testbed.serial_switch.SerialSwitch` (its default, backpressure on: tbf at the
   rate on each device's `sl0` in front of the emulator), both ports at the rate;
 - `serial`: the same switch without the tbf (the emulator alone).
@@ -157,8 +157,9 @@ def _namespaces(prefix: str) -> Iterator[tuple[str, str]]:
 
 @contextlib.contextmanager
 def tbf_bed(prefix: str) -> Iterator[Bed]:
+    from testbed.link.netlink import apply
+    from testbed.link.plan import plan
     from testbed.profiles import load_profile
-    from testbed.shaping import apply, plan
 
     with _namespaces(prefix) as names:
         _ip("-n", names[0], "link", "add", "tbba", "type", "veth", "peer", "name", "tbbb",

@@ -45,7 +45,8 @@ IDENTITY = _columns(
     ("rank", "Int64", "", "this row's device"),
     ("repeat", "Int64", "", "measured repetition (warm-ups are not recorded); -1 on a failed "
      "trial's row"),
-    ("bandwidth_mbit", "float64", "Mbit/s", "target rate of every device's egress"),
+    ("bandwidth_mbit", "float64", "Mbit/s", "the swept rate: every device's uplink unless "
+     "link.uplink_mbit names it"),
     ("K", "Int64", "", "codebook size (codebook methods)"),
     ("level_k", "Int64", "", "codewords at the tree level in use: the level actually used, "
      "also under level_k=auto (Trace)"),
@@ -69,7 +70,7 @@ TIMING = _columns(
      "byte at the slowest peer (clocks aligned)"),
     ("send_ms", "float64", "ms", "the sender's own view: sum over its messages of the time "
      "from the first byte offered to the kernel to the last byte accepted by it"),
-    ("wire_comm_ms", "float64", "ms", "frame_bytes x 8 / bandwidth: what the link needs for "
+    ("wire_comm_ms", "float64", "ms", "frame_bytes x 8 / uplink_mbit: what the link needs for "
      "the bytes it actually carries"),
     ("analytic_comm_ms", "float64", "ms", "layers x (P - 1) x payload_bits_per_layer / "
      "bandwidth: the paper's model (payload bits only)"),
@@ -90,11 +91,20 @@ VOLUME = _columns(
 )  # fmt: skip
 
 CONTEXT = _columns(
+    ("uplink_mbit", "float64", "Mbit/s", "the rate this device's uplink was shaped to: "
+     "link.uplink_mbit for the device, else bandwidth_mbit"),
+    ("downlink_mbit", "float64", "Mbit/s", "the rate its downlink was shaped to "
+     "(link.downlink_mbit); empty when unshaped"),
     ("measured_mbit", "float64", "Mbit/s", "TCP payload rate the probe achieved from this "
-     "device to the next after shaping"),
+     "device to the next after shaping (its uplink probe)"),
     ("measured_wire_mbit", "float64", "Mbit/s", "the same as a frame rate: measured_mbit x "
      "1514/1448 (MTU 1500, TCP timestamps)"),
-    ("rate_flagged", "boolean", "", "measured_wire_mbit more than 5% off bandwidth_mbit"),
+    ("downlink_measured_mbit", "float64", "Mbit/s", "TCP payload rate the probe achieved "
+     "into this device from the peer that can send to it fastest (its downlink probe)"),
+    ("downlink_measured_wire_mbit", "float64", "Mbit/s", "the same as a frame rate"),
+    ("rate_flagged", "boolean", "", "the uplink or downlink probe more than 5% off its "
+     "direction's target (as frames): the least of the sender's uplink, the receiver's "
+     "downlink and the pair's rate"),
     ("trace", "string", "", "the bandwidth trace replayed on the links during the session "
      "(link.trace), empty for a constant rate"),
     ("trace_s", "float64", "s", "with a trace: when the inference started, seconds since the "

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.errors import ConfigError
+from testbed.link.traces import RateTrace, load_trace
 from testbed.schema import DEFAULT_RATE_MBIT, Experiment, LinkSection
-from testbed.traces import RateTrace, load_trace
 from tracevq.codec import index_bits
 from tracevq.config import model_config
 from tracevq.payload import payload_bits

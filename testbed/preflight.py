@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from testbed.errors import ConfigError, ShapingError
-from testbed.link import emulator_for
+from testbed.link.links import emulator_for
 from testbed.plan import link_trace
 from testbed.profiles import LinkProfile, load_profile
 from testbed.schema import Experiment
@@ -28,6 +28,7 @@ def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkP
     _check_files(experiment, source)
     _check_cpus(experiment, backend, source)
     emulator = _emulator(experiment, backend, source)
+    _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
     _check_impairments(profile, emulator, backend, source)
     return profile
@@ -110,6 +111,19 @@ def _emulator(experiment: Experiment, backend: str, source: str) -> str:
         raise ConfigError(f"{source}: {error}") from None
 
 
+def _check_board_rates(experiment: Experiment, backend: str, source: str) -> None:
+    """Boards over ssh shape their uplinks (tbf); downlinks and pair caps are not done there."""
+    if backend != "ssh":
+        return
+    for field in ("downlink_mbit", "pair_mbit"):
+        if getattr(experiment.link, field):
+            raise ConfigError(
+                f"{source}: link.{field}: boards over ssh are shaped on their uplinks only "
+                "(link.uplink_mbit); downlink and per-pair rates need the docker or local "
+                "backend"
+            )
+
+
 def _profile(experiment: Experiment, source: str) -> LinkProfile:
     try:
         return load_profile(experiment.link.profile)
@@ -129,7 +143,7 @@ def _check_impairments(profile: LinkProfile, emulator: str, backend: str, source
         )
     if backend == "ssh" or os.geteuid() != 0:
         return  # the boards' kernels, or no probe without root: checked when shaping
-    from testbed.shaping import qdisc_support
+    from testbed.link.support import qdisc_support
 
     try:
         support = qdisc_support()

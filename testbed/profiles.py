@@ -3,7 +3,7 @@
 A profile knows its rate (optional: a sweep usually supplies the rate, and the profile's own
 rate is the default), the impairments netem would add (delay, jitter, loss), the token-bucket
 burst it wants at least, and the queueing latency it tolerates (the tbf latency bound). It does
-not know how it is applied: `testbed.shaping` turns a profile into qdisc parameters.
+not know how it is applied: `testbed.link.plan` turns a profile into qdisc parameters.
 
 Loading validates the file against `LinkProfile`: unknown keys are rejected with a "did you
 mean" hint, and every error is a `ConfigError` naming the file and the field.

@@ -22,7 +22,7 @@ import pandas as pd
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
 from testbed.columns import LAYER_COLUMNS, LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, Column
-from testbed.replay import TraceReplay
+from testbed.link.replay import TraceReplay
 from testbed.wire import tcp_frame_bytes, wire_time_s
 
 TC_MEGABIT = 10**6
@@ -182,7 +182,7 @@ def layer_row(
         "wait_wakeup_ms": wait_wakeup,
         "comm_ms": comm if sent and copies else 0.0,
         "send_ms": (block.written_ns - block.departed_ns) / 1e6 if sent and copies else 0.0,
-        "wire_comm_ms": 1000 * wire_time_s(frames, context["bandwidth_mbit"] * TC_MEGABIT),
+        "wire_comm_ms": 1000 * wire_time_s(frames, _uplink_mbit(context) * TC_MEGABIT),
         "payload_bits": block.payload_bits,
         "message_bytes": block.message_bytes * copies,
         "frame_bytes": frames,
@@ -197,6 +197,11 @@ def layer_row(
         "ffn_end_ms": mark(block.ffn_end_ns),
         "unique_remote_keys": block.unique_remote_keys,
     }
+
+
+def _uplink_mbit(context: dict[str, Any]) -> float:
+    """The device's shaped uplink (the swept bandwidth where the identity has none)."""
+    return context.get("uplink_mbit") or context["bandwidth_mbit"]
 
 
 def failed_rows(identity: dict[int, dict[str, Any]], error: str) -> pd.DataFrame:

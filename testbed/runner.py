@@ -24,13 +24,14 @@ from testbed import environment, interrupts, voice
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
-from testbed.link import Links, LinkState, emulator_for
+from testbed.link.links import Links, LinkState, emulator_for
+from testbed.link.rates import rate_overrides
+from testbed.link.replay import TraceReplay
 from testbed.lock import RunLock
 from testbed.plan import Trial, link_trace, plan_rows, plan_trials
 from testbed.plots import make_figures
 from testbed.preflight import check_experiment
 from testbed.progress import TrialProgress
-from testbed.replay import TraceReplay
 from testbed.results import combine, finished_trials, load, save_trial, write_frame, write_text
 from testbed.schema import Experiment
 from testbed.sessions import WORKER_PORT, run_session, session_id
@@ -163,7 +164,8 @@ class Runner:
             backend.prepare()
             with voice.phase(f"devices P={count}", doing):
                 backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
-            with Links(backend, self.profile, self.emulator, self.run_id) as links:
+            overrides = rate_overrides(self.experiment.link)
+            with Links(backend, self.profile, self.emulator, self.run_id, overrides) as links:
                 self._write_environment(backend, count)
                 for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
                     group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
@@ -234,8 +236,12 @@ class Runner:
             rank: {
                 **plan[(trial.trial_id, rank)],
                 **facts,
+                "uplink_mbit": link.uplink_mbit.get(rank, link.rate_mbit),
+                "downlink_mbit": link.downlink_mbit.get(rank),
                 "measured_mbit": link.measured_mbit.get(rank),
                 "measured_wire_mbit": link.wire_mbit(rank),
+                "downlink_measured_mbit": link.downlink_measured_mbit.get(rank),
+                "downlink_measured_wire_mbit": link.downlink_wire_mbit(rank),
                 "rate_flagged": link.flagged(rank) if peers else False,
             }
             for rank in range(trial.devices)

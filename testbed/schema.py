@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import itertools
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +49,10 @@ class Strict(BaseModel):
 
 def _as_list(value: Any) -> Any:
     return value if isinstance(value, list) else [value]
+
+
+def _as_list_or_none(value: Any) -> Any:
+    return None if value is None else _as_list(value)
 
 
 class ModelSection(Strict):
@@ -86,7 +91,7 @@ class LinkSection(Strict):
     # the swept rates (default 10); leave out with a trace, which gives the rates itself
     bandwidth_mbit: list[float] | None = None
     # a bandwidth trace replayed on every device's uplink during each session instead of a
-    # constant rate (testbed.replay): a file in netem_profiles/ or a path; a CSV `t_s,mbit` or
+    # constant rate (testbed.link.replay): a file in netem_profiles/ or a path; a CSV `t_s,mbit` or
     # Mahimahi's packet-delivery format (`.mahimahi`); looped. The trials' bandwidth_mbit is
     # its time-weighted mean; every inference records the rate in force when it started.
     trace: str | None = Field(None, min_length=1)
@@ -97,10 +102,63 @@ class LinkSection(Strict):
     # between the devices (a lone small message takes its wire time, as on a real link);
     # `tbf` is the kernel's token bucket on each device's egress (holds the rate, but lets a
     # small message through at once). Default: serial, except on ssh boards (tbf); see
-    # testbed.link.emulator_for.
+    # testbed.link.links.emulator_for.
     emulator: Literal["tbf", "serial"] | None = None
+    # Per-device rates (Mbit/s), each a mapping device rank -> rate ({0: 2.0, 3: 5.0}) or a
+    # list by rank ([2.0, 10.0]). A given rate replaces the swept bandwidth_mbit for that
+    # device and direction, in every trial; devices not named keep the swept rate as their
+    # uplink and an unshaped downlink. A replayed bandwidth trace scales every rate by the
+    # trace's rate over the swept one (testbed.link.rates). Ranks beyond a trial's device
+    # count are unused in that trial.
+    uplink_mbit: dict[int, float] = Field(default_factory=dict)  # what the device sends
+    downlink_mbit: dict[int, float] = Field(default_factory=dict)  # what it receives
+    # Per directed pair, "SRC->DST": Mbit/s ({"0->1": 2.0}): a cap on what SRC sends to DST,
+    # inside SRC's uplink and DST's downlink (the pair gets the least of the three).
+    pair_mbit: dict[str, float] = Field(default_factory=dict)
 
-    _list = field_validator("bandwidth_mbit", mode="before")(_as_list)
+    _list = field_validator("bandwidth_mbit", mode="before")(_as_list_or_none)
+
+    @field_validator("uplink_mbit", "downlink_mbit", mode="before")
+    @classmethod
+    def _rates_by_rank(cls, value: Any) -> dict[int, float]:
+        if isinstance(value, list):
+            value = dict(enumerate(value))
+        if not isinstance(value, dict):
+            raise ValueError(
+                "a mapping device rank -> Mbit/s ({0: 2.0}) or a list of Mbit/s by rank, "
+                f"got {value!r}"
+            )
+        rates = {}
+        for key, rate in value.items():
+            rank = int(key) if isinstance(key, str) and key.isdigit() else key  # JSON's keys
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+                raise ValueError(f"device {rank!r}: a device is named by its rank (0, 1, ...)")
+            rates[rank] = _rate(rate, f"device {rank}")
+        return rates
+
+    @field_validator("pair_mbit", mode="before")
+    @classmethod
+    def _pair_rates(cls, value: Any) -> dict[str, float]:
+        if not isinstance(value, dict):
+            raise ValueError(f'a mapping "SRC->DST" -> Mbit/s ({{"0->1": 2.0}}), got {value!r}')
+        rates = {}
+        for key, rate in value.items():
+            source, target = _pair(key)
+            rates[f"{source}->{target}"] = _rate(rate, f"pair {key}")
+        return rates
+
+    def pairs(self) -> dict[tuple[int, int], float]:
+        """`pair_mbit` by (sending rank, receiving rank)."""
+        return {_pair(key): rate for key, rate in self.pair_mbit.items()}
+
+    def ranks_named(self) -> dict[str, list[int]]:
+        """Every rank each per-device field names (pairs: both ends)."""
+        pair_ranks = sorted({rank for pair in self.pairs() for rank in pair})
+        return {
+            "uplink_mbit": sorted(self.uplink_mbit),
+            "downlink_mbit": sorted(self.downlink_mbit),
+            "pair_mbit": pair_ranks,
+        }
 
     @field_validator("bandwidth_mbit")
     @classmethod
@@ -130,6 +188,33 @@ class LinkSection(Strict):
     def _profile_name(cls, profile: str) -> str:
         looks_like_path = "/" in profile or profile.endswith((".yaml", ".yml"))
         return profile if looks_like_path else check_slug(profile, "profile name")
+
+
+def _rate(rate: Any, where: str) -> float:
+    """A per-device or per-pair rate: a finite number of Mbit/s in RATE_RANGE_MBIT."""
+    low, high = RATE_RANGE_MBIT
+    number = isinstance(rate, int | float) and not isinstance(rate, bool)
+    if not number or not math.isfinite(rate) or not low <= rate <= high:
+        raise ValueError(
+            f"{where}: a rate is a number of Mbit/s in {low:g}..{high:,.0f}, got {rate!r}"
+        )
+    return float(rate)
+
+
+PAIR_PATTERN = re.compile(r"^\s*(\d+)\s*->\s*(\d+)\s*$")
+
+
+def _pair(key: Any) -> tuple[int, int]:
+    """'0->1' -> (0, 1): a directed pair of distinct device ranks."""
+    found = PAIR_PATTERN.match(key) if isinstance(key, str) else None
+    if found is None:
+        raise ValueError(
+            f'pair {key!r}: a pair is written "SRC->DST" with device ranks, e.g. "0->1"'
+        )
+    source, target = int(found.group(1)), int(found.group(2))
+    if source == target:
+        raise ValueError(f"pair {key!r}: a device does not send to itself")
+    return source, target
 
 
 class BundleSection(Strict):
@@ -200,6 +285,7 @@ class Experiment(Strict):
                 if self.bundle.path is None:  # a given bundle's tree is checked when loaded
                     _check_level(variant, index)
         _check_devices_fit(self.devices.count, self.model.name)
+        _check_ranks(self.link, max(self.devices.count))
         return self
 
     def method_variants(self) -> list[dict[str, Any]]:
@@ -277,6 +363,17 @@ def _check_devices_fit(counts: list[int], model: str) -> None:
             f"devices.count: {max(counts)} devices, but {model} has {tokens} tokens to split "
             f"among them (at most {tokens} devices)"
         )
+
+
+def _check_ranks(link: LinkSection, most_devices: int) -> None:
+    """Every device a per-device rate names is in the largest trial."""
+    for field, ranks in link.ranks_named().items():
+        missing = [rank for rank in ranks if rank >= most_devices]
+        if missing:
+            raise ValueError(
+                f"link.{field}: device {missing[0]} does not exist: devices.count is at most "
+                f"{most_devices} (ranks 0..{most_devices - 1})"
+            )
 
 
 def _path(location: tuple[Any, ...]) -> str:

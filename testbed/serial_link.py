@@ -13,7 +13,13 @@ queue, no FCS, preamble or inter-frame gap.
 Decisions:
 
 - A port's rate applies to the frames its device sends (its uplink), as tbf on the device's
-  egress does; a clocked-out frame goes to the destination port at once. Frames are counted as
+  egress does; a clocked-out frame goes to the destination port at once. A port may also have
+  a downlink rate, and a pair of ports a rate of its own: a frame is then clocked out once, at
+  the least of its sender's uplink, its receiver's downlink and its pair's rate (one serial
+  line between the two; the receiver's port learned from earlier frames). A downlink is thus
+  not shared between senders: two devices sending to one at once each get its downlink rate
+  (the tbf emulator's ifb does share it). Broadcasts and frames to unlearned ports take the
+  uplink rate. Frames are counted as
   AF_PACKET reads them, Ethernet header included, no FCS: the bytes tbf counts.
 - Schedule (`testbed.wire.departure_s`): start = max(kernel arrival time, scheduled
   end of the port's previous frame), end = start + wire time; the frame is sent at `end`.
@@ -46,7 +52,8 @@ Decisions:
 
 Protocol: `python -m testbed.serial_link serve PORT=RATE_BIT_S ...` prints `ready` once every
 port is open, then answers one line on stdout per command line on stdin: `rate PORT BIT_S` ->
-`ok`; `stats` -> JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
+`ok`; `down PORT BIT_S` (0: unshaped) -> `ok`; `pair SRC DST BIT_S` (0: none) -> `ok`;
+`stats` -> JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
 """
 
 from __future__ import annotations
@@ -153,24 +160,41 @@ def _rate(text: str, where: str) -> float:
 
 @dataclass(frozen=True)
 class Command:
-    """One stdin command: `rate` (with port and rate) or `stats`."""
+    """One stdin command: `rate` or `down` (a port and a rate), `pair` (two ports and a
+    rate; `target` is the receiving port), or `stats`. A `down` or `pair` rate of None
+    removes it."""
 
     name: str
     port: str | None = None
     rate_bit_s: float | None = None
+    target: str | None = None
 
 
 def parse_command(line: str, ports: Iterable[str]) -> Command:
-    """Parses `rate PORT BIT_S` or `stats`; raises ShapingError naming what is wrong."""
-    words = line.split()
+    """Parses `rate PORT BIT_S`, `down PORT BIT_S`, `pair SRC DST BIT_S` or `stats`; raises
+    ShapingError naming what is wrong."""
+    words, known = line.split(), list(ports)
     if words == ["stats"]:
         return Command("stats")
+    named = words[1:-1]
+    for port in named:
+        if port not in known:
+            raise ShapingError(f"{words[0]}: unknown port {port!r} (ports: {', '.join(known)})")
     if len(words) == 3 and words[0] == "rate":
-        known = list(ports)
-        if words[1] not in known:
-            raise ShapingError(f"rate: unknown port {words[1]!r} (ports: {', '.join(known)})")
         return Command("rate", words[1], _rate(words[2], f"rate {words[1]}"))
-    raise ShapingError(f"unknown command {line.strip()!r}: expected 'rate PORT BIT_S' or 'stats'")
+    if len(words) == 3 and words[0] == "down":
+        return Command("down", words[1], _optional_rate(words[2], f"down {words[1]}"))
+    if len(words) == 4 and words[0] == "pair":
+        rate = _optional_rate(words[3], f"pair {words[1]} {words[2]}")
+        return Command("pair", words[1], rate, words[2])
+    raise ShapingError(
+        f"unknown command {line.strip()!r}: expected 'rate PORT BIT_S', 'down PORT BIT_S', "
+        "'pair SRC DST BIT_S' or 'stats'"
+    )
+
+
+def _optional_rate(text: str, where: str) -> float | None:
+    return None if text == "0" else _rate(text, where)
 
 
 # The program ---------------------------------------------------------------------------------
@@ -249,6 +273,7 @@ class Port:
     ):
         self.name, self.rate_bit_s, self.queue_ms, self.spin_s = name, rate_bit_s, queue_ms, spin_s
         self.cpus = cpus  # where this port's thread runs: the CPUs of the device sending into it
+        self.down_bit_s: float | None = None  # what its device receives at most (None: any)
         self.sock: socket.socket | None = None
         self.free_at_s = 0.0
         self.counters = PortCounters()
@@ -293,8 +318,9 @@ class Port:
             self._warned_clock = True
         return now_s
 
-    def serve(self, forward: Any) -> None:
-        """Reads, clocks out and forwards this port's frames, forever."""
+    def serve(self, forward: Any, frame_rate: Any = None) -> None:
+        """Reads, clocks out and forwards this port's frames, forever; `frame_rate(port,
+        frame)` gives a frame's rate (else the port's)."""
         assert self.sock is not None
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)  # this thread only
@@ -306,7 +332,8 @@ class Port:
             if address[2] == socket.PACKET_OUTGOING:
                 continue
             arrival_s = self.arrival_s(ancillary)
-            start_s, end_s = departure_s(arrival_s, self.free_at_s, size, self.rate_bit_s)
+            rate_bit_s = frame_rate(self, view) if frame_rate else self.rate_bit_s
+            start_s, end_s = departure_s(arrival_s, self.free_at_s, size, rate_bit_s)
             self.free_at_s = end_s
             frame = bytes(view[:size])
             wait_until(end_s, self.spin_s)
@@ -326,6 +353,7 @@ class Port:
         return {
             **self.counters.as_dict(),
             "rate_bit_s": self.rate_bit_s,
+            "down_bit_s": self.down_bit_s,
             "queue_bytes": queue_bytes,
         }
 
@@ -336,6 +364,18 @@ class Switch:
     def __init__(self, ports: Sequence[Port]):
         self.ports = {port.name: port for port in ports}
         self.learned: dict[bytes, Port] = {}
+        self.pair_bit_s: dict[tuple[str, str], float] = {}  # (sending, receiving port)
+
+    def frame_rate(self, ingress: Port, frame: Any) -> float:
+        """The least of the sender's uplink, the receiver's downlink and their pair's rate;
+        the uplink alone for a broadcast or a receiver not learned yet."""
+        destination = bytes(frame[:6])
+        egress = None if destination[0] & 1 else self.learned.get(destination)
+        if egress is None or (egress.down_bit_s is None and not self.pair_bit_s):
+            return ingress.rate_bit_s
+        pair = self.pair_bit_s.get((ingress.name, egress.name))
+        limits = (ingress.rate_bit_s, egress.down_bit_s, pair)
+        return min(limit for limit in limits if limit is not None)
 
     def forward(self, ingress: Port, frame: bytes) -> None:
         destination, source = frame[:6], frame[6:12]
@@ -357,7 +397,7 @@ class Switch:
 
     def _serve(self, port: Port) -> None:
         try:
-            port.serve(self.forward)
+            port.serve(self.forward, self.frame_rate)
         except BaseException:
             log.exception("port %s failed; the serial link stops", port.name)
             sys.stderr.flush()
@@ -371,7 +411,19 @@ class Switch:
             return f"error {error}"
         if command.name == "stats":
             return json.dumps({name: port.stats() for name, port in self.ports.items()})
-        assert command.port is not None and command.rate_bit_s is not None
+        assert command.port is not None
+        if command.name == "down":
+            self.ports[command.port].down_bit_s = command.rate_bit_s
+            return "ok"
+        if command.name == "pair":
+            assert command.target is not None
+            key = (command.port, command.target)
+            if command.rate_bit_s is None:
+                self.pair_bit_s.pop(key, None)
+            else:
+                self.pair_bit_s[key] = command.rate_bit_s
+            return "ok"
+        assert command.rate_bit_s is not None
         try:
             self.ports[command.port].set_rate(command.rate_bit_s)
         except OSError as error:

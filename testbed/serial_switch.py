@@ -13,9 +13,9 @@ Both ends are up without IPv6 link-local addresses (only the experiment's traffi
 the link) and with offloads off, transmit checksums included: the emulator copies frames
 through packet sockets, and a frame whose checksum the sender left to the hardware arrives
 corrupt (measured: with `tx on`, no TCP handshake completes). So a missing `ethtool` is an
-error here, not a warning. Device ends get `gso_max_segs 1` (see `testbed.shaping.gso_argv`).
+error here, not a warning. Device ends get `gso_max_segs 1` (see `testbed.link.plan.gso_argv`).
 
-Backpressure (on by default): each `sl0` also gets the project's tbf (`testbed.shaping`) at
+Backpressure (on by default): each `sl0` also gets the project's tbf (`testbed.link.tbf`) at
 the port's rate. The emulator alone is a remote bottleneck with a drop-tail queue, which TCP
 learns of only by losses. Measured with 2 s bulk transfers at 1-20 Mbit/s (BBR): its start-up
 overflowed the 32-frame queue (47-69 retransmissions per transfer; at 5 and 10 Mbit/s the rate
@@ -114,7 +114,9 @@ class SerialSwitch:
         self.cpusets = list(cpusets or [None] * len(device_netns))
         self.device_netns = list(device_netns)
         self.rates_mbit = [float(rate_mbit)] * len(device_netns)
-        self._backpressured: set[int] = set()  # ranks whose sl0 has its tbf
+        self.downlinks_mbit: list[float | None] = [None] * len(device_netns)
+        self.pairs_mbit: dict[tuple[int, int], float] = {}
+        self._backpressured: dict[int, tuple[int, ...]] = {}  # rank: its sl0's capped peers
         self.netns = f"tb-{tag}-{SWITCH_SUFFIX}"
         self.process: subprocess.Popen[str] | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -231,18 +233,41 @@ class SerialSwitch:
 
     def _shape(self, rank: int) -> None:
         """With backpressure: tbf at the port's rate on the device's `sl0`, attached the
-        first time and changed in place afterwards (never unshaped in between)."""
+        first time and changed in place afterwards (never unshaped in between). Peers that
+        the device reaches slower than its uplink (their downlink, a pair's rate) get an htb
+        class each at that rate instead (`testbed.link.htb`), so TCP sees every bottleneck of
+        the emulator as local congestion."""
         if not self.backpressure:
             return
-        from testbed.shaping import ShapingPlan, apply, change, tbf_params
+        from testbed.link.netlink import apply, change
+        from testbed.link.plan import ShapingPlan
+        from testbed.link.tbf import tbf_params
 
         rate_mbit = self.rates_mbit[rank]
+        caps = {peer: (self.address(peer), cap) for peer, cap in self.peer_caps(rank).items()}
         plan = ShapingPlan("serial-backpressure", rate_mbit, tbf_params(rate_mbit))
-        if rank in self._backpressured:
+        if caps:
+            from testbed.link.htb import htb_params
+
+            plan = ShapingPlan(
+                plan.profile_name, rate_mbit, plan.tbf, htb=htb_params(rate_mbit, caps)
+            )
+        layout = tuple(sorted(caps))
+        if self._backpressured.get(rank) == layout:
             change(self.device_netns[rank], DEVICE_INTERFACE, plan)
         else:
             apply(self.device_netns[rank], DEVICE_INTERFACE, plan)
-            self._backpressured.add(rank)
+            self._backpressured[rank] = layout
+
+    def peer_caps(self, rank: int) -> dict[int, float]:
+        """Peers `rank` sends to slower than its uplink, and that rate (Mbit/s)."""
+        uplink, caps = self.rates_mbit[rank], {}
+        for peer in self.ranks:
+            limits = [self.downlinks_mbit[peer], self.pairs_mbit.get((rank, peer))]
+            slowest = min([limit for limit in limits if limit is not None], default=uplink)
+            if peer != rank and slowest < uplink:
+                caps[peer] = slowest
+        return caps
 
     # Talking to the emulator --------------------------------------------------------------
 
@@ -287,6 +312,34 @@ class SerialSwitch:
         self._ask(f"rate {self.port(rank)} {bit_s}", "ok", f"set rank {rank} to {rate_mbit} mbit")
         self.rates_mbit[rank] = float(rate_mbit)
         self._shape(rank)
+
+    def set_rates(
+        self,
+        uplink_mbit: Sequence[float],
+        downlink_mbit: Sequence[float | None],
+        pair_mbit: dict[tuple[int, int], float],
+    ) -> None:
+        """Every port's uplink and downlink (None: unshaped) and the pairs' rates (those not
+        given removed), then each device's backpressure: changed in place while its layout
+        (which peers have a class) stays, else attached anew."""
+
+        def bits(rate: float | None) -> int:
+            return 0 if rate is None else round(rate * BIT_PER_MBIT)
+
+        for rank in self.ranks:
+            port, up, down = self.port(rank), uplink_mbit[rank], downlink_mbit[rank]
+            self._ask(f"rate {port} {bits(up)}", "ok", f"set rank {rank} to {up} mbit")
+            if down is not None or self.downlinks_mbit[rank] is not None:
+                self._ask(f"down {port} {bits(down)}", "ok", f"set rank {rank}'s downlink")
+        for source, target in {*self.pairs_mbit, *pair_mbit}:
+            rate = pair_mbit.get((source, target))
+            command = f"pair {self.port(source)} {self.port(target)} {bits(rate)}"
+            self._ask(command, "ok", f"set pair {source}->{target}")
+        self.rates_mbit = [float(rate) for rate in uplink_mbit]
+        self.downlinks_mbit = list(downlink_mbit)
+        self.pairs_mbit = dict(pair_mbit)
+        for rank in self.ranks:
+            self._shape(rank)
 
     def stats(self) -> dict[int, dict[str, Any]]:
         """Per rank: frames and bytes its device sent, queue drops, rate, lateness."""

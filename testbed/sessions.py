@@ -28,9 +28,9 @@ from devices.spec import MethodRun, RunSpec
 from testbed.backends.base import Backend, Device, ExecResult
 from testbed.bundles import RunFiles
 from testbed.errors import TestbedError
-from testbed.link import LinkState
+from testbed.link.links import LinkState
+from testbed.link.replay import TraceReplay
 from testbed.plan import Trial
-from testbed.replay import TraceReplay
 from testbed.results import write_text
 from testbed.rows import failed_rows, trial_rows
 from testbed.schema import Experiment

@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from testbed.shaping import ShapingPlan
+    from testbed.link.plan import ShapingPlan
 
 log = logging.getLogger(__name__)
 
@@ -159,27 +159,27 @@ class Backend(abc.ABC):
 
     def shape(self, device: Device, plan: ShapingPlan) -> None:
         """Shapes the device's egress as planned (replacing any earlier plan)."""
-        from testbed import shaping
+        from testbed.link import netlink
 
-        shaping.apply(device.netns_path, device.interface, plan, self.qdisc_support())
+        netlink.apply(device.netns_path, device.interface, plan, self.qdisc_support())
 
     def change_rate(self, device: Device, plan: ShapingPlan) -> None:
-        """Changes the rate of the device's shaped egress in place (`shaping.change`)."""
-        from testbed import shaping
+        """Changes the rate of the device's shaped egress in place (`netlink.change`)."""
+        from testbed.link import netlink
 
-        shaping.change(device.netns_path, device.interface, plan)
+        netlink.change(device.netns_path, device.interface, plan)
 
     def qdisc_stats(self, device: Device) -> str:
         """`tc -s qdisc show` of the device's interface, as text."""
-        from testbed import shaping
+        from testbed.link import netlink
 
-        return shaping.qdisc_stats(device.netns_path, device.interface)
+        return netlink.qdisc_stats(device.netns_path, device.interface)
 
     def qdisc_support(self) -> dict[str, bool]:
-        """Which qdiscs the devices' kernel can attach (see `testbed.shaping.qdisc_support`)."""
-        from testbed import shaping
+        """Which qdiscs the devices' kernel can attach (see `testbed.link.support`)."""
+        from testbed.link.support import qdisc_support
 
-        return shaping.qdisc_support()
+        return qdisc_support()
 
     def run(self, device: Device, argv: Sequence[str], timeout_s: float = 60.0) -> ExecResult:
         process = self.spawn(device, argv)

@@ -21,7 +21,7 @@ Every command that `spawn` starts runs under a small Python launcher on the boar
 its own process group, reports its pid, and kills the group when its SSH channel closes, so a
 lost controller leaves no worker behind; `kill` sends SIGKILL to the group. Workers run in
 the board's run directory: `device_path` gives paths relative to it, and `collect` copies a
-worker's output folder back. Shaping renders `testbed.shaping`'s plan as `tc` commands (with
+worker's output folder back. Shaping renders `testbed.link.plan`'s plan as `tc` commands (with
 `sudo -n` when not root); `stop` kills what runs, removes the qdiscs, restores the interface's
 offload settings and deletes the run directory, on every board, on success, error and Ctrl-C.
 
@@ -46,7 +46,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from testbed import shaping
 from testbed.backends.base import Backend, CpuPlan, Device, DeviceSpec, Process
 from testbed.backends.ssh_checks import check_board
 from testbed.backends.ssh_files import code_is_current, source_archive, uploads_needed
@@ -61,6 +60,16 @@ from testbed.backends.ssh_session import (
 from testbed.backends.ssh_shaping import probe_qdiscs, read_link_settings, run_as_root, unshape
 from testbed.errors import ConfigError, DeviceError, ShapingError, TestbedError
 from testbed.inventory import Inventory
+from testbed.link.plan import (
+    ShapingPlan,
+    change_argv,
+    check_support,
+    clear_argv,
+    gso_argv,
+    offload_argv,
+    tc_argv,
+)
+from testbed.link.support import PROBED_QDISCS
 
 log = logging.getLogger(__name__)
 
@@ -304,33 +313,38 @@ class SshBackend(Backend):
         for session in self.sessions:
             if session.support is None:
                 session.support = probe_qdiscs(session)
-        kinds = shaping.PROBED_QDISCS
+        kinds = PROBED_QDISCS
         return {kind: all(s.support and s.support[kind] for s in self.sessions) for kind in kinds}
 
-    def shape(self, device: Device, plan: shaping.ShapingPlan) -> None:
+    def shape(self, device: Device, plan: ShapingPlan) -> None:
         """The plan as `tc` commands on the board, after gso_max_segs 1 and offloads off."""
         session = self._session(device)
-        shaping.check_support(plan, self.qdisc_support())
+        if not plan.is_tbf_only:
+            raise ShapingError(
+                f"{session.board.label}: downlink and per-pair rates are not shaped on boards "
+                "over ssh (link.downlink_mbit, link.pair_mbit); only uplinks"
+            )
+        check_support(plan, self.qdisc_support())
         interface = device.interface
         if session.link_settings is None:
             session.link_settings = read_link_settings(session, interface)
         self.shaped.add(device.rank)
-        commands = [shaping.gso_argv(interface), shaping.offload_argv(interface)]
-        commands += [shaping.clear_argv(interface), *shaping.tc_argv(interface, plan)]
+        commands = [gso_argv(interface), offload_argv(interface)]
+        commands += [clear_argv(interface), *tc_argv(interface, plan)]
         results = run_as_root(session, commands)
         if not results[1].ok:
             log.warning("%s: offloads left on: %s", session.board.label, results[1].tail(1))
         must = [0, *range(3, len(commands))]  # [1] offloads may fail; [2] clears, maybe nothing
         for argv, result in ((commands[i], results[i]) for i in must):
             if not result.ok:
-                run_as_root(session, [shaping.clear_argv(interface)])  # no half-shaped link
+                run_as_root(session, [clear_argv(interface)])  # no half-shaped link
                 raise ShapingError(
                     f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
                 )
 
-    def change_rate(self, device: Device, plan: shaping.ShapingPlan) -> None:
+    def change_rate(self, device: Device, plan: ShapingPlan) -> None:
         session = self._session(device)
-        argv = shaping.change_argv(device.interface, plan)
+        argv = change_argv(device.interface, plan)
         (result,) = run_as_root(session, [argv])
         if not result.ok:
             raise ShapingError(

@@ -12,17 +12,17 @@ import shlex
 import uuid
 from typing import Any
 
-from testbed import shaping
 from testbed.backends.base import ExecResult
 from testbed.backends.ssh_session import BoardSession
 from testbed.errors import ShapingError
 from testbed.inventory import Board
+from testbed.link.plan import clear_argv
 
 log = logging.getLogger(__name__)
 
 OFFLOADS = {"generic-segmentation-offload": "gso", "tcp-segmentation-offload": "tso",
             "generic-receive-offload": "gro"}  # fmt: skip
-PROBES = {  # as testbed.shaping probes them
+PROBES = {  # as testbed.link.support probes them
     "tbf": ["root", "handle", "1:", "tbf", "rate", "1mbit", "burst", "8000", "limit", "16000"],
     "htb": ["root", "handle", "1:", "htb", "default", "0"],
     "netem": ["root", "handle", "1:", "netem", "delay", "1ms"],
@@ -94,7 +94,7 @@ def read_link_settings(session: BoardSession, interface: str) -> dict[str, Any]:
 def unshape(session: BoardSession) -> None:
     """Removes the root qdisc; puts gso_max_segs and offloads back as they were."""
     interface, settings = session.board.interface, session.link_settings or {}
-    commands = [shaping.clear_argv(interface)]
+    commands = [clear_argv(interface)]
     if "gso_max_segs" in settings:
         segments = str(settings["gso_max_segs"])
         commands.append(["ip", "link", "set", "dev", interface, "gso_max_segs", segments])

@@ -32,8 +32,10 @@ from pathlib import Path
 import pytest
 
 from testbed.errors import ShapingError
+from testbed.link.netlink import apply, clear, qdisc_stats
+from testbed.link.plan import plan
+from testbed.link.support import qdisc_support
 from testbed.profiles import load_profile
-from testbed.shaping import apply, clear, plan, qdisc_stats, qdisc_support
 
 pytestmark = pytest.mark.netns
 

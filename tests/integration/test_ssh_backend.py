@@ -335,8 +335,8 @@ def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends,
 
 @pytest.mark.slow
 def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
-    from testbed import shaping
-    from testbed.link import WIRE_PER_PAYLOAD, probe, probe_bytes
+    from testbed.link import plan as shaping
+    from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
     from testbed.profiles import load_profile
 
     backend = backends(lab.inventory())
@@ -412,7 +412,7 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     handshake measures the skew, and comm, measured across the two clocks, stays what the
     link gives (the skew would otherwise add or remove seconds per message)."""
     from testbed.bundles import prepare_run_files
-    from testbed.link import LinkState
+    from testbed.link.links import LinkState
     from testbed.plan import plan_trials
     from testbed.schema import parse_experiment
     from testbed.sessions import WORKER_PORT, run_session
@@ -544,10 +544,10 @@ def test_the_experiment_runs_on_the_boards_through_testbed_run(lab: Lab, tmp_pat
 CONTROLLER = """
 import json, sys, time
 from pathlib import Path
-from testbed import shaping
 from testbed.backends.base import DeviceSpec
 from testbed.backends.ssh import SshBackend
 from testbed.inventory import Inventory
+from testbed.link import plan as shaping
 from testbed.profiles import load_profile
 
 inventory = Inventory.model_validate(json.loads(sys.argv[1]))

@@ -43,6 +43,60 @@ CASES: list[tuple[str, str, str]] = [
     ("rate-string", exp("link: {bandwidth_mbit: '10'}\n"), "link.bandwidth_mbit[0]: "),
     ("rate-empty", exp("link: {bandwidth_mbit: []}\n"), "link.bandwidth_mbit: "),
     ("probe-zero", exp("link: {probe_s: 0}\n"), "link.probe_s: "),
+    # per-device and per-pair rates: the field and the device named
+    (
+        "uplink-rank-out",
+        exp("link: {uplink_mbit: {2: 5}}\n"),
+        "link.uplink_mbit: device 2 does not exist: devices.count is at most 2",
+    ),
+    (
+        "uplink-list-too-long",
+        exp("link: {uplink_mbit: [1, 2, 3]}\n"),
+        "link.uplink_mbit: device 2 does not exist",
+    ),
+    (
+        "downlink-rank-out",
+        exp("devices: {count: [2, 3]}\nlink: {downlink_mbit: {3: 5}}\n"),
+        "link.downlink_mbit: device 3 does not exist: devices.count is at most 3",
+    ),
+    (
+        "uplink-negative",
+        exp("link: {uplink_mbit: {1: -2}}\n"),
+        "link.uplink_mbit: device 1: a rate is a number of Mbit/s in 0.01..10,000, got -2",
+    ),
+    ("uplink-nan", exp("link: {uplink_mbit: [.nan]}\n"), "link.uplink_mbit: device 0: "),
+    ("downlink-zero", exp("link: {downlink_mbit: {0: 0}}\n"), "link.downlink_mbit: device 0: "),
+    ("downlink-bool", exp("link: {downlink_mbit: {0: true}}\n"), "link.downlink_mbit: device 0: "),
+    ("uplink-string", exp("link: {uplink_mbit: {0: '5'}}\n"), "link.uplink_mbit: device 0: "),
+    (
+        "uplink-rank-text",
+        exp("link: {uplink_mbit: {first: 5}}\n"),
+        "link.uplink_mbit: device 'first': a device is named by its rank",
+    ),
+    ("uplink-scalar", exp("link: {uplink_mbit: 5}\n"), "link.uplink_mbit: a mapping"),
+    (
+        "pair-syntax",
+        exp("link: {pair_mbit: {0-1: 2}}\n"),
+        "link.pair_mbit: pair '0-1': a pair is written \"SRC->DST\"",
+    ),
+    ("pair-self", exp("link: {pair_mbit: {1->1: 2}}\n"), "link.pair_mbit: pair '1->1': a device"),
+    ("pair-nan", exp("link: {pair_mbit: {0->1: .nan}}\n"), "link.pair_mbit: pair 0->1: "),
+    (
+        "pair-rank-out",
+        exp("link: {pair_mbit: {0->4: 2}}\n"),
+        "link.pair_mbit: device 4 does not exist",
+    ),
+    ("pair-list", exp("link: {pair_mbit: [2]}\n"), "link.pair_mbit: a mapping"),
+    (
+        "downlink-on-boards",
+        exp(BOARDS + "backend: ssh\nlink: {downlink_mbit: {0: 5}}\n"),
+        "link.downlink_mbit: boards over ssh are shaped on their uplinks only",
+    ),
+    (
+        "pair-on-boards",
+        exp(BOARDS + "backend: ssh\nlink: {pair_mbit: {0->1: 5}}\n"),
+        "link.pair_mbit: boards over ssh",
+    ),
     ("probe-inf", exp("link: {probe_s: .inf}\n"), "link.probe_s: "),
     ("cpus-inf", exp("devices: {cpus: .inf}\n"), "devices.cpus: "),
     ("cpus-nan", exp("devices: {cpus: .nan}\n"), "devices.cpus: "),
@@ -247,7 +301,7 @@ def test_usage_errors_are_one_line(capsys, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the netem probe needs root")
 def test_a_profile_needing_netem_on_a_kernel_without_it(capsys, tmp_path):
-    from testbed.shaping import qdisc_support
+    from testbed.link.support import qdisc_support
 
     if qdisc_support().get("netem"):
         pytest.skip("this kernel has sch_netem")

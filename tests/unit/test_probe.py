@@ -101,7 +101,7 @@ def test_rate_is_timed_after_the_first_tenth_of_the_bytes():
     import time
 
     from devices.probe import receive_all
-    from testbed.link import WIRE_PER_PAYLOAD, probe_bytes
+    from testbed.link.probe import WIRE_PER_PAYLOAD, probe_bytes
 
     sender, receiver = socket.socketpair()
 

@@ -115,7 +115,7 @@ def test_planning_does_not_import_torch():
 
 
 def test_link_emulator_defaults_to_serial_and_refuses_it_on_ssh_boards():
-    from testbed.link import emulator_for
+    from testbed.link.links import emulator_for
 
     assert emulator_for(None, "docker") == emulator_for(None, "auto") == "serial"
     assert emulator_for(None, "ssh") == emulator_for("tbf", "local") == "tbf"
@@ -123,3 +123,26 @@ def test_link_emulator_defaults_to_serial_and_refuses_it_on_ssh_boards():
         emulator_for("serial", "ssh")
     with pytest.raises(ConfigError, match=r"link\.emulator: Input should be 'tbf' or 'serial'"):
         parse_experiment(with_(link={"emulator": "netem"}))
+
+
+def test_per_device_and_per_pair_rates_in_either_form():
+    from testbed.link.rates import rate_overrides
+
+    link = parse_experiment(
+        with_(
+            devices={"count": [2, 3]},
+            link={
+                "uplink_mbit": [2, 10.5],
+                "downlink_mbit": {"2": 3},  # as JSON keys come back
+                "pair_mbit": {"0->1": 1, " 2 -> 0 ": 4.0},
+            },
+        )
+    ).link
+    assert link.uplink_mbit == {0: 2.0, 1: 10.5}
+    assert link.downlink_mbit == {2: 3.0}
+    assert link.pair_mbit == {"0->1": 1.0, "2->0": 4.0}
+    assert link.pairs() == {(0, 1): 1.0, (2, 0): 4.0}
+    rates = rate_overrides(link).resolve(5.0, 2)  # device 2 is not in a 2-device trial
+    assert rates.uplink_mbit == (2.0, 10.5) and rates.downlink_mbit == (None, None)
+    assert rates.pair_mbit == {(0, 1): 1.0}
+    assert parse_experiment(MINIMAL).link.uplink_mbit == {}

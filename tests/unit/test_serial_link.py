@@ -167,6 +167,18 @@ def test_commands() -> None:
         parse_command("speed p0 5", ports)
 
 
+def test_downlink_and_pair_commands() -> None:
+    ports = ["p0", "p1"]
+    assert parse_command("down p1 3000000", ports) == Command("down", "p1", 3e6)
+    assert parse_command("down p1 0", ports) == Command("down", "p1", None)
+    assert parse_command("pair p0 p1 2000000", ports) == Command("pair", "p0", 2e6, "p1")
+    assert parse_command("pair p0 p1 0", ports) == Command("pair", "p0", None, "p1")
+    with pytest.raises(ShapingError, match="pair: unknown port 'p7'"):
+        parse_command("pair p0 p7 5", ports)
+    with pytest.raises(ShapingError, match="down p0: the rate must be a positive number"):
+        parse_command("down p0 -1", ports)
+
+
 def test_counters_keep_totals_means_and_maxima() -> None:
     counters = PortCounters()
     counters.record(1514, queued_s=0.0, late_s=10e-6)
@@ -230,6 +242,29 @@ def test_the_switch_answers_commands() -> None:
     assert ports[1].rates == [2e6]
     assert json.loads(switch.execute("stats")) == {"p0": {"frames": 0}, "p1": {"frames": 0}}
     assert switch.execute("rate p1 zero").startswith("error rate p1:")
+
+
+class RatedPort(FakePort):
+    def __init__(self, name: str, rate_bit_s: float):
+        super().__init__(name)
+        self.rate_bit_s, self.down_bit_s = rate_bit_s, None
+
+
+def test_a_frame_takes_the_least_of_uplink_downlink_and_pair() -> None:
+    ports = [RatedPort("p0", 2e6), RatedPort("p1", 10e6)]
+    switch = Switch(ports)  # type: ignore[arg-type]
+    to_b, to_a = frame(B, A), frame(A, B)
+    assert switch.frame_rate(ports[0], to_b) == 2e6  # B not learned yet: the uplink
+    switch.forward(ports[1], frame(BROADCAST, B))
+    switch.forward(ports[0], frame(BROADCAST, A))
+    assert switch.frame_rate(ports[0], to_b) == 2e6 and switch.frame_rate(ports[1], to_a) == 10e6
+    assert switch.execute("down p0 3000000") == "ok"
+    assert switch.frame_rate(ports[1], to_a) == 3e6  # p0's downlink
+    assert switch.frame_rate(ports[1], frame(BROADCAST, B)) == 10e6  # broadcasts: the uplink
+    assert switch.execute("pair p1 p0 1000000") == "ok"
+    assert switch.frame_rate(ports[1], to_a) == 1e6
+    assert switch.execute("pair p1 p0 0") == "ok" and switch.execute("down p0 0") == "ok"
+    assert switch.frame_rate(ports[1], to_a) == 10e6
 
 
 SUBNET = ipaddress.IPv4Network("10.214.3.0/24")

@@ -6,20 +6,19 @@ import sys
 import pytest
 
 from testbed.errors import ShapingError
-from testbed.profiles import LinkProfile
-from testbed.shaping import (
+from testbed.link.netem import netem_params
+from testbed.link.plan import (
     ShapingPlan,
-    TbfParams,
     check_support,
     clear_argv,
     gso_argv,
-    netem_params,
     netlink_requests,
     offload_argv,
     plan,
-    tbf_params,
     tc_argv,
 )
+from testbed.link.tbf import TbfParams, tbf_params
+from testbed.profiles import LinkProfile
 
 NO_NETEM = {"tbf": True, "htb": True, "netem": False, "ingress": True}
 WITH_NETEM = {**NO_NETEM, "netem": True}
@@ -154,7 +153,7 @@ def test_plan_as_dict_is_plain_data() -> None:
 
 
 def test_importing_shaping_loads_neither_pyroute2_nor_torch() -> None:
-    code = "import sys, testbed.shaping; print(sorted({'pyroute2', 'torch'} & set(sys.modules)))"
+    code = "import sys, testbed.link.plan; print(sorted({'pyroute2', 'torch'} & set(sys.modules)))"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from testbed import shaping
 from testbed.backends.base import DeviceSpec
 from testbed.backends.ssh import SshBackend
 from testbed.backends.ssh_checks import WORKER_MODULES, project_requirements
@@ -28,6 +27,7 @@ from testbed.backends.ssh_session import host_key_advice, shell_line, with_sudo
 from testbed.backends.ssh_shaping import sudo_refused
 from testbed.errors import ConfigError, DeviceError
 from testbed.inventory import parse_inventory
+from testbed.link import plan as shaping
 from testbed.profiles import LinkProfile
 from testbed.runner import make_backend
 

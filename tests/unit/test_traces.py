@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from testbed.errors import ConfigError
-from testbed.traces import (
+from testbed.link.traces import (
     MODELS,
     RateTrace,
     generate,

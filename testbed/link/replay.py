@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from testbed.errors import ShapingError
-from testbed.traces import RateTrace
+from testbed.link.traces import RateTrace
 
 
 class TraceReplay:

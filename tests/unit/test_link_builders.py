@@ -1,0 +1,232 @@
+"""The per-peer and downlink builders are pure: htb classes, pfifo leaves, u32 filters, the
+ingress qdisc and the ifb, as exact `tc`/`ip` argument lists; and the rates they are built
+from (`testbed.link.rates`): how per-device and per-pair rates combine and what the probe
+checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.errors import ShapingError
+from testbed.link.fifo import pfifo_argv
+from testbed.link.htb import HtbClass, htb_argv, htb_class_argv, htb_params, htb_root_argv
+from testbed.link.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
+from testbed.link.ingress import ingress_argv, ingress_clear_argv
+from testbed.link.plan import change_argvs, check_support, downlink_clear_argv, plan, tc_argv
+from testbed.link.rates import LinkRates, RateOverrides, probe_plan
+from testbed.link.u32 import u32_destination_argv, u32_redirect_argv
+from testbed.profiles import LinkProfile
+
+IDEAL = LinkProfile(name="ideal", rate_mbit=10)
+WIFI = LinkProfile(name="wifi", rate_mbit=20, delay_ms=4)
+ALL = {"tbf": True, "htb": True, "netem": False, "ingress": True}
+
+
+def test_htb_classes_share_the_uplink_and_cap_each_peer() -> None:
+    htb = htb_params(10.0, {1: ("10.0.0.2", 4.0), 2: ("10.0.0.3", 20.0)})
+    assert htb.uplink == HtbClass(0x1, 10_000_000, 10_000_000, 3028, 0)
+    # the three leaves' guaranteed rates sum to the uplink; each may borrow up to its ceil
+    assert [k.rate_bit_s for k in htb.leaves] == [3_333_333] * 3
+    assert [(k.minor, k.ceil_bit_s, k.address) for k in htb.leaves] == [
+        (0x2, 10_000_000, None),
+        (0x11, 4_000_000, "10.0.0.2"),
+        (0x12, 10_000_000, "10.0.0.3"),  # a cap above the uplink is the uplink
+    ]
+    # 50 ms at the ceil in full frames, plus the two-frame burst
+    assert [k.limit_packets for k in htb.leaves] == [44, 19, 44]
+
+
+def test_htb_refuses_a_rate_that_is_not_positive() -> None:
+    with pytest.raises(ShapingError, match="positive"):
+        htb_params(10.0, {1: ("10.0.0.2", 0.0)})
+
+
+def test_htb_argv() -> None:
+    htb = htb_params(10.0, {1: ("10.0.0.2", 4.0)})
+    assert htb_root_argv("eth0") == [
+        "tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb", "default", "2"
+    ]  # fmt: skip
+    assert htb_class_argv("eth0", htb.uplink) == [
+        "tc", "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb",
+        "rate", "10000000bit", "ceil", "10000000bit", "burst", "3028", "cburst", "3028",
+        "quantum", "1514",
+    ]  # fmt: skip
+    assert htb_class_argv("eth0", htb.peers[0], "change")[:10] == [
+        "tc", "class", "change", "dev", "eth0", "parent", "1:1", "classid", "1:11", "htb"
+    ]  # fmt: skip
+    assert pfifo_argv("eth0", 0x11, 19) == [
+        "tc", "qdisc", "add", "dev", "eth0", "parent", "1:11", "handle", "11:", "pfifo",
+        "limit", "19",
+    ]  # fmt: skip
+    assert u32_destination_argv("eth0", "10.0.0.2", 0x11) == [
+        "tc", "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1",
+        "u32", "match", "ip", "dst", "10.0.0.2/32", "flowid", "1:11",
+    ]  # fmt: skip
+    commands = htb_argv("eth0", htb)
+    assert [argv[1:3] for argv in commands] == [
+        ["qdisc", "replace"], ["class", "add"],
+        ["class", "add"], ["qdisc", "add"],  # the default class 1:2 and its pfifo
+        ["class", "add"], ["qdisc", "add"], ["filter", "add"],  # the capped peer
+    ]  # fmt: skip
+
+
+def test_downlink_argv_redirects_ingress_to_an_ifb() -> None:
+    assert ifb_name("eth0") == "ifb-eth0"
+    assert ifb_name("tb0123abcdd12") == "ifb-tb0123abcdd"  # 15 characters at most
+    assert ifb_add_argv("ifb-eth0") == ["ip", "link", "add", "ifb-eth0", "type", "ifb"]
+    assert ifb_up_argv("ifb-eth0") == ["ip", "link", "set", "dev", "ifb-eth0", "up"]
+    assert ifb_del_argv("ifb-eth0") == ["ip", "link", "del", "ifb-eth0"]
+    assert ingress_argv("eth0") == ["tc", "qdisc", "add", "dev", "eth0", "handle", "ffff:",
+                                    "ingress"]  # fmt: skip
+    assert ingress_clear_argv("eth0") == ["tc", "qdisc", "del", "dev", "eth0", "ingress"]
+    assert u32_redirect_argv("eth0", "ifb-eth0") == [
+        "tc", "filter", "add", "dev", "eth0", "parent", "ffff:", "protocol", "all", "prio",
+        "1", "u32", "match", "u32", "0", "0", "action", "mirred", "egress", "redirect",
+        "dev", "ifb-eth0",
+    ]  # fmt: skip
+    assert downlink_clear_argv("eth0") == [ingress_clear_argv("eth0"), ifb_del_argv("ifb-eth0")]
+
+
+def test_a_plan_with_a_downlink_keeps_the_uplink_tbf_and_adds_the_ifb() -> None:
+    shaping = plan(IDEAL, 10.0, downlink_mbit=3.0)
+    assert not shaping.is_tbf_only and shaping.htb is None
+    commands = tc_argv("eth0", shaping)
+    assert commands[0][:9] == ["tc", "qdisc", "replace", "dev", "eth0", "root", "handle",
+                               "1:", "tbf"]  # fmt: skip
+    assert commands[1:] == [
+        ifb_add_argv("ifb-eth0"),
+        ifb_up_argv("ifb-eth0"),
+        ingress_argv("eth0"),
+        u32_redirect_argv("eth0", "ifb-eth0"),
+        ["tc", "qdisc", "replace", "dev", "ifb-eth0", "root", "handle", "1:", "tbf",
+         "rate", "3000000bit", "burst", "3028", "limit", "21778"],
+    ]  # fmt: skip
+    assert change_argvs("eth0", shaping) == [
+        ["tc", "qdisc", "change", *commands[0][3:]],
+        ["tc", "qdisc", "change", *commands[-1][3:]],
+    ]
+
+
+def test_a_plan_with_peer_caps_has_an_htb_root_changed_class_by_class() -> None:
+    shaping = plan(IDEAL, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+    assert shaping.htb == htb_params(10.0, {1: ("10.0.0.2", 4.0)})
+    assert tc_argv("eth0", shaping) == htb_argv("eth0", shaping.htb)
+    changes = change_argvs("eth0", shaping)
+    assert [argv[1:3] for argv in changes] == [["class", "change"]] + [
+        ["class", "change"], ["qdisc", "change"]
+    ] * 2  # fmt: skip
+    assert plan(IDEAL, 10.0).is_tbf_only  # the simple case is what it always was
+
+
+def test_support_and_netem_are_checked_for_the_new_kinds() -> None:
+    with pytest.raises(ShapingError, match="no htb qdisc"):
+        plan(IDEAL, 10.0, {**ALL, "htb": False}, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+    with pytest.raises(ShapingError, match="no ingress qdisc"):
+        plan(IDEAL, 10.0, {**ALL, "ingress": False}, downlink_mbit=3.0)
+    check_support(plan(IDEAL, 10.0, downlink_mbit=3.0), ALL)
+    with pytest.raises(ShapingError, match=r"per-pair rates \(link.pair_mbit\)"):
+        plan(WIFI, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+
+
+# rates -----------------------------------------------------------------------------------------
+
+
+def test_per_device_rates_replace_the_swept_one_and_pairs_take_the_least() -> None:
+    overrides = RateOverrides({0: 2.0}, {2: 3.0}, {(1, 0): 1.0, (0, 5): 1.0})
+    rates = overrides.resolve(10.0, 3)
+    assert rates.uplink_mbit == (2.0, 10.0, 10.0)
+    assert rates.downlink_mbit == (None, None, 3.0)
+    assert rates.pair_mbit == {(1, 0): 1.0}  # device 5 is not in a 3-device trial
+    assert rates.path_mbit(0, 1) == 2.0  # the sender's uplink
+    assert rates.path_mbit(1, 2) == 3.0  # the receiver's downlink
+    assert rates.path_mbit(1, 0) == 1.0  # the pair's cap
+    assert rates.peer_caps_mbit(1) == {0: 1.0}
+    assert RateOverrides(pair_mbit={(0, 1): 20.0}).resolve(10.0, 2).peer_caps_mbit(0) == {}
+
+
+def test_a_trace_step_scales_every_rate() -> None:
+    rates = RateOverrides({0: 2.0}, {1: 4.0}, {(1, 0): 1.0}).resolve(10.0, 2).scaled(5.0)
+    assert rates.swept_mbit == 5.0
+    assert rates.uplink_mbit == (1.0, 5.0)
+    assert rates.downlink_mbit == (None, 2.0)
+    assert rates.pair_mbit == {(1, 0): 0.5}
+
+
+def test_the_probe_is_a_ring_when_every_device_has_the_same_rates() -> None:
+    probes = probe_plan(LinkRates.uniform(10.0, 3))
+    assert probes.transfers == ((0, 1), (1, 2), (2, 0))
+    assert probes.uplink == {0: (0, 1), 1: (1, 2), 2: (2, 0)}
+    assert probes.downlink == {0: (2, 0), 1: (0, 1), 2: (1, 2)}
+    assert probe_plan(LinkRates.uniform(10.0, 1)).transfers == ()
+
+
+def test_a_downlink_is_probed_from_its_fastest_sender_and_every_pair_on_its_own() -> None:
+    # device 0 is slow (2), so device 1's downlink (5) is checked from device 2 (10)
+    rates = RateOverrides({0: 2.0}, {1: 5.0}, {(2, 0): 1.0}).resolve(10.0, 3)
+    probes = probe_plan(rates)
+    assert probes.downlink[1] == (2, 1)
+    assert probes.downlink[0] == (1, 0)  # device 2 -> 0 is capped at 1: device 1 is faster
+    assert probes.transfers == ((0, 1), (1, 2), (2, 0), (1, 0), (2, 1))
+
+
+# Links, with a backend that records instead of shaping ------------------------------------------
+
+
+class RecordingBackend:
+    name, python = "fake", "python"
+
+    def __init__(self, count: int):
+        from testbed.backends.base import Device
+
+        self.devices = [Device(r, f"d{r}", f"10.0.0.{r + 1}", "eth0", 1.0, 1) for r in range(count)]
+        self.calls: list[tuple[str, int, object]] = []
+
+    def shape(self, device, shaping) -> None:
+        self.calls.append(("shape", device.rank, shaping))
+
+    def change_rate(self, device, shaping) -> None:
+        self.calls.append(("change", device.rank, shaping))
+
+    def qdisc_stats(self, device) -> str:
+        return "qdisc tbf 1: root\n Sent 0 bytes 0 pkt"
+
+
+def test_links_shape_each_device_probe_each_direction_and_scale_in_place(monkeypatch) -> None:
+    from testbed.link import links as links_module
+    from testbed.link.links import Links
+    from testbed.link.probe import WIRE_PER_PAYLOAD
+
+    backend = RecordingBackend(3)
+    achieved = {(0, 1): 2.0, (1, 2): 10.0, (2, 0): 10.0, (1, 0): 1.3, (2, 1): 3.0}
+    monkeypatch.setattr(
+        links_module,
+        "probe",
+        lambda _, sender, receiver, __: achieved[(sender.rank, receiver.rank)] / WIRE_PER_PAYLOAD,
+    )
+    overrides = RateOverrides({0: 2.0}, {1: 3.0}, {(1, 0): 1.0})
+    links = Links(backend, IDEAL, "tbf", "run", overrides)  # type: ignore[arg-type]
+    state = links.shape(10.0, 0.5)
+
+    plans = {rank: shaping for _, rank, shaping in backend.calls}
+    assert [kind for kind, _, _ in backend.calls] == ["shape"] * 3
+    assert plans[0].rate_mbit == 2.0 and plans[0].is_tbf_only
+    assert plans[1].htb is not None and plans[1].htb.peers[0].address == "10.0.0.1"
+    assert plans[1].downlink is not None and plans[1].downlink.rate_bit_s == 3_000_000
+    assert state.uplink_mbit == {0: 2.0, 1: 10.0, 2: 10.0}
+    assert state.downlink_mbit == {0: None, 1: 3.0, 2: None}
+    assert state.pair_mbit == {"1->0": 1.0}
+    assert state.uplink_probe == {0: "0->1", 1: "1->2", 2: "2->0"}
+    assert state.downlink_probe == {0: "2->0", 1: "2->1", 2: "1->2"}
+    assert state.transfers["1->0"]["target_mbit"] == 1.0
+    assert state.wire_mbit(0) == pytest.approx(2.0)
+    assert state.downlink_wire_mbit(1) == pytest.approx(3.0)
+    assert not state.flagged(0) and not state.flagged(1) and not state.flagged(2)
+    assert state.transfer_flagged("1->0")  # 1.3 against a cap of 1: recorded and flagged
+
+    backend.calls.clear()
+    links.set_rate(5.0)  # a trace step: every rate halved, in place
+    changed = {rank: shaping for kind, rank, shaping in backend.calls if kind == "change"}
+    assert len(changed) == 3 and len(backend.calls) == 3
+    assert [changed[r].rate_mbit for r in range(3)] == [1.0, 5.0, 5.0]
+    assert changed[1].downlink is not None and changed[1].downlink.rate_bit_s == 1_500_000
+    assert changed[1].htb is not None and changed[1].htb.peers[0].ceil_bit_s == 500_000
