@@ -30,7 +30,7 @@ def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkP
     emulator = _emulator(experiment, backend, source)
     _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
-    _check_impairments(profile, emulator, backend, source)
+    _check_impairments(experiment, profile, emulator, backend, source)
     return profile
 
 
@@ -131,10 +131,17 @@ def _profile(experiment: Experiment, source: str) -> LinkProfile:
         raise ConfigError(f"{source}: link.profile: {error}") from None
 
 
-def _check_impairments(profile: LinkProfile, emulator: str, backend: str, source: str) -> None:
+def _check_impairments(
+    experiment: Experiment, profile: LinkProfile, emulator: str, backend: str, source: str
+) -> None:
     """Delay, jitter and loss need netem under tbf; the serial emulator adds none of them."""
     if not profile.needs_netem:
         return
+    if experiment.link.pair_mbit:
+        raise ConfigError(
+            f"{source}: link.pair_mbit: per-pair rates with profile '{profile.name}' (delay, "
+            "jitter or loss) are not supported; use a rate-only profile such as 'ideal'"
+        )
     if emulator == "serial":
         raise ConfigError(
             f"{source}: link.profile: '{profile.name}' asks for delay, jitter or loss, which "

@@ -16,15 +16,17 @@ corrupt (measured: with `tx on`, no TCP handshake completes). So a missing `etht
 error here, not a warning. Device ends get `gso_max_segs 1` (see `testbed.link.plan.gso_argv`).
 
 Backpressure (on by default): each `sl0` also gets the project's tbf (`testbed.link.tbf`) at
-the port's rate. The emulator alone is a remote bottleneck with a drop-tail queue, which TCP
-learns of only by losses. Measured with 2 s bulk transfers at 1-20 Mbit/s (BBR): its start-up
-overflowed the 32-frame queue (47-69 retransmissions per transfer; at 5 and 10 Mbit/s the rate
-read 2.8 % off, the losses falling in the measured window) and frames waited 0.28 s on average
-at 1 Mbit/s; a 128-frame queue lost less but made that wait 0.5 s. With tbf in front, TCP sees
-a full queue as local congestion, as on a device whose own uplink is the slow link: no
-retransmissions, bulk within 0.01 %. tbf's bucket lets at most two frames through early, and
-the emulator still clocks out every frame (the frame tbf keeps ahead waits one frame time in
-the emulator's queue); isolated messages take the same time with and without it.
+the port's rate, or an htb with a class per peer that the device reaches slower than its
+uplink (the peer's downlink or the pair's rate, `set_rates`). The emulator alone is a remote
+bottleneck with a drop-tail queue, which TCP learns of only by losses. Measured with 2 s bulk
+transfers at 1-20 Mbit/s (BBR): its start-up overflowed the 32-frame queue (47-69
+retransmissions per transfer; at 5 and 10 Mbit/s the rate read 2.8 % off, the losses falling
+in the measured window) and frames waited 0.28 s on average at 1 Mbit/s; a 128-frame queue
+lost less but made that wait 0.5 s. With tbf in front, TCP sees a full queue as local
+congestion, as on a device whose own uplink is the slow link: no retransmissions, bulk within
+0.01 %. tbf's bucket lets at most two frames through early, and the emulator still clocks out
+every frame (the frame tbf keeps ahead waits one frame time in the emulator's queue); isolated
+messages take the same time with and without it.
 
 The emulator runs as `ip netns exec tb-<tag>-sl <python> -m testbed.serial_link serve ...` in
 its own session; `set_rate` and `stats` talk to it over its stdin and stdout. `stop()` closes

@@ -160,8 +160,9 @@ class Links:
         return state
 
     def _probe(self, rates: LinkRates, probe_seconds: float, state: LinkState) -> None:
-        devices, plan_ = self.backend.devices, probe_plan(rates)
-        for source, target in plan_.transfers:
+        """Each transfer of the probe plan in turn; each device told which are its own."""
+        devices, probes = self.backend.devices, probe_plan(rates)
+        for source, target in probes.transfers:
             key, target_mbit = f"{source}->{target}", rates.path_mbit(source, target)
             byte_count = probe_bytes(target_mbit, probe_seconds)
             measured = probe(self.backend, devices[source], devices[target], byte_count)
@@ -171,10 +172,10 @@ class Links:
                     "%s achieves %.2f Mbit/s (frames), more than 5%% off its %g Mbit/s target",
                     key, measured * WIRE_PER_PAYLOAD, target_mbit,
                 )  # fmt: skip
-        for rank, (source, target) in plan_.uplink.items():
-            state.uplink_probe[rank] = f"{source}->{target}"
-            state.measured_mbit[rank] = state.transfers[f"{source}->{target}"]["measured_mbit"]
-        for rank, (source, target) in plan_.downlink.items():
+        for rank, (source, target) in probes.uplink.items():
+            state.uplink_probe[rank] = key = f"{source}->{target}"
+            state.measured_mbit[rank] = state.transfers[key]["measured_mbit"]
+        for rank, (source, target) in probes.downlink.items():
             state.downlink_probe[rank] = key = f"{source}->{target}"
             state.downlink_measured_mbit[rank] = state.transfers[key]["measured_mbit"]
 

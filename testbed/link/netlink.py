@@ -153,10 +153,20 @@ def _run_tc(
 
 
 def qdisc_stats(netns_path: str | None, interface: str) -> str:
-    """The text of `tc -s qdisc show dev <interface>` inside the namespace, for the results."""
+    """The text of `tc -s qdisc show dev <interface>` inside the namespace, for the results,
+    followed by its ifb's (the downlink's shaper) when it has one."""
+    text = _show_qdiscs(netns_path, interface)
+    ifb = ifb_name(interface)
+    with contextlib.suppress(ShapingError):  # no ifb: no downlink shaped
+        text += f"downlink ({ifb}):\n" + _show_qdiscs(netns_path, ifb, quiet=True)
+    return text
+
+
+def _show_qdiscs(netns_path: str | None, interface: str, quiet: bool = False) -> str:
     where = _where(netns_path, interface)
     argv = _in_netns(netns_path, ["tc", "-s", "qdisc", "show", "dev", interface])
-    log.debug("%s: %s", where, " ".join(argv))
+    if not quiet:
+        log.debug("%s: %s", where, " ".join(argv))
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as error:

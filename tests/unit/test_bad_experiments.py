@@ -88,6 +88,11 @@ CASES: list[tuple[str, str, str]] = [
     ),
     ("pair-list", exp("link: {pair_mbit: [2]}\n"), "link.pair_mbit: a mapping"),
     (
+        "pair-with-netem",
+        exp("link: {profile: wifi, emulator: tbf, pair_mbit: {0->1: 2}}\n"),
+        "link.pair_mbit: per-pair rates with profile 'wifi'",
+    ),
+    (
         "downlink-on-boards",
         exp(BOARDS + "backend: ssh\nlink: {downlink_mbit: {0: 5}}\n"),
         "link.downlink_mbit: boards over ssh are shaped on their uplinks only",
