@@ -2,6 +2,7 @@
 #
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
 #   make smoke        the same pipeline on a tiny model in about a minute
+#   make trace-replay Trace-b with fixed and live (level_k auto) levels over a 20-1-20 Mbit/s trace
 #   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
@@ -22,7 +23,7 @@ IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
 .PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
-	reproduce reproduce-quick bench
+	reproduce reproduce-quick bench trace-replay
 
 venv: $(VENV_STAMP)
 dev-venv: $(DEV_STAMP)
@@ -72,6 +73,9 @@ host-setup:
 
 sweep-bandwidth: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-bandwidth.yaml $(RUN_ARGS)
+
+trace-replay: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/trace-replay.yaml $(RUN_ARGS)
 
 smoke: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/smoke.yaml $(RUN_ARGS)

@@ -188,6 +188,7 @@ MODELS = {
         "lognormal walk (sigma 25%), and three drops to 0.5-1 Mbit/s lasting 2-4 s."
     ),
     "step-20-2-20": "20 Mbit/s for 10 s, 2 Mbit/s for 10 s, 20 Mbit/s for 10 s.",
+    "step-20-1-20": "20 Mbit/s for 10 s, 1 Mbit/s for 10 s, 20 Mbit/s for 10 s.",
 }
 
 
@@ -207,9 +208,9 @@ def generate(name: str, seed: int = 0) -> RateTrace:
         for start in rng.choice(np.arange(5, 55, 10), 3, replace=False):
             length = int(rng.integers(2, 5))
             rate[start : start + length] = rng.uniform(0.5, 1.0, length)
-    elif name == "step-20-2-20":
-        t, rate = np.array([0.0, 10.0, 20.0]), np.array([20.0, 2.0, 20.0])
-        return RateTrace(tuple(t), tuple(rate), 30.0, name)
+    elif name.startswith("step-20-"):
+        low = {"step-20-2-20": 2.0, "step-20-1-20": 1.0}[name]
+        return RateTrace((0.0, 10.0, 20.0), (20.0, low, 20.0), 30.0, name)
     else:
         raise ConfigError(f"unknown trace model {name!r}; known: {', '.join(MODELS)}")
     rate = np.clip(rate, 0.25, None).round(3)

@@ -1,0 +1,95 @@
+"""A run over a replayed bandwidth trace, end to end on the local backend (namespaces, the
+serial emulator, real workers): the rate in force per inference follows the trace, and
+`level_k: auto` measures the link from its own messages while the link moves.
+
+The trace is the shipped 20 -> 2 -> 20 Mbit/s step played 5 times faster (2 s per step). vit-tiny
+with a batch of 256 and K = 16 sends 1,152-byte messages (1,235 bytes of frames with the
+stamp): 4.9 ms at 2 Mbit/s, 0.5 ms at 20.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from testbed.link.traces import load_trace
+from testbed.results import load
+from tests.integration.test_run import only_run_dir, run_cli
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+STRETCH = 0.2
+REPLAY_LAG_S = 0.25  # a step is in force this soon after its time (netlink into namespaces)
+
+
+def trace_experiment(tmp_path):
+    experiment = {
+        "name": "trace-test",
+        "model": {"name": "vit-tiny"},
+        "devices": {"count": [2], "cpus": 1, "memory_mb": 1024},
+        "link": {"profile": "ideal", "emulator": "serial", "trace": "step-20-2-20.csv",
+                 "trace_stretch": STRETCH, "probe_s": 0.2},
+        "methods": [{"name": "trace-b", "K": 16, "level_k": "auto", "dedup": False}],
+        "bundle": {"calibration_inputs": 16},
+        "batch": 256,
+        "repeats": 60,
+        "warmup": 1,
+        "timeout_s": 300,
+    }  # fmt: skip
+    path = tmp_path / "trace.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    return path
+
+
+def test_rates_in_force_follow_the_trace_and_auto_measures_them(tmp_path):
+    out = tmp_path / "out"
+    done = run_cli(str(trace_experiment(tmp_path)), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    trials = load(run_dir).trials
+    assert (trials["status"] == "ok").all()
+    trace = load_trace("step-20-2-20.csv").stretched(STRETCH)
+    assert (trials["bandwidth_mbit"] == round(trace.mean_mbit(), 3)).all()
+    assert (trials["trace"] == trace.name).all()
+
+    (replay_file,) = run_dir.glob("sessions/*/replay.json")
+    replay = json.loads(replay_file.read_text())
+    # every step was in force within REPLAY_LAG_S of its time in the trace
+    for applied_ns, rate in zip(replay["applied_ns"], replay["applied_mbit"], strict=True):
+        at_s = (applied_ns - replay["start_ns"]) / 1e9
+        step_s = max(t for t in scheduled_times(trace, at_s) if t <= at_s)
+        assert at_s - step_s < REPLAY_LAG_S, (at_s, step_s)
+        assert rate == trace.rate_at(step_s)
+    assert len(replay["applied_ns"]) >= 4  # the session saw several steps
+
+    # the rate recorded per inference is the trace's at its start, except within the lag of
+    # a step (where either rate may still be in force)
+    for row in trials.itertuples():
+        t = row.trace_s
+        if all(abs(t - step) > REPLAY_LAG_S for step in scheduled_times(trace, t)):
+            assert row.link_rate_mbit == trace.rate_at(t), row
+    assert set(trials["link_rate_mbit"]) == {2.0, 20.0}
+
+    # auto's own estimate, from an inference that ran whole inside one step, is that step's
+    # rate: within 15% at 2 Mbit/s; far above it at 20 Mbit/s (its messages take ~0.5 ms,
+    # where a fraction of a millisecond of scheduling noise counts)
+    rows = trials.sort_values(["rank", "repeat"])
+    previous_rate = rows.groupby("rank")["link_rate_mbit"].shift()
+    settled = rows[(previous_rate == rows["link_rate_mbit"]) & rows["est_rate_mbit"].notna()]
+    low = settled[settled["link_rate_mbit"] == 2.0]["est_rate_mbit"].median()
+    high = settled[settled["link_rate_mbit"] == 20.0]["est_rate_mbit"].median()
+    assert math.isclose(low, 2.0, rel_tol=0.15), (low, high)
+    assert high > 5 * low, (low, high)
+
+
+def scheduled_times(trace, up_to_s: float) -> list[float]:
+    """Every step time of the looped trace up to one period past `up_to_s`."""
+    times = []
+    for t, _ in trace.changes():
+        if t > up_to_s + trace.duration_s:
+            return times
+        times.append(t)
+    return times
