@@ -3,7 +3,9 @@
 What a run leaves: containers and networks labelled `testbed.run=<run id>` (Docker, when an
 engine answers), and the local backend's and serial link's network namespaces, veths and
 bridges, named by the run's tag (`tb-<tag>-*`, as root). Whether the run is over is read from
-its lock (testbed.lock): its orchestrator's pid and that process's start time.
+its lock (testbed.lock): its orchestrator's pid and that process's start time. Without
+`--run`, the qdisc probe's throwaway namespaces (`tbprobe-<pid>-*`) whose process is gone go
+too.
 
 - no options: removes the leftovers of runs whose orchestrator is gone (its pid dead or reused,
   or the host rebooted), with their stale locks; keeps, and lists with the reason, runs that
@@ -114,6 +116,10 @@ def clean(run_id: str | None = None, everything: bool = False) -> CleanReport:
         if run.holder is not None:
             remove_lock(run.holder)
             report.removed.append(f"lock of run {run.holder.run_id} ({run.holder.describe()})")
+    if run_id is None and os.geteuid() == 0:
+        from testbed.link.support import remove_stale_probes
+
+        report.removed += remove_stale_probes()
     return report
 
 

@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 
 ROOT = 0xFFFFFFFF
 PROBED_QDISCS = ("tbf", "htb", "netem", "ingress")
+PROBE_PREFIX = "tbprobe-"  # + the probing process's pid + 6 hex digits
+NETNS_DIR = "/run/netns"
 
 
 def qdisc_support() -> dict[str, bool]:
@@ -37,7 +39,7 @@ def _probe_qdiscs() -> tuple[tuple[str, bool], ...]:
         from pyroute2 import IPRoute, NetlinkError, netns
     except ImportError as error:
         raise ShapingError(f"cannot probe qdisc support: pyroute2 is missing ({error})") from None
-    name = f"tbprobe-{os.getpid()}-{os.urandom(3).hex()}"
+    name = f"{PROBE_PREFIX}{os.getpid()}-{os.urandom(3).hex()}"
     try:
         netns.create(name)
     except OSError as error:
@@ -86,4 +88,43 @@ def _try_qdisc(ipr: Any, netlink_error: type[Exception], index: int, kind: str) 
             ipr.tc("del", index=index, parent=ROOT)
     except netlink_error as error:
         raise ShapingError(f"cannot probe qdiscs: removing {kind} failed ({error})") from None
+    return True
+
+
+def stale_probe_namespaces() -> list[str]:
+    """Probe namespaces whose process is gone (killed between create and remove)."""
+    try:
+        names = os.listdir(NETNS_DIR)
+    except OSError:
+        return []
+    stale = []
+    for name in names:
+        pid = name.removeprefix(PROBE_PREFIX).split("-")[0]
+        if name.startswith(PROBE_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            stale.append(name)
+    return sorted(stale)
+
+
+def remove_stale_probes() -> list[str]:
+    """Removes `stale_probe_namespaces()`; returns what it removed ("netns NAME")."""
+    from pyroute2 import netns
+
+    removed = []
+    for name in stale_probe_namespaces():
+        try:
+            netns.remove(name)
+        except OSError as error:
+            log.warning("could not remove the probe's netns %s: %s", name, error)
+            continue
+        removed.append(f"netns {name}")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True

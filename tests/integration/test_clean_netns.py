@@ -91,3 +91,22 @@ def test_clean_leaves_a_live_run_alone_and_removes_a_killed_one(two_runs) -> Non
     assert len(namespaces(live)) == 3 and report.removed == []
     report = clean(run_id=live, everything=True)
     assert namespaces(live) == []
+
+
+def test_clean_removes_the_namespace_of_a_killed_qdisc_probe_only() -> None:
+    """The qdisc probe's throwaway namespace is named by its process: one left by a dead
+    process goes, one of a live process (this one) stays."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    names = [f"tbprobe-{int(dead.stdout)}-{uuid.uuid4().hex[:6]}",
+             f"tbprobe-{os.getpid()}-{uuid.uuid4().hex[:6]}"]  # fmt: skip
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        removed = clean().removed
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"netns {names[0]}" in removed and names[0] not in listed
+        assert names[1] in listed
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
