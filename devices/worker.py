@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
 import signal
 import sys
@@ -149,5 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(status: int) -> None:
+    """Leave without the interpreter's teardown: every file is written (atomically) and
+    every socket closed by then, and tearing torch down takes 0.3-0.5 s of CPU, seconds on a
+    loaded host, during which the peers and the orchestrator would wait for the exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
