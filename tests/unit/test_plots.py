@@ -73,3 +73,44 @@ def test_caption_states_n_and_what_the_bars_are():
     assert interval_caption(mixed) == "median of n = 10-12 repetitions; bars: 95% CI of the median"
     eight = pd.DataFrame({"n": [8], "level": [1 - 2 / 2**8]})
     assert interval_caption(eight).endswith("95% CI of the median (= the range, 99.2%)")
+
+
+def trace_results(tmp_path) -> Results:
+    """Two devices over a 20-1-20 Mbit/s trace: fixed K=64, fixed K=2 and auto, whose level
+    drops to 4 codewords while 1 Mbit/s is in force."""
+    rows = []
+    for params, level in (("K=64,level_k=64", 64), ("K=64,level_k=2", 2), ("K=64,level_k=auto", 0)):
+        for repeat in range(30):
+            t = 0.5 * repeat
+            rate = 1.0 if 5 <= t % 15 < 10 else 20.0
+            used = level or (4 if rate == 1.0 else 64)
+            slow = used == 64 and rate == 1.0
+            for rank in range(2):
+                rows.append(dict(
+                    method="trace-b", params=params, K=64, level_k=used, devices=2, rank=rank,
+                    repeat=repeat, bandwidth_mbit=13.667, status="ok", trace="step-20-1-20",
+                    trace_s=t + 0.01 * rank, link_rate_mbit=rate, effective_ms=150.0 if slow
+                    else 100.0 + rank, comm_ms=50.0 if slow else 3.0, compute_ms=95.0,
+                    wait_ms=5.0, wait_peer_ms=1.0, wait_link_ms=3.0, wait_wakeup_ms=1.0,
+                    wire_comm_ms=3.0, analytic_comm_ms=2.0, payload_bits_per_layer=1000,
+                    measured_mbit=19.1,
+                ))  # fmt: skip
+    trials = pd.DataFrame(rows)
+    plan = trials[trials["repeat"] == 0].drop(columns=["repeat"])
+    config = {"name": "toy", "model": {"name": "vit-tiny"}, "link": {"trace": "step-20-1-20.csv"}}
+    return Results(tmp_path, trials, pd.DataFrame(), plan, config, {})
+
+
+def test_a_trace_run_answers_per_rate_in_force_and_draws_its_timeline(tmp_path):
+    from testbed.answer import answer_lines
+
+    results = trace_results(tmp_path)
+    lines = answer_lines(results)
+    assert "mean K used" in lines[1]
+    one = next(i for i, line in enumerate(lines) if line.startswith("1 Mbit/s"))
+    twenty = next(i for i, line in enumerate(lines) if line.startswith("20 Mbit/s"))
+    assert lines[one].split()[-1] == "64.0" and "150" in lines[one]  # K=64 at 1 Mbit/s
+    assert lines[one + 1].split()[-1] == "4.0" and "101" in lines[one + 1]  # auto: K=4
+    assert lines[twenty + 1].split()[-1] == "64.0"  # auto at 20 Mbit/s: the finest
+    paths = make_figures(results)
+    assert "trace.png" in [p.name for p in paths]
