@@ -51,6 +51,16 @@ def _as_list(value: Any) -> Any:
     return value if isinstance(value, list) else [value]
 
 
+def _distinct(values: list[Any], what: str) -> list[Any]:
+    """`values`, or ValueError naming the first repeated one (two trials would share an id)."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"{what} {value!r} is listed twice; each trial must be distinct")
+        seen.add(value)
+    return values
+
+
 def _as_list_or_none(value: Any) -> Any:
     return None if value is None else _as_list(value)
 
@@ -77,7 +87,7 @@ class DevicesSection(Strict):
     def _in_range(cls, counts: list[int]) -> list[int]:
         if not counts or any(not 1 <= c <= MAX_DEVICES for c in counts):
             raise ValueError(f"every device count must be in 1..{MAX_DEVICES}, got {counts}")
-        return counts
+        return _distinct(counts, "device count")
 
 
 EMULATORS = ("tbf", "serial")
@@ -172,7 +182,7 @@ class LinkSection(Strict):
                 f"every bandwidth must be positive, in {low:g}..{high:,.0f} Mbit/s; "
                 f"got {wrong[0] if wrong else 'none'}"
             )
-        return rates
+        return _distinct(rates, "bandwidth")
 
     @model_validator(mode="after")
     def _trace_or_rates(self) -> LinkSection:
@@ -279,9 +289,18 @@ class Experiment(Strict):
     def _methods_valid(self) -> Experiment:
         if not self.methods:
             raise ValueError("methods: at least one method is needed")
+        seen: dict[str, int] = {}
         for index, entry in enumerate(self.methods):
             for variant in expand_method(entry, index):
                 _check_method(variant, index)
+                key = repr(sorted(variant.items()))
+                if key in seen:
+                    where = "" if seen[key] == index else f" (as methods[{seen[key]}])"
+                    raise ValueError(
+                        f"methods[{index}]: the variant {_short(variant)} is listed twice"
+                        f"{where}; each trial must be distinct"
+                    )
+                seen[key] = index
                 if self.bundle.path is None:  # a given bundle's tree is checked when loaded
                     _check_level(variant, index)
         _check_devices_fit(self.devices.count, self.model.name)
@@ -291,6 +310,10 @@ class Experiment(Strict):
     def method_variants(self) -> list[dict[str, Any]]:
         """Every method entry with its list-valued parameters expanded into a grid."""
         return [v for i, entry in enumerate(self.methods) for v in expand_method(entry, i)]
+
+
+def _short(variant: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" if k != "name" else str(v) for k, v in variant.items())
 
 
 def expand_method(entry: Any, index: int) -> list[dict[str, Any]]:

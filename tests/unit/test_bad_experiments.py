@@ -176,6 +176,18 @@ CASES: list[tuple[str, str, str]] = [
     ("profile-bad-rate", exp("link: {profile: {tmp}/nan.yaml}\n"), "link.profile: "),
     ("profile-duplicate", exp("link: {profile: {tmp}/dup.yaml}\n"), "duplicate key 'delay_ms'"),
     ("profile-serial-delay", exp("link: {profile: lte}\n"), "serial emulator does not add"),
+    ("rate-twice", exp("link: {bandwidth_mbit: [10, 5, 10]}\n"), "bandwidth 10.0 is listed twice"),
+    ("count-twice", exp("devices: {count: [2, 2]}\n"), "device count 2 is listed twice"),
+    (
+        "variant-twice",
+        exp("", "methods: [{name: astra, K: [16, 16]}]\n"),
+        "methods[0]: the variant astra K=16 is listed twice",
+    ),
+    (
+        "variant-twice-apart",
+        exp("", "methods: [{name: voltage}, {name: voltage}]\n"),
+        "methods[1]: the variant voltage is listed twice (as methods[0])",
+    ),
     (
         "trace-and-rates",
         exp("link: {trace: step-20-2-20.csv, bandwidth_mbit: 5}\n"),
