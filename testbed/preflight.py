@@ -26,6 +26,7 @@ def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkP
     """Raises ConfigError naming `source` and the field; returns the link profile."""
     _check_backend(experiment, backend, source)
     _check_files(experiment, source)
+    _check_bundle(experiment, source)
     _check_cpus(experiment, backend, source)
     emulator = _emulator(experiment, backend, source)
     _check_board_rates(experiment, backend, source)
@@ -85,6 +86,34 @@ def _check_files(experiment: Experiment, source: str) -> None:
             link_trace(experiment.link)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
+
+
+def _check_bundle(experiment: Experiment, source: str) -> None:
+    """A given bundle (bundle.path) has every codebook family, K and tree level the methods
+    ask for: otherwise the workers would refuse it only once the devices run."""
+    if experiment.bundle.path is None:
+        return
+    from tracevq.bundle import Bundle
+    from tracevq.spec import method_spec
+
+    bundle = Bundle.load(experiment.bundle.path)  # ConfigError: unreadable, wrong format
+    for variant in experiment.method_variants():
+        params = {k: v for k, v in variant.items() if k != "name"}
+        spec = method_spec(variant["name"], **params)
+        if not spec.uses_codebooks:
+            continue
+        where = f"{source}: bundle.path: {experiment.bundle.path}"
+        if spec.name not in bundle.trees:
+            have = ", ".join(bundle.trees) or "none"
+            raise ConfigError(f"{where} has no {spec.name} codebooks (it has: {have})")
+        sizes = bundle.trees[spec.name][0].level_sizes
+        if spec.K != sizes[-1]:
+            raise ConfigError(f"{where}: {spec.name} K={spec.K}, its codebooks have {sizes[-1]}")
+        if spec.is_trace and spec.resolved_level_k not in sizes:
+            raise ConfigError(
+                f"{where}: {spec.name} level_k={spec.level_k} is not a level of its codebook tree "
+                f"(levels: {', '.join(map(str, sizes))})"
+            )
 
 
 def host_cpus() -> int:

@@ -387,3 +387,33 @@ def test_the_run_directory_stays_under_out(capsys, tmp_path):
     lines = capsys.readouterr().err.splitlines()
     assert status == 2 and len(lines) == 1 and "outside it" in lines[0], lines
     assert list(elsewhere.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def small_bundle(tmp_path_factory) -> Path:
+    import torch
+
+    import tracevq
+    from tracevq.bundle import fit_bundle
+
+    model = tracevq.build_model("vit-tiny")
+    bundle = fit_bundle(model, torch.randn(4, 3, 32, 32), K=16, families=("trace-b",))
+    return bundle.save(tmp_path_factory.mktemp("bundle") / "b.pt")
+
+
+@pytest.mark.parametrize(
+    ("method", "expected"),
+    [
+        ("{name: trace-nb, K: 16}", "has no trace-nb codebooks (it has: trace-b)"),
+        ("{name: trace-b, K: 64}", "trace-b K=64, its codebooks have 16"),
+        ("{name: trace-b, K: 16, level_k: 3}", "level_k=3 is not a level of its codebook tree"),
+    ],
+    ids=["family", "K", "level"],
+)
+def test_a_given_bundle_without_what_the_methods_ask_for(capsys, tmp_path, small_bundle, method,
+                                                         expected):  # fmt: skip
+    path = tmp_path / "bad.yaml"
+    path.write_text(exp(f"model: {{name: vit-tiny}}\nbundle: {{path: {small_bundle}}}\n",
+                        f"methods: [{method}]\n"))  # fmt: skip
+    line = refused(capsys, tmp_path, [str(path)])
+    assert f"bundle.path: {small_bundle}" in line and expected in line
