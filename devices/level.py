@@ -10,21 +10,26 @@ message carries its level, so the receivers follow.
   inference. Every message of an auto run carries its departure time (devices.transport,
   STAMP), so the receiver knows its one-way time on its own clock: the kernel's receive
   timestamp of its last byte minus the departure corrected by the handshake's clock offset.
-  Less the small-message latency of the handshake (half its best round trip), that is the
-  time the link took for the message's frames; the median per frame byte over the last
-  inference's messages predicts each level's transfer time, and the budget is the median FFN
-  time of the last inference's blocks. The messages observed are the peers' (a device's
-  downlink); the choice is for its own uplink's messages. That is the same link where one
-  channel is shared or the rates are alike (a replayed trace plays on every device), and not
-  where devices have rates of their own: there the peers' estimates would have to be sent
-  back.
+  Per frame byte (headers included), the median over a peer's messages of the last inference
+  predicts each level's transfer time, and the budget is the median FFN time of the last
+  inference's blocks. The one-way time includes the link's latency, which does not shrink
+  with the message: the prediction errs towards coarser levels, by the latency's share
+  (negligible where a level's choice matters: there the frames' wire time dominates). Taking
+  the handshake's small-message latency off instead was wrong on slow links: its pings'
+  own wire time (2.4 ms at 0.25 Mbit/s) is in it. What a device measures of a peer's
+  messages it echoes back in its own stamps to that peer, so each device chooses from how
+  its own messages travelled, as the slowest of its peers saw them; until the first echo
+  arrives, from how the peers' messages to it travelled (the same link where devices share
+  one channel).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,7 +88,8 @@ class LiveLevel:
     """Re-chooses an auto run's level from its last inference (see the module docstring).
 
     offsets_ns: per peer, the peer's clock minus this device's (the handshake's);
-    latency_ns: per peer, half the handshake's best round trip (its small-message latency).
+    echo(peer, ns_per_byte): hands what this device measured of a peer's messages to the link
+    to that peer, whose stamps echo it back (devices.transport.PeerLink.echo_ps_per_byte).
     """
 
     def __init__(
@@ -92,28 +98,38 @@ class LiveLevel:
         tokens: int,
         batch: int,
         offsets_ns: Mapping[int, int],
-        latency_ns: Mapping[int, int],
+        echo: Callable[[int, float], None],
     ):
-        self.method, self.offsets_ns, self.latency_ns = method, offsets_ns, latency_ns
+        self.method, self.offsets_ns = method, offsets_ns
+        self.echo = echo
         rows = tokens * batch
         self.wire_bytes = [
             tcp_frame_bytes(STAMP.size + trace_message_bytes(rows, bits))
             for bits in method.level_bits
         ]
-        self.rate_mbit: float | None = None  # the last estimate
+        self.rate_mbit: float | None = None  # the last estimate of this device's uplink
 
     def update(self, arrivals: Sequence[ArrivalRecord], blocks: Sequence[BlockRecord]) -> int:
         """Set the level for the next inference from the last one's arrivals and blocks;
         returns it (unchanged when nothing could be measured)."""
-        ns_per_byte = [
-            max(self._link_ns(a), 0) / tcp_frame_bytes(STAMP.size + a.message_bytes)
-            for a in arrivals
-            if a.sent_ns is not None
-        ]
+        measured: dict[int, list[float]] = defaultdict(list)  # peer -> ns per frame byte
+        echoed: dict[int, float] = {}  # peer -> its latest measure of this device's messages
+        for arrival in arrivals:
+            if arrival.sent_ns is None:
+                continue
+            frames = tcp_frame_bytes(STAMP.size + arrival.message_bytes)
+            measured[arrival.peer].append(max(self._one_way_ns(arrival), 0) / frames)
+            if arrival.echo_ps_per_byte is not None:
+                echoed[arrival.peer] = arrival.echo_ps_per_byte / 1000
+        downlink = {peer: statistics.median(values) for peer, values in measured.items()}
+        for peer, per_byte in downlink.items():
+            self.echo(peer, per_byte)
+        # this device's own messages as its slowest peer saw them; before any echo came back,
+        # the peers' messages as this device saw them
+        per_byte = max(echoed.values() or downlink.values() or [math.nan])
         ffn_ms = [(b.ffn_end_ns - b.ffn_start_ns) / 1e6 for b in blocks]
-        if not ns_per_byte or not ffn_ms:
+        if math.isnan(per_byte) or not ffn_ms:
             return self.method.level
-        per_byte = statistics.median(ns_per_byte)
         budget_ms = statistics.median(ffn_ms)
         self.rate_mbit = 8e3 / per_byte if per_byte > 0 else None
         level = 0
@@ -123,9 +139,8 @@ class LiveLevel:
         self.method.set_level(level)
         return level
 
-    def _link_ns(self, arrival: ArrivalRecord) -> int:
-        """The message's one-way time less the handshake's small-message latency."""
+    def _one_way_ns(self, arrival: ArrivalRecord) -> int:
+        """From the message's departure to its last byte's arrival, on this device's clock."""
         assert arrival.sent_ns is not None
         received = arrival.read_ns if arrival.kernel_ns is None else arrival.kernel_ns
-        sent_here = arrival.sent_ns - self.offsets_ns.get(arrival.peer, 0)
-        return received - sent_here - self.latency_ns.get(arrival.peer, 0)
+        return received - (arrival.sent_ns - self.offsets_ns.get(arrival.peer, 0))

@@ -75,7 +75,9 @@ class ArrivalRecord:
 
     kernel_ns: the kernel's receive timestamp of its last byte (None where the kernel gives
     none); read_ns: the receiver thread had read it off the socket; sent_ns: its departure on
-    the sender's clock, which a stamped message carries (`level_k: auto`; None otherwise).
+    the sender's clock, which a stamped message carries (`level_k: auto`; None otherwise);
+    echo_ps_per_byte: the stamp's echo, the peer's measure of this device's messages to it
+    (link time per frame byte, ps; None when it had none yet).
     """
 
     run: str
@@ -86,6 +88,7 @@ class ArrivalRecord:
     kernel_ns: int | None
     read_ns: int
     sent_ns: int | None = None
+    echo_ps_per_byte: int | None = None
 
 
 @dataclass

@@ -81,7 +81,15 @@ class Session:
             marks.append((block_start, wait_start, wait_end, ffn_start, ffn_end))
             arrivals += [
                 ArrivalRecord(
-                    run, index, block, peer, len(m.message), m.kernel_ns, m.read_ns, m.sent_ns
+                    run,
+                    index,
+                    block,
+                    peer,
+                    len(m.message),
+                    m.kernel_ns,
+                    m.read_ns,
+                    m.sent_ns,
+                    m.echo_ps_per_byte,
                 )
                 for peer, m in incoming.items()
             ]

@@ -14,10 +14,12 @@
   only when a block needs them.
 - Messages carry no length prefix: the receiver reads the method's header bytes, then the
   rest of the size that the method derives from the header (docs/method.md, Wire format).
-- A stamped message (the runs of `level_k: auto`, devices.level) is preceded by its departure
-  time, 8 bytes (`STAMP`: ns on the sender's clock, taken when its first byte is offered to
-  the kernel), so that the receiver knows each message's one-way time while the session runs.
-  Stamps are counted apart from the payload (`stamp_bytes`).
+- A stamped message (the runs of `level_k: auto`, devices.level) is preceded by 12 bytes
+  (`STAMP`): its departure time (ns on the sender's clock, taken when its first byte is
+  offered to the kernel), so that the receiver knows each message's one-way time while the
+  session runs, and the sender's latest measure of the link the other way, from that peer to
+  it (`PeerLink.echo_ps_per_byte`, 0 for none yet), so that each device learns how its own
+  messages travel. Stamps are counted apart from the payload (`stamp_bytes`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ log = logging.getLogger(__name__)
 
 RETRY_INTERVAL_S = 0.1
 READY = b"R"
-STAMP = struct.Struct("<q")  # a stamped message's departure time, ns on the sender's clock
+# a stamped message's departure time (ns, the sender's clock) and echo (ps per frame byte)
+STAMP = struct.Struct("<qI")
+MAX_ECHO = 2**32 - 1
 # MTU 1500 and TCP timestamps (Linux's default)
 TCP_MSS_BYTES = 1448  # 1500 - 20 IP - 32 TCP
 TCP_FRAME_HEADER_BYTES = 66  # 14 Ethernet + 20 IP + 32 TCP
@@ -221,12 +225,14 @@ class Outgoing:
 class Incoming:
     """A peer's message: when its last byte reached this host (the kernel's receive
     timestamp, None where the kernel gives none), when the receiver thread had read it, and
-    for a stamped message its departure on the sender's clock."""
+    for a stamped message its departure on the sender's clock and the sender's measure of
+    this device's messages to it (ps per frame byte; None: not measured yet)."""
 
     message: bytes
     kernel_ns: int | None
     read_ns: int
     sent_ns: int | None = None
+    echo_ps_per_byte: int | None = None
 
 
 @dataclass
@@ -247,6 +253,8 @@ class PeerLink:
         self.inbox: queue.SimpleQueue[Incoming | _Closed] = queue.SimpleQueue()
         self.bytes_sent = self.bytes_received = 0
         self.stamp_bytes = {"sent": 0, "received": 0}
+        # what this device last measured of the peer's messages to it, echoed in every stamp
+        self.echo_ps_per_byte = 0
         self.messages_sent = self.messages_received = 0
         self.send_error: str | None = None
         self.closed: _Closed | None = None  # set by the receiver thread when the peer is gone
@@ -289,7 +297,9 @@ class PeerLink:
         """The bytes of the message as they go out now: its stamp (if any) says now."""
         now = self.clock.now_ns()
         outgoing.depart(self.peer, now)
-        return STAMP.pack(now) + outgoing.message if outgoing.stamped else outgoing.message
+        if not outgoing.stamped:
+            return outgoing.message
+        return STAMP.pack(now, min(self.echo_ps_per_byte, MAX_ECHO)) + outgoing.message
 
     def _written(self, outgoing: Outgoing, written: int) -> None:
         stamp = STAMP.size if outgoing.stamped else 0
@@ -338,10 +348,10 @@ class PeerLink:
     def _receive_loop(self, formats: Iterator[MessageFormat]) -> None:
         stamped = Stamped(self.sock, self.clock)
         for header_bytes, message_bytes, has_stamp in formats:
-            header, sent_ns = b"", None
+            header, sent_ns, echo = b"", None, None
             try:
                 if has_stamp:
-                    (sent_ns,) = STAMP.unpack(stamped.read(STAMP.size))
+                    sent_ns, echo = STAMP.unpack(stamped.read(STAMP.size))
                     self.stamp_bytes["received"] += STAMP.size
                 header = stamped.read(header_bytes)
                 rest = stamped.read(message_bytes(header) - header_bytes)
@@ -365,7 +375,8 @@ class PeerLink:
                 return
             self.bytes_received += len(header) + len(rest)
             self.messages_received += 1
-            self.inbox.put(Incoming(header + rest, stamped.kernel_ns, self.clock.now_ns(), sent_ns))
+            now = self.clock.now_ns()
+            self.inbox.put(Incoming(header + rest, stamped.kernel_ns, now, sent_ns, echo or None))
         self._await_end(stamped)
 
     def _await_end(self, stamped: Stamped) -> None:

@@ -74,15 +74,15 @@ def test_rates_in_force_follow_the_trace_and_auto_measures_them(tmp_path):
     assert set(trials["link_rate_mbit"]) == {2.0, 20.0}
 
     # auto's own estimate, from an inference that ran whole inside one step, is that step's
-    # rate: within 15% at 2 Mbit/s; far above it at 20 Mbit/s (its messages take ~0.5 ms,
-    # where a fraction of a millisecond of scheduling noise counts)
+    # rate: within 15% at 2 Mbit/s; far above it at 20 Mbit/s (its messages take ~0.5 ms of
+    # wire time, and the one-way time the estimate is made of includes the link's latency)
     rows = trials.sort_values(["rank", "repeat"])
     previous_rate = rows.groupby("rank")["link_rate_mbit"].shift()
     settled = rows[(previous_rate == rows["link_rate_mbit"]) & rows["est_rate_mbit"].notna()]
     low = settled[settled["link_rate_mbit"] == 2.0]["est_rate_mbit"].median()
     high = settled[settled["link_rate_mbit"] == 20.0]["est_rate_mbit"].median()
     assert math.isclose(low, 2.0, rel_tol=0.15), (low, high)
-    assert high > 5 * low, (low, high)
+    assert high > 2.5 * low, (low, high)
 
 
 def scheduled_times(trace, up_to_s: float) -> list[float]:
@@ -93,3 +93,27 @@ def scheduled_times(trace, up_to_s: float) -> list[float]:
             return times
         times.append(t)
     return times
+
+
+def test_auto_follows_each_devices_own_uplink(tmp_path):
+    """Device 0's uplink at 0.25 Mbit/s, device 1's at 20: each device's level comes from how
+    its own messages travelled, which its peer echoes back, so device 0 goes coarse (its
+    1,230-byte messages take 39 ms at the finest level) and device 1 stays fine (0.5 ms),
+    although each receives the other's messages at the other's rate."""
+    experiment = yaml.safe_load(trace_experiment(tmp_path).read_text())
+    experiment["link"] = {"profile": "ideal", "emulator": "serial", "bandwidth_mbit": 20,
+                          "uplink_mbit": {0: 0.25}, "probe_s": 0.2}  # fmt: skip
+    experiment["repeats"] = 12
+    path = tmp_path / "uplinks.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = load(only_run_dir(out)).trials
+    later = trials[trials["repeat"] >= 3]  # the echoes are back after two inferences
+    slow, fast = (later[later["rank"] == rank] for rank in (0, 1))
+    low, high = slow["est_rate_mbit"].median(), fast["est_rate_mbit"].median()
+    # device 1's 0.5 ms of wire time is a fraction of its one-way time (the userspace link's
+    # scheduling on a busy host): its estimate is low, but far above device 0's
+    assert math.isclose(low, 0.25, rel_tol=0.15) and high > 10 * low, (low, high)
+    assert slow["level_k"].max() < fast["level_k"].min(), (slow["level_k"], fast["level_k"])

@@ -19,7 +19,6 @@ from tracevq.methods import make_method
 BATCH = 100  # 9 tokens x 100: messages of 114, 226, 339 and 451 bytes at levels 0..3
 TOKENS = 9
 OFFSET_NS = 5_000_000_000  # the peer's clock is 5 s ahead
-LATENCY_NS = 40_000
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +34,18 @@ def wire_bytes(method, level: int) -> int:
     )
 
 
-def inference(method, level: int, rate_mbit: float, ffn_ms: float):
-    """The records of one inference whose peer sent at `level` over a `rate_mbit` link."""
+def inference(method, level: int, rate_mbit: float, ffn_ms: float, echo_mbit: float | None = None):
+    """The records of one inference whose peer sent at `level` over a `rate_mbit` link and
+    echoed `echo_mbit` as what it measured of this device's messages (None: nothing yet)."""
     message = trace_message_bytes(TOKENS * BATCH, method.level_bits[level])
     link_ns = round(wire_bytes(method, level) * 8 / rate_mbit * 1e3)
     arrivals, blocks = [], []
     for block in range(4):
         sent_here = 1_000_000_000 * (block + 1)
-        arrival = sent_here + LATENCY_NS + link_ns
+        arrival = sent_here + link_ns
+        echo = None if echo_mbit is None else round(8e6 / echo_mbit)  # ps per byte
         arrivals.append(ArrivalRecord("r", 0, block, 1, message, arrival, arrival + 10_000,
-                                      sent_here + OFFSET_NS))  # fmt: skip
+                                      sent_here + OFFSET_NS, echo))  # fmt: skip
         start = sent_here - 2_000_000
         ffn_end = start + round(ffn_ms * 1e6)
         blocks.append(BlockRecord("r", 0, block, ffn_ms, 0.0, 0, 0, message, start, None, None,
@@ -64,16 +65,29 @@ def inference(method, level: int, rate_mbit: float, ffn_ms: float):
 def test_the_finest_level_whose_frames_cross_within_the_ffn_time(
     method, rate_mbit, ffn_ms, expected
 ):
-    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, {1: LATENCY_NS})
+    echoed = {}
+    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, echoed.__setitem__)
     for observed_level in (2, expected):  # the estimate does not depend on the level sent at
         method.set_level(observed_level)
         assert live.update(*inference(method, observed_level, rate_mbit, ffn_ms)) == expected
         assert method.level == expected
         assert live.rate_mbit == pytest.approx(rate_mbit, rel=1e-3)
+        # what it measured goes back to the peer: ns per frame byte
+        assert echoed[1] == pytest.approx(8e3 / rate_mbit, rel=1e-3)
+
+
+@pytest.mark.parametrize(("down_mbit", "up_mbit", "expected"), [(100.0, 1.0, 1), (1.0, 100.0, 3)])
+def test_the_peers_echo_of_this_devices_messages_decides(method, down_mbit, up_mbit, expected):
+    """Its peer's messages come over a `down_mbit` link, its own go over `up_mbit` (as the
+    peer's echo says): the level follows the uplink."""
+    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, lambda *_: None)
+    method.set_level(2)
+    assert live.update(*inference(method, 2, down_mbit, 3.0, echo_mbit=up_mbit)) == expected
+    assert live.rate_mbit == pytest.approx(up_mbit, rel=1e-3)
 
 
 def test_without_stamped_messages_the_level_stays(method):
-    live = LiveLevel(method, TOKENS, BATCH, {1: 0}, {1: 0})
+    live = LiveLevel(method, TOKENS, BATCH, {1: 0}, lambda *_: None)
     method.set_level(2)
     arrivals, blocks = inference(method, 2, 1.0, 0.1)
     unstamped = [dataclasses.replace(a, sent_ns=None) for a in arrivals]

@@ -33,6 +33,7 @@ from devices.handshake import shake
 from devices.inputs import generated_batch
 from devices.records import read_records, read_session
 from devices.spec import MethodRun, RunSpec
+from devices.transport import STAMP
 from devices.worker import load_methods
 from tracevq.bundle import fit_bundle
 from tracevq.codec import encode_trace_message
@@ -274,7 +275,10 @@ def test_auto_level_starts_coarsest_on_a_slow_link_then_follows_the_messages(
         assert (first.level, first.level_k, first.r_bits, first.est_rate_mbit) == (0, 2, 1, None)
         assert all(r.est_rate_mbit is not None and r.est_rate_mbit > 0 for r in later)
         assert all(a.sent_ns is not None for a in device.arrivals)
-        assert device.session.bytes["stamps"]["sent"] == 8 * model.config.depth * 3
+        # the first inference's stamps echo nothing (nothing measured yet), later ones do
+        echoes = {a.inference: a.echo_ps_per_byte for a in device.arrivals}
+        assert echoes[0] is None and echoes[2] is not None and echoes[2] > 0
+        assert device.session.bytes["stamps"]["sent"] == STAMP.size * model.config.depth * 3
     # each device chooses its own level; the simulation has one level for all, so inferences
     # where the two chose alike are checked (the first always: both start at level 0)
     levels = [[r.level for r in read_records(tmp_path / f"device{rank}").inferences]
