@@ -34,6 +34,7 @@ import yaml
 from testbed.backends.base import DeviceSpec
 from testbed.backends.local import choose_subnet, host_networks
 from testbed.backends.ssh import SshBackend
+from testbed.backends.ssh_scripts import LAUNCHER
 from testbed.errors import DeviceError
 from testbed.inventory import Inventory
 
@@ -119,7 +120,8 @@ class Lab:
                 **changes}  # fmt: skip
 
     def leftovers(self) -> dict[str, list[str]]:
-        """What runs on each board besides its sshd listener."""
+        """What runs on each board besides its sshd listener: `pid (parent pid) state: argv`
+        per process (the launcher's argv shortened to its first line)."""
         found = {}
         for rank, name in enumerate(self.namespaces[1:]):
             daemon = self.sshd[rank].pid
@@ -127,11 +129,14 @@ class Lab:
             commands = []
             for pid in pids:
                 try:
-                    commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
-                except OSError:
+                    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                except (OSError, IndexError):
                     continue
+                shown = argv.decode(errors="replace").replace(LAUNCHER, "LAUNCHER ")
+                commands.append(f"{pid} ({stat[1]}) {stat[0]}: {shown}")
             if commands:
-                found[f"b{rank}"] = [c.decode(errors="replace") for c in commands]
+                found[f"b{rank}"] = commands
         return found
 
     def wait_until_clean(self, timeout_s: float = 10.0) -> dict[str, list[str]]:
@@ -547,6 +552,7 @@ from pathlib import Path
 from testbed import shaping
 from testbed.backends.base import DeviceSpec
 from testbed.backends.ssh import SshBackend
+from testbed.backends.ssh_scripts import LAUNCHER
 from testbed.inventory import Inventory
 from testbed.profiles import load_profile
 
@@ -561,9 +567,29 @@ with SshBackend("interrupted", Path(sys.argv[2]), inventory) as backend:
 """
 
 
+def argv_of(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def parent_of(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def sleeping_on_every_board(lab: Lab) -> bool:
-    running = lab.leftovers()
-    return all("sleep 300" in " ".join(running.get(f"b{r}", [])) for r in range(BOARDS))
+    """Whether the worker itself (`sleep 300`, a child of the ssh backend's launcher) runs on
+    every board. Not just a command line that says `sleep 300`: the launcher's own, and the
+    shell's before it, say it too, long before the worker starts."""
+    for name in lab.namespaces[1:]:
+        workers = [pid for pid in netns_pids(name) if argv_of(pid) == ["sleep", "300"]]
+        if not any(LAUNCHER in argv_of(parent_of(pid)) for pid in workers):
+            return False
+    return True
 
 
 def board_qdiscs(lab: Lab) -> list[str]:
