@@ -21,8 +21,9 @@ Least privilege, decided as follows:
   `output_path` maps a session's rank folder there and `collect` copies what the worker wrote
   back into the run directory (as the orchestrator's files), then empties it.
 - The run secret (`testbed.backends.base`) is the private folder's `run.key`, mode 0400 and
-  owned by the worker's uid, mounted read-only at DEVICE_SECRET_FILE; never in the run
-  directory. `stop()` removes the private folder with the containers.
+  owned by the worker's uid (0600 and ours when the containers run as us), mounted read-only
+  at DEVICE_SECRET_FILE; never in the run directory. `stop()` removes the private folder with
+  the containers; a killed orchestrator leaves it in the temporary folder.
 """
 
 from __future__ import annotations
