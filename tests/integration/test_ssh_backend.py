@@ -440,6 +440,12 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     assert {"session.json", "records.json", "spec.json"} <= {
         p.name for p in (directory / "rank1").iterdir()
     }
+    # the workers proved the run secret to each other; it came back in no file of the run
+    for rank in range(2):
+        session = json.loads((directory / f"rank{rank}" / "session.json").read_text())
+        assert [h["hello"]["authenticated"] for h in session["handshakes"].values()] == [True]
+    secret = backend.secret.hex().encode()
+    assert [p for p in backend.run_dir.rglob("*") if p.is_file() and secret in p.read_bytes()] == []
     for trial in trials:
         logits = np.load(directory / "rank0" / "logits" / f"{trial.trial_id}.npy")
         expected = simulated_logits(experiment, trial, files.bundle_for(trial))
@@ -552,7 +558,6 @@ from pathlib import Path
 from testbed import shaping
 from testbed.backends.base import DeviceSpec
 from testbed.backends.ssh import SshBackend
-from testbed.backends.ssh_scripts import LAUNCHER
 from testbed.inventory import Inventory
 from testbed.profiles import load_profile
 
@@ -606,6 +611,9 @@ def test_an_interrupted_controller_leaves_no_worker_on_the_boards(lab: Lab, tmp_
         [sys.executable, "-c", CONTROLLER, json.dumps(lab.inventory()), str(tmp_path / "run")],
         cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: pytest started in the background of a shell without job control
+        # passes SIGINT on ignored, and the controller would then sleep through the Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         assert controller.stdout.readline() == "ready\n", controller.stderr.read()[-2000:]
