@@ -1,11 +1,12 @@
 """One worker session per device count and bandwidth: the trials of that group, interleaved.
 
 The testbed writes a `devices.spec.RunSpec` file per device (each trial is one of the spec's
-runs), starts `python -m devices.worker SPEC` on every device, and reads back what each wrote
-(`devices.records`). Within the session the workers run one inference of each trial in turn,
-so a slow minute of the shared host falls on every method alike and the model is loaded
-once. A worker that fails fails every trial of its session (their rows say why and the
-workers' logs are kept); the sweep goes on with the next session.
+runs; the spec names the backend's run secret file, never the secret: see
+`testbed.backends.base`), starts `python -m devices.worker SPEC` on every device, and reads
+back what each wrote (`devices.records`). Within the session the workers run one inference of
+each trial in turn, so a slow minute of the shared host falls on every method alike and the
+model is loaded once. A worker that fails fails every trial of its session (their rows say
+why and the workers' logs are kept); the sweep goes on with the next session.
 
     <run dir>/sessions/<session id>/rank<r>/   spec.json, session.json, records.json, logits/
     <run dir>/sessions/<session id>/rank<r>.log
@@ -93,11 +94,12 @@ def device_spec(
         warmup=experiment.warmup,
         threads=device.threads,
         inputs=seen(files.inputs),
-        out=Path(backend.device_path(out)),
+        out=Path(backend.output_path(device, out)),
         connect_timeout_s=CONNECT_TIMEOUT_S,
         recv_timeout_s=experiment.timeout_s,
         rate_mbit=link.measured_mbit.get(device.rank, link.rate_mbit),
         clock_skew_s=backend.clock_skews_s.get(device.rank, 0.0),
+        secret_file=backend.secret_files.get(device.rank),
     )
 
 

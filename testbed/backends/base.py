@@ -4,6 +4,14 @@ a run directory with them (or copy to and from it), stop everything.
 Devices know their rank, their address on the run's network, the interface that carries
 their traffic, and their CPU allotment. A backend owns everything it creates and removes it
 in `stop()`, which is idempotent and also runs when the backend is used as a context manager.
+
+The run secret: every backend makes a fresh random secret when it is created (one per set of
+devices: a run starts one backend per device count) and `start()` delivers it to each device
+as a file only that device's worker can read, outside the run directory, recorded by rank in
+`secret_files` as the device sees it. The session's specs name that file
+(`RunSpec.secret_file`), and the workers prove in their handshake that they hold it
+(`devices.handshake`). The secret itself is never written to the run directory (results),
+never logged, never passed on a command line; `stop()` removes the files.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +31,23 @@ if TYPE_CHECKING:
     from testbed.link.plan import ShapingPlan
 
 log = logging.getLogger(__name__)
+
+RUN_SECRET_BYTES = 32
+SECRET_FILE_NAME = "run.key"
+
+
+def write_secret(path: Path, secret: bytes, owner: tuple[int, int] | None = None) -> Path:
+    """The secret as hex digits in a new file of mode 0600 (0400 when handed to another
+    `owner`, uid and gid); it is never readable by anyone else, not even for a moment."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secret.hex().encode() + b"\n")
+        if owner is not None:
+            os.fchmod(fd, 0o400)
+            os.fchown(fd, *owner)
+    finally:
+        os.close(fd)
+    return path
 
 
 @dataclass(frozen=True)
@@ -129,6 +155,8 @@ class Backend(abc.ABC):
         # by rank: seconds added to every timestamp the worker takes, to emulate boards whose
         # clocks are off (tests of the clock alignment)
         self.clock_skews_s: dict[int, float] = {}
+        self.secret = secrets.token_bytes(RUN_SECRET_BYTES)  # see the module's docstring
+        self.secret_files: dict[int, str] = {}  # by rank, as the device sees it
 
     def prepare(self) -> None:  # noqa: B027 - optional hook
         """What must exist before devices can start and takes long to make the first time
@@ -153,8 +181,13 @@ class Backend(abc.ABC):
         """Path under which a device sees a file of the run directory."""
         return str(Path(host_path).resolve())
 
+    def output_path(self, device: Device, host_path: Path) -> str:
+        """Path under which `device` writes what belongs in the run-directory folder
+        `host_path` (the worker's `out`); `collect` brings it back. The device_path by default."""
+        return self.device_path(host_path)
+
     def collect(self, device: Device, host_path: Path) -> None:  # noqa: B027 - optional hook
-        """Brings the device's copy of a run-directory folder (its `device_path`) back into
+        """Brings the device's copy of a run-directory folder (its `output_path`) back into
         `host_path`. A no-op where devices write straight into the shared run directory."""
 
     def shape(self, device: Device, plan: ShapingPlan) -> None:

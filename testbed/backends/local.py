@@ -17,6 +17,11 @@ available. RLIMIT_DATA bounds private writable memory (heap, anonymous maps, thr
 unlike RLIMIT_AS it does not count shared libraries or address space reserved and never used,
 which for a torch worker is hundreds of MB. Going over it makes allocations fail (MemoryError)
 instead of waking an OOM killer. Fractional CPU allotments are not enforced (no cgroups here).
+
+The run secret (`testbed.backends.base`) is one file, `run.key` of mode 0600, in a folder of
+mode 0700 that `start()` makes outside the run directory (`tempfile.mkdtemp`, `testbed-<tag>-*`)
+and `stop()` removes. The devices run as root on this host's file system, so one file serves
+them all.
 """
 
 from __future__ import annotations
@@ -32,12 +37,22 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.backends.base import Backend, Device, DeviceSpec, ExecResult, Process, plan_cpus
+from testbed.backends.base import (
+    SECRET_FILE_NAME,
+    Backend,
+    Device,
+    DeviceSpec,
+    ExecResult,
+    Process,
+    plan_cpus,
+    write_secret,
+)
 from testbed.errors import DeviceError
 
 log = logging.getLogger(__name__)
@@ -212,6 +227,7 @@ class LocalBackend(Backend):
         self.memory_mb: int | None = None
         self.processes: list[LocalProcess] = []
         self.namespaces: list[str] = []  # created by this backend, switch first
+        self.private_dir: Path | None = None  # the run secret's folder, outside the run dir
 
     def start(self, spec: DeviceSpec) -> list[Device]:
         self.cpu_plan = plan_cpus(spec.count, spec.cpus)
@@ -228,6 +244,7 @@ class LocalBackend(Backend):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log.debug("run %s: namespaces tb-%s-*", self.run_id, self.names.tag)
         try:
+            self._deliver_secret(spec.count)
             self.subnet = choose_subnet(self.run_id, host_networks())
             self._create_switch()
             self.devices = [self._create_device(rank, spec) for rank in range(spec.count)]
@@ -255,6 +272,12 @@ class LocalBackend(Backend):
                 f"namespaces {existing} of run {self.run_id} already exist: another backend uses "
                 "this run id, or a crashed run left them (`python -m testbed.clean`)"
             )
+
+    def _deliver_secret(self, count: int) -> None:
+        self.private_dir = Path(tempfile.mkdtemp(prefix=f"testbed-{self.names.tag}-"))
+        path = write_secret(self.private_dir / SECRET_FILE_NAME, self.secret)
+        log.debug("run secret: %s (mode 0600)", path)
+        self.secret_files = {rank: str(path) for rank in range(count)}
 
     def _create_namespace(self, name: str) -> None:
         from pyroute2 import netns
@@ -342,6 +365,10 @@ class LocalBackend(Backend):
         self.processes = []
         remove_namespaces(self.namespaces)
         self.namespaces = []
+        if self.private_dir is not None:
+            log.debug("rm -r %s", self.private_dir)
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+            self.private_dir, self.secret_files = None, {}
 
 
 def _pids_in(netns_path: Path) -> list[int]:

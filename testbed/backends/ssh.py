@@ -13,6 +13,10 @@ before any slow work, and every error names its board:
    SFTP into `<workdir>/code/<digest>/` unless that digest is already there; the run's files
    the workers read (bundles) into `<workdir>/runs/<run id>/`, each skipped when the board's
    copy has the same SHA-256. Then the deployed worker must import (`tracevq`, `devices`).
+   The run secret (`testbed.backends.base`) goes over SFTP into `run.key` of the board's run
+   directory, a file made mode 0600 before the secret is written to it; specs name it by that
+   relative path. `collect` copies rank folders only, so it never comes back into results,
+   and `stop` removes it with the board's run directory.
 4. clock: each board's monotonic clock against ours by ping-pong over one SSH channel; the
    offsets (and between boards) go to `ssh-boards.json` in the run directory.
 
@@ -46,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from testbed.backends.base import Backend, CpuPlan, Device, DeviceSpec, Process
+from testbed.backends.base import SECRET_FILE_NAME, Backend, CpuPlan, Device, DeviceSpec, Process
 from testbed.backends.ssh_checks import check_board
 from testbed.backends.ssh_files import code_is_current, source_archive, uploads_needed
 from testbed.backends.ssh_scripts import CLOCK, HASHES, INSTALL, LAUNCHER, REMOVE_TREE, VERIFY
@@ -114,6 +118,7 @@ class SshBackend(Backend):
             self._each(check_board)
             self.archive = self.archive or source_archive()
             self._each(self._deploy)
+            self._each(self._deliver_secret)
             self._sync_run_files(sorted(p for p in self.run_dir.glob("bundles/*") if p.is_file()))
             self._each(self._clock)
             self.devices = [self._device(session, spec) for session in self.sessions]
@@ -184,6 +189,14 @@ class SshBackend(Backend):
                 + "; ".join(found["missing"].values())
             )
         session.facts.update(code_digest=digest, imports=found["modules"])
+
+    def _deliver_secret(self, session: BoardSession) -> None:
+        path = posixpath.join(session.run_dir, SECRET_FILE_NAME)
+        log.debug("%s: sftp put %s (mode 0600)", session.board.name, path)
+        with session.sftp.open(path, "wb") as stream:
+            stream.chmod(0o600)  # before a byte of the secret is in it
+            stream.write(self.secret.hex().encode() + b"\n")
+        self.secret_files[session.rank] = SECRET_FILE_NAME  # workers run in the run directory
 
     def _env(self, session: BoardSession, threads: int | None = None) -> dict[str, str]:
         env = {"PYTHONPATH": session.code_dir}

@@ -1,5 +1,6 @@
 """The top-level docker-compose.yml runs to completion: two CPU-limited devices, each shaping
-its own egress to 10 Mbit/s, a short session of the demo model, records in a mounted folder."""
+its own egress to 10 Mbit/s, a short session of the demo model, records in a mounted folder,
+written by the image's unprivileged `worker` user (the services drop root after shaping)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from devices.records import read_records
+from testbed.backends.docker import WORKER_UID
 from tests.conftest import REQUIRE_DOCKER, require_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +53,12 @@ def test_docker_compose_up_runs_both_devices_to_the_end_on_a_shaped_link(tmp_pat
         runs = sorted((i.run, i.inference) for i in device.inferences)
         assert runs == sorted((run, i) for run in ("voltage", "trace-b") for i in range(5))
     assert (tmp_path / "d0" / "logits" / "trace-b.npy").is_file()
+    # the workers and the fit ran as `worker`, not as the root that shaped the link
+    written = [tmp_path / "codebooks" / "bundle-K16.pt"]
+    written += [
+        tmp_path / f"d{rank}" / name for rank in (0, 1) for name in ("records.json", "session.json")
+    ]
+    assert {path.stat().st_uid for path in written} == {WORKER_UID}
     # each device's egress went through its 10 Mbit/s token bucket, its messages with it
     for rank, device in enumerate(records):
         qdisc = (tmp_path / f"d{rank}" / "qdisc.txt").read_text()

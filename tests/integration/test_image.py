@@ -1,4 +1,6 @@
-"""The worker image: built from local sources only, runs torch, and can shape its own link.
+"""The worker image: built from local sources only, runs torch as an unprivileged user, can
+shape its own link when root asks (the compose demo), and the docker backend's containers run
+with least privilege.
 
 Each test module run gets its own internal network and container, labelled with a run id,
 and both are removed in fixture finalisers, also when a test fails.
@@ -6,6 +8,7 @@ and both are removed in fixture finalisers, also when a test fails.
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -13,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from testbed.backends.base import DeviceSpec
+from testbed.backends.docker import DEVICE_SECRET_FILE, PIDS_LIMIT, WORKER_UID, DockerBackend
 from testbed.base_image import DEFAULT_BASE
 from testbed.image import WORKER_TAG
 
@@ -64,8 +69,8 @@ def worker(docker_client: Any, worker_image: str, internal_network: Any, run_id:
     return container  # removed by internal_network's finaliser, with everything of the run
 
 
-def _exec(container: Any, *args: str) -> str:
-    exit_code, output = container.exec_run(list(args))
+def _exec(container: Any, *args: str, user: str = "") -> str:
+    exit_code, output = container.exec_run(list(args), user=user)
     text = output.decode(errors="replace")
     assert exit_code == 0, f"{args} exited {exit_code}: {text}"
     return text
@@ -84,9 +89,18 @@ def test_container_runs_pinned_torch(worker: Any) -> None:
     assert output.strip().split("+")[0] == "2.13.0"
 
 
+def test_the_image_runs_as_the_unprivileged_worker_with_setpriv_at_hand(worker: Any) -> None:
+    assert _exec(worker, "id", "-un").strip() == "worker"
+    assert _exec(worker, "id", "-u").strip() == str(WORKER_UID)
+    # what compose/as-worker.sh drops privileges with
+    assert _exec(worker, "setpriv", "--version").startswith("setpriv from util-linux")
+
+
 def test_container_shapes_its_link_with_tbf(worker: Any) -> None:
+    """As root (the compose demo's devices shape their own link before dropping to worker)."""
     _exec(worker, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-          "rate", f"{TBF_RATE_MBIT}mbit", "burst", "32kbit", "latency", "50ms")  # fmt: skip
+          "rate", f"{TBF_RATE_MBIT}mbit", "burst", "32kbit", "latency", "50ms",
+          user="root")  # fmt: skip
     shown = _exec(worker, "tc", "qdisc", "show", "dev", "eth0")
     match = re.search(r"qdisc tbf \S+ root .*?rate (\d+)Mbit", shown)
     assert match is not None, shown
@@ -99,3 +113,38 @@ def test_run_network_is_internal(worker: Any, internal_network: Any, run_id: str
     assert internal_network.attrs["Labels"] == {RUN_LABEL: run_id}
     worker.reload()
     assert set(worker.attrs["NetworkSettings"]["Networks"]) == {internal_network.name}
+
+
+def test_backend_devices_run_unprivileged_on_a_read_only_run_directory(
+    docker_client: Any, worker_image: str, tmp_path: Any
+) -> None:
+    """The docker backend's container: the worker user, no capability, a pids limit, the run
+    directory read-only, its own output folder writable, the run secret readable there only."""
+    run_dir = tmp_path / "run"
+    (run_dir / "bundles").mkdir(parents=True)
+    (run_dir / "bundles" / "b.pt").write_text("bundle")
+    with DockerBackend(f"privtest-{uuid.uuid4().hex[:8]}", run_dir, image=worker_image) as backend:
+        (device,) = backend.start(DeviceSpec(count=1, cpus=1, memory_mb=512))
+        host = docker_client.containers.get(device.name).attrs["HostConfig"]
+        assert host["CapDrop"] == ["ALL"] and not host["CapAdd"] and not host["Privileged"]
+        assert host["PidsLimit"] == PIDS_LIMIT
+        assert backend.run(device, ["id", "-u"]).stdout.strip() == str(WORKER_UID)
+        status = backend.run(device, ["grep", "^Cap", "/proc/self/status"]).stdout
+        assert all(line.split()[1] == "0" * 16 for line in status.splitlines()), status
+        bundle = backend.device_path(run_dir / "bundles" / "b.pt")
+        assert backend.run(device, ["cat", bundle]).stdout == "bundle"
+        refused = backend.run(device, ["touch", backend.device_path(run_dir / "x")])
+        assert not refused.ok and "Read-only file system" in refused.stderr
+        out = run_dir / "sessions" / "s" / "rank0"
+        out.mkdir(parents=True)
+        folder = backend.output_path(device, out)
+        assert backend.run(device, ["mkdir", "-p", f"{folder}/logits"]).ok
+        assert backend.run(device, ["touch", f"{folder}/logits/t.npy"]).ok
+        assert backend.secret_files == {0: DEVICE_SECRET_FILE}
+        key = backend.run(device, ["cat", DEVICE_SECRET_FILE]).stdout.strip()
+        assert key == backend.secret.hex()
+        backend.collect(device, out)
+        assert (out / "logits" / "t.npy").stat().st_uid == os.geteuid()  # copied: ours
+        private = backend.private_dir
+    assert private is not None and not private.exists()
+    assert not any(backend.secret.hex() in p.read_text() for p in run_dir.rglob("*") if p.is_file())

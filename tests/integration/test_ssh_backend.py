@@ -34,6 +34,7 @@ import yaml
 from testbed.backends.base import DeviceSpec
 from testbed.backends.local import choose_subnet, host_networks
 from testbed.backends.ssh import SshBackend
+from testbed.backends.ssh_scripts import LAUNCHER
 from testbed.errors import DeviceError
 from testbed.inventory import Inventory
 
@@ -119,7 +120,8 @@ class Lab:
                 **changes}  # fmt: skip
 
     def leftovers(self) -> dict[str, list[str]]:
-        """What runs on each board besides its sshd listener."""
+        """What runs on each board besides its sshd listener: `pid (parent pid) state: argv`
+        per process (the launcher's argv shortened to its first line)."""
         found = {}
         for rank, name in enumerate(self.namespaces[1:]):
             daemon = self.sshd[rank].pid
@@ -127,11 +129,14 @@ class Lab:
             commands = []
             for pid in pids:
                 try:
-                    commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
-                except OSError:
+                    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                except (OSError, IndexError):
                     continue
+                shown = argv.decode(errors="replace").replace(LAUNCHER, "LAUNCHER ")
+                commands.append(f"{pid} ({stat[1]}) {stat[0]}: {shown}")
             if commands:
-                found[f"b{rank}"] = [c.decode(errors="replace") for c in commands]
+                found[f"b{rank}"] = commands
         return found
 
     def wait_until_clean(self, timeout_s: float = 10.0) -> dict[str, list[str]]:
@@ -435,6 +440,12 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     assert {"session.json", "records.json", "spec.json"} <= {
         p.name for p in (directory / "rank1").iterdir()
     }
+    # the workers proved the run secret to each other; it came back in no file of the run
+    for rank in range(2):
+        session = json.loads((directory / f"rank{rank}" / "session.json").read_text())
+        assert [h["hello"]["authenticated"] for h in session["handshakes"].values()] == [True]
+    secret = backend.secret.hex().encode()
+    assert [p for p in backend.run_dir.rglob("*") if p.is_file() and secret in p.read_bytes()] == []
     for trial in trials:
         logits = np.load(directory / "rank0" / "logits" / f"{trial.trial_id}.npy")
         expected = simulated_logits(experiment, trial, files.bundle_for(trial))
@@ -561,9 +572,29 @@ with SshBackend("interrupted", Path(sys.argv[2]), inventory) as backend:
 """
 
 
+def argv_of(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def parent_of(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def sleeping_on_every_board(lab: Lab) -> bool:
-    running = lab.leftovers()
-    return all("sleep 300" in " ".join(running.get(f"b{r}", [])) for r in range(BOARDS))
+    """Whether the worker itself (`sleep 300`, a child of the ssh backend's launcher) runs on
+    every board. Not just a command line that says `sleep 300`: the launcher's own, and the
+    shell's before it, say it too, long before the worker starts."""
+    for name in lab.namespaces[1:]:
+        workers = [pid for pid in netns_pids(name) if argv_of(pid) == ["sleep", "300"]]
+        if not any(LAUNCHER in argv_of(parent_of(pid)) for pid in workers):
+            return False
+    return True
 
 
 def board_qdiscs(lab: Lab) -> list[str]:
@@ -580,6 +611,9 @@ def test_an_interrupted_controller_leaves_no_worker_on_the_boards(lab: Lab, tmp_
         [sys.executable, "-c", CONTROLLER, json.dumps(lab.inventory()), str(tmp_path / "run")],
         cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: pytest started in the background of a shell without job control
+        # passes SIGINT on ignored, and the controller would then sleep through the Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         assert controller.stdout.readline() == "ready\n", controller.stderr.read()[-2000:]
