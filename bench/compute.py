@@ -45,7 +45,8 @@ def device0_compute_ms(
                 inbox[block][run.rank] = message
             step(run, run.project_local, block)
         for run in runs:
-            messages = {peer: inbox[block][peer] for peer in run.peers}
+            expected = run.exchanges_at(block)
+            messages = {peer: inbox[block][peer] for peer in run.peers if expected}
             message = step(run, run.attend, block, messages)
             if message is not None:
                 inbox[block + 1][run.rank] = message
