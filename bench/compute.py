@@ -78,16 +78,20 @@ def compare(
     return {name: pd.Series(values, name=name) for name, values in times.items()}
 
 
-def bundle_for(model: VisionTransformer, K: int, calibration: int) -> Bundle:
-    """Trace-b codebooks by k-means on seeded random inputs, cached in .cache/bundles (the
-    fit of ViViT-B's takes minutes; the key covers everything that changes it)."""
-    name = f"bench-{model.config.name}-K{K}-c{calibration}-{model_fingerprint(model)[:16]}.pt"
+def bundle_for(
+    model: VisionTransformer, K: int, calibration: int, families: tuple[str, ...] = ("trace-b",)
+) -> Bundle:
+    """Codebooks of `families` by k-means on seeded random inputs, cached in .cache/bundles
+    (the fit of ViViT-B's takes minutes; the key covers everything that changes it)."""
+    kinds = "" if families == ("trace-b",) else "-" + "+".join(families)
+    fingerprint = model_fingerprint(model)[:16]
+    name = f"bench-{model.config.name}-K{K}-c{calibration}{kinds}-{fingerprint}.pt"
     path = CACHE_DIR / name
     if path.is_file():
         return Bundle.load(path)
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(model.config.input_shape(calibration), generator=generator)
-    bundle = fit_bundle(model, inputs, K=K, families=("trace-b",))
+    bundle = fit_bundle(model, inputs, K=K, families=families)
     path.parent.mkdir(parents=True, exist_ok=True)
     bundle.save(path)
     return bundle
