@@ -99,14 +99,17 @@ class TraceReceiver(Receiver):
     def _copy_kv(self, block: int, rows: Tensor) -> RemoteKV | RemoteRows:
         """Trace-nb: advance the copy of the peer's tokens by the received codewords."""
         method, placement = self.method, self.placement
-        codewords = method.quantizers[block].decode(rows)  # (B, n, D)
         by_index_alone = self.residual is None  # K/V a function of the row: dedup is exact
+        keeps = placement.carries_residual or block == 0  # the copy's state is needed later
+        if by_index_alone and method.spec.dedup and not keeps:  # "1 A.iii": the row is all
+            return RemoteRows(rows)
+        codewords = method.quantizers[block].decode(rows)  # (B, n, D)
         if block == 0:  # "1 B": the VQ_0 codeword is block 0's K/V source and residual
             state = codewords
         else:
             z = codewords if self.residual is None else self.residual + codewords
             state = method.block_input_of_codewords(block, z)
-        self.residual = state if placement.carries_residual or block == 0 else None
+        self.residual = state if keeps else None
         if by_index_alone and method.spec.dedup:
             return RemoteRows(rows)
         return RemoteKV(*method.model.blocks[block].remote_kv(state))
