@@ -8,8 +8,10 @@ Trace-b (2 B) and to Astra, both without dedup as in the paper, with the paper's
 ratios beside them; then the time of
 embedding the peer's patches alone (what the exact-embedding cases add).
 
-Usage: python -m bench.bench_placements [--quick] [--rounds N]
-`--quick` uses ViT-tiny and K = 64 (a check that the script runs).
+Usage: python -m bench.bench_placements [--quick] [--rounds N] [--flops]
+`--quick` uses ViT-tiny and K = 64 (a check that the script runs). `--flops` counts device 0's
+floating-point operations instead of timing them (torch's FlopCounterMode: matmuls and
+attention), once per variant: the same ratios without the machine's load.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import time
 
 import torch
 
-from bench.compute import bundle_for, compare
+from bench.compute import bundle_for, compare, device0_flops
 from testbed.stats import median_interval, paired_ratio_interval
+from tracevq.methods import make_method
 from tracevq.models import build_model
 from tracevq.partition import partition_ranges
 
@@ -69,15 +72,36 @@ def embedding_ms(model, rounds: int = 50) -> float:
     return median_interval(times).median
 
 
+def count_flops(model, bundle, K: int) -> None:
+    """Device-0 GFLOP per variant and their ratios (deterministic: one run each)."""
+    inputs = torch.randn(model.config.input_shape(1), generator=torch.Generator().manual_seed(0))
+    flops = {
+        label: device0_flops(make_method(model=model, bundle=bundle, **kw), inputs, DEVICES)
+        for label, kw in variants(K).items()
+    }
+    print(f"{model.config.name}, P = {DEVICES}, K = {K}, device-0 GFLOP counted "
+          "(matmuls and attention), ratios to trace-b and astra without dedup")  # fmt: skip
+    for label, count in flops.items():
+        cells = [f"  {label:20} {count / 1e9:8.3f}"]
+        for base in ("trace-b 2 B nodedup", "astra nodedup"):
+            ratio = count / flops[base]
+            cells.append(f"/ {base.split()[0]} {ratio:.3f}{paper_ratio(label, base)}")
+        print("  ".join(cells), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--flops", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = build_model("vit-tiny" if args.quick else "vit-b16")
     K = 64 if args.quick else 1024
     bundle = bundle_for(model, K, 8, families=("astra", "trace-b", "trace-nb"))
+    if args.flops:
+        count_flops(model, bundle, K)
+        return
     times = compare(model, bundle, variants(K), DEVICES, rounds=args.rounds)
     print(f"{model.config.name}, P = {DEVICES}, K = {K}, device-0 compute ms, one thread, "
           f"{args.rounds} rounds interleaved; ratios paired by round [95% interval], "

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import pandas as pd
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from testbed.bundles import CACHE_DIR
 from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
@@ -21,21 +22,35 @@ from tracevq.methods import Method, make_method
 from tracevq.models import VisionTransformer
 
 
+def _timed(call, *args):
+    began = time.perf_counter()
+    out = call(*args)
+    return out, 1000 * (time.perf_counter() - began)
+
+
+def _counted(call, *args):
+    with FlopCounterMode(display=False) as counter:
+        out = call(*args)
+    return out, float(counter.get_total_flops())
+
+
 @torch.no_grad()
-def device0_compute_ms(
-    method: Method, inputs: torch.Tensor, devices: int, unique_keys: list | None = None
+def device0_work(
+    method: Method, inputs: torch.Tensor, devices: int, measure=_timed, unique_keys=None
 ) -> float:
-    """Device 0's compute; `unique_keys` (if given) gets its distinct remote keys per block."""
+    """Device 0's work, summed over its calls: `measure(call, *args)` returns the call's
+    output and its amount (ms by default). `unique_keys` (if given) gets its distinct remote
+    keys per block."""
     runs = [DeviceRun(method, rank, devices, inputs) for rank in range(devices)]
     inbox: dict[int, dict[int, bytes]] = defaultdict(dict)
     spent = 0.0
 
     def step(run: DeviceRun, call, *args):
         nonlocal spent
-        began = time.perf_counter()
-        out = call(*args)
-        if run.rank == 0:
-            spent += time.perf_counter() - began
+        if run.rank != 0:
+            return call(*args)
+        out, amount = measure(call, *args)
+        spent += amount
         return out
 
     for block in range(method.model.config.depth):
@@ -55,7 +70,20 @@ def device0_compute_ms(
         for run in runs:
             step(run, run.finish_block, block)
     step(runs[0], runs[0].logits)
-    return 1000 * spent
+    return spent
+
+
+def device0_compute_ms(
+    method: Method, inputs: torch.Tensor, devices: int, unique_keys: list | None = None
+) -> float:
+    """Device 0's compute; `unique_keys` (if given) gets its distinct remote keys per block."""
+    return device0_work(method, inputs, devices, _timed, unique_keys)
+
+
+def device0_flops(method: Method, inputs: torch.Tensor, devices: int) -> float:
+    """Device 0's floating-point operations as torch's FlopCounterMode counts them (matmuls
+    and attention; LayerNorm, GELU, gathers and the codeword search's argmin uncounted)."""
+    return device0_work(method, inputs, devices, _counted)
 
 
 def compare(
