@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import pandas as pd
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from testbed.bundles import CACHE_DIR
 from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
@@ -21,21 +22,35 @@ from tracevq.methods import Method, make_method
 from tracevq.models import VisionTransformer
 
 
+def _timed(call, *args):
+    began = time.perf_counter()
+    out = call(*args)
+    return out, 1000 * (time.perf_counter() - began)
+
+
+def _counted(call, *args):
+    with FlopCounterMode(display=False) as counter:
+        out = call(*args)
+    return out, float(counter.get_total_flops())
+
+
 @torch.no_grad()
-def device0_compute_ms(
-    method: Method, inputs: torch.Tensor, devices: int, unique_keys: list | None = None
+def device0_work(
+    method: Method, inputs: torch.Tensor, devices: int, measure=_timed, unique_keys=None
 ) -> float:
-    """Device 0's compute; `unique_keys` (if given) gets its distinct remote keys per block."""
+    """Device 0's work, summed over its calls: `measure(call, *args)` returns the call's
+    output and its amount (ms by default). `unique_keys` (if given) gets its distinct remote
+    keys per block."""
     runs = [DeviceRun(method, rank, devices, inputs) for rank in range(devices)]
     inbox: dict[int, dict[int, bytes]] = defaultdict(dict)
     spent = 0.0
 
     def step(run: DeviceRun, call, *args):
         nonlocal spent
-        began = time.perf_counter()
-        out = call(*args)
-        if run.rank == 0:
-            spent += time.perf_counter() - began
+        if run.rank != 0:
+            return call(*args)
+        out, amount = measure(call, *args)
+        spent += amount
         return out
 
     for block in range(method.model.config.depth):
@@ -45,7 +60,8 @@ def device0_compute_ms(
                 inbox[block][run.rank] = message
             step(run, run.project_local, block)
         for run in runs:
-            messages = {peer: inbox[block][peer] for peer in run.peers}
+            expected = run.exchanges_at(block)
+            messages = {peer: inbox[block][peer] for peer in run.peers if expected}
             message = step(run, run.attend, block, messages)
             if message is not None:
                 inbox[block + 1][run.rank] = message
@@ -54,7 +70,20 @@ def device0_compute_ms(
         for run in runs:
             step(run, run.finish_block, block)
     step(runs[0], runs[0].logits)
-    return 1000 * spent
+    return spent
+
+
+def device0_compute_ms(
+    method: Method, inputs: torch.Tensor, devices: int, unique_keys: list | None = None
+) -> float:
+    """Device 0's compute; `unique_keys` (if given) gets its distinct remote keys per block."""
+    return device0_work(method, inputs, devices, _timed, unique_keys)
+
+
+def device0_flops(method: Method, inputs: torch.Tensor, devices: int) -> float:
+    """Device 0's floating-point operations as torch's FlopCounterMode counts them (matmuls
+    and attention; LayerNorm, GELU, gathers and the codeword search's argmin uncounted)."""
+    return device0_work(method, inputs, devices, _counted)
 
 
 def compare(
@@ -77,16 +106,20 @@ def compare(
     return {name: pd.Series(values, name=name) for name, values in times.items()}
 
 
-def bundle_for(model: VisionTransformer, K: int, calibration: int) -> Bundle:
-    """Trace-b codebooks by k-means on seeded random inputs, cached in .cache/bundles (the
-    fit of ViViT-B's takes minutes; the key covers everything that changes it)."""
-    name = f"bench-{model.config.name}-K{K}-c{calibration}-{model_fingerprint(model)[:16]}.pt"
+def bundle_for(
+    model: VisionTransformer, K: int, calibration: int, families: tuple[str, ...] = ("trace-b",)
+) -> Bundle:
+    """Codebooks of `families` by k-means on seeded random inputs, cached in .cache/bundles
+    (the fit of ViViT-B's takes minutes; the key covers everything that changes it)."""
+    kinds = "" if families == ("trace-b",) else "-" + "+".join(families)
+    fingerprint = model_fingerprint(model)[:16]
+    name = f"bench-{model.config.name}-K{K}-c{calibration}{kinds}-{fingerprint}.pt"
     path = CACHE_DIR / name
     if path.is_file():
         return Bundle.load(path)
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(model.config.input_shape(calibration), generator=generator)
-    bundle = fit_bundle(model, inputs, K=K, families=("trace-b",))
+    bundle = fit_bundle(model, inputs, K=K, families=families)
     path.parent.mkdir(parents=True, exist_ok=True)
     bundle.save(path)
     return bundle

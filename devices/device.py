@@ -178,13 +178,14 @@ class Device:
         self, peer: int, slots: Iterator[tuple[MethodRun, int, bool]]
     ) -> Iterator[MessageFormat]:
         """How to delimit each message `peer` will send, in order: one per block of every
-        inference."""
+        inference where the method exchanges."""
         tokens, batch = self.sizes[peer], self.spec.batch
         for run, _, _ in slots:
             method = self.methods[run.id][0]
             size = functools.partial(method.message_bytes, tokens, batch)
-            for _ in range(self.model.config.depth):
-                yield MessageFormat(method.header_bytes, size, stamped(method))
+            for block in range(self.model.config.depth):
+                if method.exchanges_at(block):
+                    yield MessageFormat(method.header_bytes, size, stamped(method))
 
     def _write_logits(self, logits: dict[str, list[torch.Tensor]]) -> None:
         folder = self.spec.out / "logits"

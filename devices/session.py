@@ -66,7 +66,7 @@ class Session:
             self._post(outgoing, block, device_run.begin_block(block), context)
             device_run.project_local(block)  # while the peers' messages for this block travel
             wait_start = now()
-            incoming = self._collect(context)
+            incoming = self._collect(context) if device_run.exchanges_at(block) else {}
             wait_end = now() if incoming else wait_start
             messages = {peer: item.message for peer, item in incoming.items()}
             try:

@@ -72,8 +72,9 @@ TIMING = _columns(
      "from the first byte offered to the kernel to the last byte accepted by it"),
     ("wire_comm_ms", "float64", "ms", "frame_bytes x 8 / uplink_mbit: what the link needs for "
      "the bytes it actually carries"),
-    ("analytic_comm_ms", "float64", "ms", "layers x (P - 1) x payload_bits_per_layer / "
-     "bandwidth: the paper's model (payload bits only)"),
+    ("analytic_comm_ms", "float64", "ms", "messages x (P - 1) x payload_bits_per_layer / "
+     "bandwidth, one message per layer (Trace's exact-embedding placements: one fewer): the "
+     "paper's model (payload bits only)"),
     ("analytic_comm_ms_paper", "float64", "ms", "the same with the paper's 1 Mbit/s = 2^20 "
      "bit/s"),
 )  # fmt: skip

@@ -15,7 +15,7 @@ from testbed.link.traces import RateTrace, load_trace
 from testbed.schema import DEFAULT_RATE_MBIT, Experiment, LinkSection
 from tracevq.codec import index_bits
 from tracevq.config import model_config
-from tracevq.payload import payload_bits
+from tracevq.payload import exchanges, payload_bits
 from tracevq.spec import method_spec
 
 PAPER_MEGABIT = 2**20  # the paper's Tables IV and Fig. 6 divide by 2^20 bit/s per "Mbit/s"
@@ -81,15 +81,16 @@ def plan_trials(experiment: Experiment) -> list[Trial]:
 
 
 def analytic_comm_ms(
-    bits_per_layer: int, layers: int, devices: int, rate_mbit: float, megabit: int = TC_MEGABIT
+    bits_per_layer: int, messages: int, devices: int, rate_mbit: float, megabit: int = TC_MEGABIT
 ) -> float:
-    """Time the device's egress link needs for its messages of one inference.
+    """Time the device's egress link needs for its `messages` messages of one inference (one
+    per layer, or one fewer for Trace's exact-embedding placements).
 
     Over a TCP mesh a device's one link carries a copy of each message for each of its
     P - 1 peers; the paper's Table II counts one copy (equal for P = 2).
     """
     copies = max(devices - 1, 0)
-    return 1000.0 * bits_per_layer * layers * copies / (rate_mbit * megabit)
+    return 1000.0 * bits_per_layer * messages * copies / (rate_mbit * megabit)
 
 
 def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[dict[str, Any]]:
@@ -101,6 +102,7 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[dict[str, Any
         bits = payload_bits(
             config, trial.method, trial.devices, experiment.batch, **trial.method_params
         )
+        messages = exchanges(spec, config.depth)  # Trace's "A" placements: no block-0 message
         for rank, rank_bits in enumerate(bits):
             rows.append(
                 {
@@ -117,10 +119,10 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[dict[str, Any
                     "params": ",".join(f"{k}={_short(v)}" for k, v in trial.params),
                     "payload_bits_per_layer": rank_bits,
                     "analytic_comm_ms": analytic_comm_ms(
-                        rank_bits, config.depth, trial.devices, trial.bandwidth_mbit
+                        rank_bits, messages, trial.devices, trial.bandwidth_mbit
                     ),
                     "analytic_comm_ms_paper": analytic_comm_ms(
-                        rank_bits, config.depth, trial.devices, trial.bandwidth_mbit, PAPER_MEGABIT
+                        rank_bits, messages, trial.devices, trial.bandwidth_mbit, PAPER_MEGABIT
                     ),
                 }
             )

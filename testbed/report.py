@@ -119,6 +119,13 @@ MEASURED = ["compute_ms", "comm_ms", "effective_ms", "wait_ms", "analytic_comm_m
             "wire_comm_ms", "message_bytes"]  # fmt: skip
 
 
+def messages_per_inference(trials: pd.DataFrame) -> dict[str, int]:
+    """Messages a device sends per inference, by label: one per layer, one fewer under Trace's
+    exact-embedding placements (payload bits of the inference over those of one message)."""
+    ratio = trials["payload_bits"] / trials["payload_bits_per_layer"]
+    return {str(k): round(v) for k, v in ratio.groupby(trials["label"]).median().items()}
+
+
 def summary(trials: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """Medians over repetitions (each the mean over devices: per-device figures, as the
     paper's) with their 95% intervals, indexed by `keys`."""
@@ -144,7 +151,7 @@ def table_iv(results: Results, rate_mbit: float = 10.0) -> list[str]:
              f"n = {int(medians['n'].min())} repetitions).", ""]  # fmt: skip
     rows, notes = [], []
     voltage = medians["compute_ms"].get("voltage", float("nan"))
-    depth = model_config(model).depth
+    messages = messages_per_inference(at)
     for name, (p_compute, p_comm, p_effective) in PAPER_TABLE_IV.items():
         if name not in medians.index:
             continue
@@ -154,7 +161,7 @@ def table_iv(results: Results, rate_mbit: float = 10.0) -> list[str]:
         rows.append([name] + [v for (paper, _), column in zip(cells, MEASURED[:3], strict=True)
                               for v in (paper, spread(medians, name, column),
                                         ratio(ours[column], paper))])  # fmt: skip
-        notes += _table_iv_notes(name, cells, ours, voltage, depth)
+        notes += _table_iv_notes(name, cells, ours, voltage, messages[name])
     lines += table(["method", "compute paper", "ours", "ratio", "comm paper", "ours", "ratio",
                     "effective paper", "ours", "ratio"], rows)  # fmt: skip
     lines += ["", *_speedups(at)]
@@ -186,7 +193,7 @@ def _table_iv_notes(
     cells: list[tuple[float, float]],
     ours: pd.Series,
     voltage_compute: float,
-    depth: int,
+    messages: int,
 ) -> list[str]:
     notes = []
     (p_compute, compute), (p_comm, comm), (p_effective, effective) = cells
@@ -199,7 +206,7 @@ def _table_iv_notes(
             f"{relative:.2f}x (the paper: {paper_relative:.2f}x)."
         )
     if abs(ratio(comm, p_comm) - 1) > TOLERANCE:
-        notes.append(f"- {name}, comm: {_comm_reason(comm, ours, depth)}")
+        notes.append(f"- {name}, comm: {_comm_reason(comm, ours, messages)}")
     if abs(ratio(effective, p_effective) - 1) > TOLERANCE:
         notes.append(
             f"- {name}, effective: follows from compute and the time spent waiting "
@@ -208,16 +215,16 @@ def _table_iv_notes(
     return notes
 
 
-def _comm_reason(comm: float, ours: pd.Series, depth: int) -> str:
+def _comm_reason(comm: float, ours: pd.Series, messages: int) -> str:
     """Why our comm differs from the paper's: what the link carries, and what the path adds."""
     analytic, wire = ours["analytic_comm_ms"], ours["wire_comm_ms"]
-    per_message = ours["message_bytes"] / depth
+    per_message = ours["message_bytes"] / messages
     return (
         f"payload bits over our 10^6 bit/s rate give {analytic:,.2f} ms (the paper's 2^20 "
         f"bit/s makes its figures 4.6% shorter); the link carries {per_message:,.0f}-byte "
         f"messages as TCP segments with 66 bytes of headers each, {wire:,.2f} ms at the rate "
         f"({wire / analytic:,.2f}x the payload's time); we measure {comm / wire:,.2f}x that, "
-        f"the rest being the path's fixed cost ({(comm - wire) / depth:,.3f} ms per message)."
+        f"the rest being the path's fixed cost ({(comm - wire) / messages:,.3f} ms per message)."
     )
 
 
@@ -252,11 +259,11 @@ def fig_6(results: Results) -> list[str]:
     lines += table(header, rows)
     if config.name != "vit-b16":
         lines += ["", f"(Ours ran {config.name}: the paper's column is ViT-B/16's.)"]
-    lines += ["", *_fig_6_findings(medians, names, config.depth)]
+    lines += ["", *_fig_6_findings(medians, names, messages_per_inference(trials))]
     return lines + [""]
 
 
-def _fig_6_findings(medians: pd.DataFrame, names: list[str], depth: int) -> list[str]:
+def _fig_6_findings(medians: pd.DataFrame, names: list[str], messages: dict[str, int]) -> list[str]:
     """Does every curve fall with bandwidth; how far from the wire time; Trace-b K=2 vs Astra."""
     comm = medians["comm_ms"].unstack()
     wire = medians["wire_comm_ms"].unstack()
@@ -265,7 +272,7 @@ def _fig_6_findings(medians: pd.DataFrame, names: list[str], depth: int) -> list
              + (f" (not: {', '.join(n for n in names if n not in falling)})."
                 if len(falling) < len(names) else ".")]  # fmt: skip
     for name in names:
-        excess = (comm.loc[name] - wire.loc[name]) / depth
+        excess = (comm.loc[name] - wire.loc[name]) / messages[name]
         lines.append(
             f"- {name}: measured / wire {(comm.loc[name] / wire.loc[name]).min():,.2f} to "
             f"{(comm.loc[name] / wire.loc[name]).max():,.2f} over the rates; beyond the wire "

@@ -7,6 +7,9 @@ network worker sends them on sockets. Both drive a `DeviceRun` the same way, per
     run.project_local(b)                     # local Q/K/V while peers' messages travel
     message = run.attend(b, peer_messages)   # peers' messages for b in; Trace's for b + 1 out
     run.finish_block(b)                      # local FFN, while Trace's message travels
+
+Where `run.exchanges_at(b)` is False (Trace's exact-embedding placements at b = 0) nobody
+sends for b and `attend` takes no messages: each receiver embeds its peer's tokens itself.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class DeviceRun:
         }
         for peer, receiver in self.receivers.items():
             receiver.peer_name = (peer_names or {}).get(peer)
+            receiver.bind_inputs(inputs, *self.ranges[peer])
         self.x = self.model.embed(inputs, start, stop)  # (B, n, D)
         self.z: Tensor | None = None
         self.local: tuple[Tensor, Tensor, Tensor] | None = None  # this block's own Q, K, V
@@ -59,6 +63,10 @@ class DeviceRun:
     @property
     def peers(self) -> list[int]:
         return list(self.receivers)
+
+    def exchanges_at(self, block: int) -> bool:
+        """True when peers send messages for `block` (there are peers and the method sends)."""
+        return bool(self.receivers) and self.method.exchanges_at(block)
 
     def begin_block(self, block: int) -> bytes | None:
         return self.sender.pre_block(block, self.x) if self.receivers else None
@@ -76,7 +84,11 @@ class DeviceRun:
         assert self.local is not None
         (q, k, v), self.local = self.local, None
         layer = self.model.blocks[block]
-        received = [self.receivers[peer].remote_kv(block, messages[peer]) for peer in self.peers]
+        expected = self.exchanges_at(block)
+        received = [
+            self.receivers[peer].remote_kv(block, messages[peer] if expected else None)
+            for peer in self.peers
+        ]
         remotes = [r for r in received if isinstance(r, RemoteKV)]
         rows = [r for r in received if isinstance(r, RemoteRows)]
         self.unique_remote_keys = None

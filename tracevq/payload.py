@@ -28,6 +28,13 @@ def message_bits(spec: MethodSpec, tokens: int, dim: int, batch: int = 1) -> int
     return rows * index_bits(spec.resolved_level_k) + HEADER_BITS
 
 
+def exchanges(spec: MethodSpec, depth: int) -> int:
+    """Messages a device sends each peer per inference: one per block, except for the Trace
+    placements whose block-0 K/V come from the exact embedding, which receivers compute."""
+    placement = spec.resolved_placement
+    return depth if placement is None else placement.exchanges(depth)
+
+
 def payload_bits(
     model: str | ModelConfig, method: str, devices: int, batch: int = 1, **params: object
 ) -> list[int]:

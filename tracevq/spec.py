@@ -6,6 +6,7 @@ import difflib
 from dataclasses import asdict, dataclass
 
 from tracevq.errors import ConfigError
+from tracevq.placement import DEFAULT_PLACEMENT, PLACEMENTS, Placement, placements_of
 
 METHODS = ("single", "voltage", "prism", "astra", "trace-b", "trace-nb")
 TRACE_METHODS = ("trace-b", "trace-nb")
@@ -17,8 +18,8 @@ _ACCEPTS: dict[str, tuple[str, ...]] = {
     "voltage": (),
     "prism": ("segment", "mean_bits"),
     "astra": ("K", "packed", "dedup"),
-    "trace-b": ("K", "level_k", "buffers", "dedup"),
-    "trace-nb": ("K", "level_k", "dedup"),
+    "trace-b": ("K", "level_k", "buffers", "dedup", "placement"),
+    "trace-nb": ("K", "level_k", "dedup", "placement", "remote_ffn"),
 }
 
 
@@ -37,7 +38,13 @@ class MethodSpec:
         buffers: Trace-b gathers precomputed K/V rows (True) or recomputes the chain (False).
         dedup: receivers attend once per distinct remote codeword, with log(count) on its
             logit (exact wherever remote K/V depend on the index alone: astra, trace-b,
-            trace-nb's block 0); False attends over every remote token.
+            trace-nb where its placement makes them so); False attends over every remote token.
+        placement: Trace's Table VI case (tracevq.placement): trace-nb "1 A.i" (default),
+            "1 A.ii", "1 A.iii", "1 B"; trace-b "2 B" (default), "2 A". None = the default.
+        remote_ffn: trace-nb's receiver runs the FFN of the previous block on its copy of each
+            remote token before LN1 and the K/V projection (the project's first reading; with
+            placement "1 B" it is the Trace-nb of before placements). False (default): the
+            copy goes to LN1 as it is, so the receiver's work per remote token is Astra's.
     """
 
     name: str
@@ -48,6 +55,8 @@ class MethodSpec:
     packed: bool = False
     buffers: bool = True
     dedup: bool = True
+    placement: str | None = None
+    remote_ffn: bool = False
 
     @property
     def uses_codebooks(self) -> bool:
@@ -61,6 +70,13 @@ class MethodSpec:
     def resolved_level_k(self) -> int:
         """Codewords at the encoding level; 'auto' and None count as the finest level."""
         return self.K if self.level_k in (None, "auto") else int(self.level_k)
+
+    @property
+    def resolved_placement(self) -> Placement | None:
+        """Trace's Table VI case (the method's default when unset); None for other methods."""
+        if not self.is_trace:
+            return None
+        return PLACEMENTS[self.placement or DEFAULT_PLACEMENT[self.name]]
 
     def params(self) -> dict[str, object]:
         """Only the parameters this method accepts, for records and handshakes."""
@@ -85,6 +101,8 @@ def method_spec(name: str, **params: object) -> MethodSpec:
                 f"method {name!r}: unknown parameter {key!r}{suggestion}; accepts {allowed}",
                 field=key,
             )
+    if name in DEFAULT_PLACEMENT and params.get("placement") is None:
+        params = {**params, "placement": DEFAULT_PLACEMENT[name]}
     spec = MethodSpec(name=name, **params)  # type: ignore[arg-type]
     _check(spec)
     return spec
@@ -102,7 +120,8 @@ def _check(spec: MethodSpec) -> None:
         raise ConfigError(
             f"{where}: mean_bits must be 16 or 32, got {spec.mean_bits!r}", "mean_bits"
         )
-    for flag in ("packed", "buffers", "dedup"):
+    _check_placement(spec)
+    for flag in ("packed", "buffers", "dedup", "remote_ffn"):
         if not isinstance(getattr(spec, flag), bool):
             raise ConfigError(f"{where}: {flag} must be true or false", flag)
     level = spec.level_k
@@ -112,4 +131,28 @@ def _check(spec: MethodSpec) -> None:
         raise ConfigError(
             f"{where}: level_k must be 'auto' or an integer in 2..K={spec.K}, got {level!r}",
             "level_k",
+        )
+
+
+def _check_placement(spec: MethodSpec) -> None:
+    """A Table VI case of this method's VQ group, named as in the paper ("1 A.i")."""
+    if spec.placement is None:
+        return
+    where = f"method {spec.name!r}"
+    own = placements_of(spec.name)
+    if not isinstance(spec.placement, str) or spec.placement not in PLACEMENTS:
+        hint = difflib.get_close_matches(str(spec.placement), own, n=1)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(
+            f"{where}: placement must be one of {', '.join(map(repr, own))} (the paper's "
+            f"Table VI cases), got {spec.placement!r}{suggestion}",
+            "placement",
+        )
+    other = PLACEMENTS[spec.placement].method
+    if other != spec.name:
+        raise ConfigError(
+            f"{where}: placement {spec.placement!r} is a case of {other!r} (its VQ codes "
+            f"{'Z' if other == 'trace-b' else 'the update Z - X'}); {spec.name} takes "
+            f"{', '.join(map(repr, own))}",
+            "placement",
         )

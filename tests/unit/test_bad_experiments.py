@@ -141,6 +141,16 @@ CASES: list[tuple[str, str, str]] = [
     ("level-odd", exp("", "methods: [{name: trace-nb, K: 1024, level_k: 3}]\n"), ".level_k: "),
     ("level-over-K", exp("", "methods: [{name: trace-b, K: 64, level_k: 128}]\n"), ".level_k: "),
     ("level-in-grid", exp("", "methods: [{name: trace-b, K: 100, level_k: [50, 64]}]\n"), "7, 13"),
+    (
+        "placement-unknown",
+        exp("", "methods: [{name: trace-nb, placement: '1 C'}]\n"),
+        "methods[0].placement: method 'trace-nb': placement must be one of '1 A.i'",
+    ),
+    (
+        "placement-other-method",
+        exp("", "methods: [{name: trace-b, placement: [2 B, 1 B]}]\n"),
+        ".placement: method 'trace-b': placement '1 B' is a case of 'trace-nb'",
+    ),
     ("methods-empty", exp("", "methods: []\n"), "methods: "),
     ("methods-missing", exp("", ""), "methods: Field required"),
     ("method-no-name", exp("", "methods: [{K: 3}]\n"), "methods[0]: needs a 'name'"),

@@ -17,6 +17,11 @@ CODEBOOK_METHODS = [
     ("trace-b", {}),
     ("trace-b", {"buffers": False}),
     ("trace-nb", {}),
+    ("trace-nb", {"placement": "1 A.ii"}),
+    ("trace-nb", {"placement": "1 A.iii"}),
+    ("trace-nb", {"placement": "1 B"}),
+    ("trace-nb", {"placement": "1 B", "remote_ffn": True}),
+    ("trace-b", {"placement": "2 A"}),
 ]
 LEVELS = [2, 8, 32, None]  # None: the finest level, K
 
@@ -84,10 +89,21 @@ def test_unique_counts_are_recorded_per_block(model, bundle, inputs):
         for per_block in _unique_keys_per_block(plain, model, inputs, 2)
         for c in per_block
     )
-    nb = make_method("trace-nb", model, bundle, K=K, level_k=8)
-    nb_counts = _unique_keys_per_block(nb, model, inputs, devices=2)
-    assert all(1 <= c <= 8 for c in nb_counts[0])  # block 0: K/V depend on the index alone
-    assert all(c is None for per_block in nb_counts[1:] for c in per_block)  # the shadow does not
+
+    def nb_counts(placement):
+        nb = make_method("trace-nb", model, bundle, K=K, level_k=8, placement=placement)
+        counts = _unique_keys_per_block(nb, model, inputs, devices=2)
+        # per block: True where K/V were a function of the row alone (dedup), False where not
+        assert all(c is None or 1 <= c <= 8 for per_block in counts for c in per_block)
+        return [all(c is not None for c in per_block) for per_block in counts]
+
+    later = model.config.depth - 2
+    # 1 B: the VQ_0 codeword at block 0, then the copy carries every earlier codeword
+    assert nb_counts("1 B") == [True, False] + [False] * later
+    # A cases: block 0 from the exact embedding; 1 A.ii's first update lands on nothing
+    assert nb_counts("1 A.i") == [False, False] + [False] * later
+    assert nb_counts("1 A.ii") == [False, True] + [False] * later
+    assert nb_counts("1 A.iii") == [False, True] + [True] * later  # no residual: index alone
 
 
 def test_dedup_is_validated_like_the_other_flags():

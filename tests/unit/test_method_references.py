@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tracevq
+import tracevq.partition
 from tracevq.bundle import fit_bundle
 from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError
@@ -93,6 +94,118 @@ def trace_b_reference(model, bundle, coded: str):
     return remote_kv
 
 
+def trace_b_exact_first_reference(model, bundle):
+    """Trace-b at placement "2 A": block 0 sees the peer's exact embedding X^(0), which the
+    receiver computes from the input; after it, g(codeword of Z) as in "2 B"."""
+    coded = trace_b_reference(model, bundle, "z_prev")
+
+    def remote_kv(index, state):
+        return model.blocks[0].remote_kv(state["x"]) if index == 0 else coded(index, state)
+
+    return remote_kv
+
+
+# Table VI's pre-residual cases written out: block 0's K/V source, what the first update lands
+# on, whether later updates land on the copy's previous state (docs/method.md, VQ placement)
+NB_CASES = {
+    "1 A.i": ("exact X0", "exact X0", True),
+    "1 A.ii": ("exact X0", "nothing", True),
+    "1 A.iii": ("exact X0", "nothing", False),
+    "1 B": ("VQ_0 codeword", "VQ_0 codeword", True),
+}
+
+
+def trace_nb_reference(model, bundle, placement: str, remote_ffn: bool = False):
+    """Trace-nb at the finest level: a peer's copy Z~ = residual + codeword of the update
+    Z - X; its K/V come from LN1(Z~), or with `remote_ffn` from LN1(Z~ + FFN(LN2(Z~)))."""
+    quantizers, _ = bundle.family("trace-nb")
+    first_kv, first_residual, carries = NB_CASES[placement]
+
+    def code(index, rows):
+        return quantizers[index].decode(quantizers[index].nearest(rows))  # (B, n, D)
+
+    def remote_kv(index, state):
+        if index == 0:
+            seen = state["x"] if first_kv == "exact X0" else code(0, state["x"])
+            state["copy"] = {"exact X0": state["x"], "nothing": None}.get(first_residual, seen)
+        else:
+            update = code(index, state["z_prev"] - state["x_prev"])
+            z = update if state["copy"] is None else state["copy"] + update
+            seen = model.blocks[index - 1].ffn(z) if remote_ffn else z
+            state["copy"] = seen if carries else None
+        return model.blocks[index].remote_kv(seen)
+
+    return remote_kv
+
+
+PLACEMENT_CASES = [
+    ("trace-nb", "1 A.i", False),
+    ("trace-nb", "1 A.ii", False),
+    ("trace-nb", "1 A.iii", False),
+    ("trace-nb", "1 B", False),
+    ("trace-nb", "1 B", True),  # the Trace-nb of before placements
+    ("trace-b", "2 A", False),
+    ("trace-b", "2 B", False),
+]
+
+
+def placement_reference(model, bundle, method, placement, remote_ffn):
+    if method == "trace-nb":
+        return trace_nb_reference(model, bundle, placement, remote_ffn)
+    if placement == "2 A":
+        return trace_b_exact_first_reference(model, bundle)
+    return trace_b_reference(model, bundle, "z_prev")
+
+
+def _placement_params(method, placement, remote_ffn):
+    return {"placement": placement, **({"remote_ffn": True} if remote_ffn else {})}
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize(("method", "placement", "remote_ffn"), PLACEMENT_CASES)
+def test_every_placement_is_its_reference(
+    strong_model, bundle, inputs, devices, dedup, method, placement, remote_ffn
+):
+    params = _placement_params(method, placement, remote_ffn)
+    real = tracevq.simulate(
+        strong_model, inputs, method, devices, bundle=bundle, K=K, dedup=dedup, **params
+    )
+    expected = reference(
+        strong_model,
+        inputs,
+        devices,
+        placement_reference(strong_model, bundle, method, placement, remote_ffn),
+    )
+    torch.testing.assert_close(real.logits, expected, atol=1e-4, rtol=1e-4)
+    # payload: one N_p r + 8 message per exchange; the exact-embedding cases skip block 0
+    analytic = tracevq.payload_bits("vit-tiny", method, devices, batch=3, K=K, **params)
+    first = [0] * devices if placement in ("1 A.i", "1 A.ii", "1 A.iii", "2 A") else analytic
+    assert real.payload_bits[0].tolist() == first
+    assert all(bits.tolist() == analytic for bits in real.payload_bits[1:])
+    assert analytic == [n * 3 * 6 + 8 for n in tracevq.partition.partition_sizes(17, devices)]
+
+
+def _name(case) -> str:
+    return case[1] + (" +ffn" if case[2] else "")
+
+
+def test_the_placements_are_seven_different_methods(strong_model, bundle, inputs):
+    """On the strong model every case (and 1 B with the FFN) gives other logits than every
+    other: a receiver that ran the wrong case would fail the reference test above."""
+    logits = {
+        case: reference(strong_model, inputs, 2, placement_reference(strong_model, bundle, *case))
+        for case in PLACEMENT_CASES
+    }
+    gaps = {
+        f"{_name(a)} / {_name(b)}": float((logits[a] - logits[b]).abs().max())
+        for i, a in enumerate(PLACEMENT_CASES)
+        for b in PLACEMENT_CASES[i + 1 :]
+    }
+    print("max |logit gap| between cases:", {k: round(v, 3) for k, v in gaps.items()})
+    assert min(gaps.values()) > 0.05
+
+
 def test_the_strong_model_moves_the_residual_by_half_its_norm(strong_model, inputs):
     ratios = residual_ratios(strong_model, inputs)
     print("|Z - X| / |X| per block:", [round(r, 2) for r in ratios])
@@ -152,6 +265,7 @@ ALL = [
     ("trace-b", {"K": K}),
     ("trace-b", {"K": K, "dedup": False}),
     ("trace-nb", {"K": K}),
+    *((m, {"K": K, **_placement_params(m, p, f)}) for m, p, f in PLACEMENT_CASES),
 ]
 
 

@@ -4,10 +4,12 @@ import pytest
 import torch
 
 import tracevq
+import tracevq.spec
 from tracevq.bundle import Bundle, fit_bundle
 from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError, ProtocolError
 from tracevq.methods import make_method
+from tracevq.payload import exchanges
 
 K = 16
 ALL = [
@@ -18,6 +20,11 @@ ALL = [
     ("trace-b", {"K": K}),
     ("trace-b", {"K": K, "buffers": False}),
     ("trace-nb", {"K": K}),
+    ("trace-nb", {"K": K, "placement": "1 A.ii"}),
+    ("trace-nb", {"K": K, "placement": "1 A.iii"}),
+    ("trace-nb", {"K": K, "placement": "1 B"}),
+    ("trace-nb", {"K": K, "placement": "1 B", "remote_ffn": True}),
+    ("trace-b", {"K": K, "placement": "2 A"}),
 ]
 
 
@@ -77,9 +84,15 @@ def test_payload_bits_and_wire_bytes_match_the_analytic_table(
 ):
     result = tracevq.simulate(model, inputs, method, devices, bundle=bundle, **params)
     analytic = tracevq.payload_bits("vit-tiny", method, devices, batch=3, **params)
-    assert result.payload_bits.shape == (model.config.depth, devices)
-    for block_bits in result.payload_bits:
-        assert block_bits.tolist() == analytic
+    spec = tracevq.spec.method_spec(method, **params)
+    depth = model.config.depth
+    assert result.payload_bits.shape == (depth, devices)
+    # exact-embedding placements ("1 A.*", "2 A") send nothing for block 0
+    sent = [block > 0 or spec.resolved_placement is None or spec.resolved_placement.sends_vq0
+            for block in range(depth)]  # fmt: skip
+    for block, block_bits in enumerate(result.payload_bits):
+        assert block_bits.tolist() == (analytic if sent[block] else [0] * devices)
+    assert (result.payload_bits.sum(axis=0) == [exchanges(spec, depth) * a for a in analytic]).all()
     assert (result.wire_bytes == -(-result.payload_bits // 8)).all()
 
 
@@ -195,3 +208,39 @@ def test_bad_bundle_file_is_a_config_error(tmp_path):
     path.write_bytes(b"not a bundle")
     with pytest.raises(ConfigError, match="cannot be read"):
         Bundle.load(path)
+
+
+def test_placement_is_validated_and_named():
+    from tracevq.spec import method_spec
+
+    assert method_spec("trace-nb").placement == "1 A.i"
+    assert method_spec("trace-b").placement == "2 B"
+    assert method_spec("trace-nb", placement="1 B").params()["placement"] == "1 B"
+    with pytest.raises(ConfigError, match=r"placement must be one of '1 A.i'.*did you mean '1 B'"):
+        method_spec("trace-nb", placement="1B")
+    with pytest.raises(ConfigError, match="placement '2 A' is a case of 'trace-b'") as error:
+        method_spec("trace-nb", placement="2 A")
+    assert error.value.field == "placement"
+    with pytest.raises(ConfigError, match="placement '1 A.i' is a case of 'trace-nb'"):
+        method_spec("trace-b", placement="1 A.i")
+    with pytest.raises(ConfigError, match="placement must be one of") as error:
+        method_spec("trace-b", placement=2)
+    assert error.value.field == "placement"
+    with pytest.raises(ConfigError, match="unknown parameter 'placement'"):
+        method_spec("astra", placement="2 B")
+    with pytest.raises(ConfigError, match="unknown parameter 'remote_ffn'"):
+        method_spec("trace-b", remote_ffn=True)
+    with pytest.raises(ConfigError, match="remote_ffn must be true or false"):
+        method_spec("trace-nb", remote_ffn="no")
+
+
+def test_exact_embedding_placements_count_one_message_fewer():
+    from tracevq.spec import method_spec
+
+    # ViT-B/16, P = 2, device 0: 99 indices of 10 bits and the header, per message
+    assert tracevq.payload_bits("vit-b16", "trace-nb", 2) == [998, 988]
+    assert exchanges(method_spec("trace-nb"), 12) == 11  # 1 A.i: X^(0) embedded locally
+    assert exchanges(method_spec("trace-nb", placement="1 B"), 12) == 12
+    assert exchanges(method_spec("trace-b", placement="2 A"), 12) == 11
+    assert exchanges(method_spec("trace-b"), 12) == 12
+    assert exchanges(method_spec("astra"), 12) == 12

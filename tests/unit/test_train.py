@@ -63,6 +63,32 @@ def test_eval_forward_equals_simulate(model, bundle, inputs, family, devices):
     assert (mine - model(inputs)).abs().max() > 1e-3  # the codebooks do change the logits
 
 
+@pytest.mark.parametrize(
+    ("family", "placement", "remote_ffn"),
+    [("trace-nb", p, False) for p in ("1 A.i", "1 A.ii", "1 A.iii", "1 B")]
+    + [("trace-nb", "1 B", True), ("trace-b", "2 A", False), ("trace-b", "2 B", False)],
+)
+def test_eval_forward_equals_simulate_at_every_placement(
+    model, bundle, inputs, family, placement, remote_ffn
+):
+    quantizers, trees = bundle.family(family)
+    extra = {"remote_ffn": remote_ffn} if family == "trace-nb" else {}
+    with torch.no_grad():
+        mine = distributed_logits(
+            model,
+            inputs,
+            3,
+            family,
+            ExactCodec(family, quantizers, trees),
+            placement=placement,
+            **extra,
+        )
+    expected = tracevq.simulate(
+        model, inputs, family, 3, bundle=bundle, K=bundle.K, placement=placement, **extra
+    ).logits
+    torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["trace-b", "trace-nb"])
 def test_eval_forward_equals_simulate_at_a_coarse_level(model, bundle, inputs, family):
     quantizers, trees = bundle.family(family)
@@ -144,15 +170,17 @@ def test_trained_model_and_bundle_round_trip(model, bundle, inputs, tmp_path, fa
         torch.testing.assert_close(mine, got, atol=1e-5, rtol=1e-5)
 
 
-def test_straight_through_gradients_reach_the_senders(model, bundle, inputs):
+@pytest.mark.parametrize("placement", ["1 B", "1 A.i"])
+def test_straight_through_gradients_reach_the_senders(model, bundle, inputs, placement):
     tuned = copy.deepcopy(model).train()
     quantizers = copy.deepcopy(bundle.quantizers["trace-nb"])
     codec = TrainingCodec(quantizers, CodebookRule())
-    logits = distributed_logits(tuned, inputs, 2, "trace-nb", codec)
+    logits = distributed_logits(tuned, inputs, 2, "trace-nb", codec, placement=placement)
     (logits.sum() + codec.loss()).backward()
     # the patch embedding only reaches peers through quantised rows: gradient flows through
     assert tuned.patch_embed.proj.weight.grad.abs().sum() > 0
-    assert all(q.loss > 0 for q in codec.quantizers)
+    used = codec.quantizers if placement == "1 B" else codec.quantizers[1:]  # 1 A.i: no VQ_0
+    assert all(q.loss > 0 for q in used)
 
 
 def _vq_with(codebook):

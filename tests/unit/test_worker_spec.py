@@ -62,6 +62,8 @@ def test_runs_interleave_round_robin():
         ({"runs": [{"id": "t", "method": "trace-b", "params": {"K": 16, "levels": 3}}]},
          "run 't': .*unknown parameter 'levels'"),
         ({"runs": [{"id": "v", "method": "voltge"}]}, "did you mean 'voltage'"),
+        ({"runs": [{"id": "n", "method": "trace-nb", "params": {"placement": "2 B"}}]},
+         "run 'n': method 'trace-nb': placement '2 B' is a case of 'trace-b'"),
     ],
 )  # fmt: skip
 def test_bad_values_are_named(change, message):

@@ -8,7 +8,11 @@ each inference a device makes one `Sender` and, per peer, one `Receiver`:
 - `Sender.post_attention(b, x, z)` is called with the block input and the post-attention
   residual Z_p of block b, before its FFN, and returns the message for block b + 1, or None.
   A message returned here can travel while the FFN runs (Trace's overlap).
-- `Receiver.remote_kv(b, message)` turns the peer's message for block b into its K/V, or
+- `Method.exchanges_at(b)` says whether peers send a message for block b at all (Trace's
+  placements with exact block-0 K/V send none for block 0: each receiver embeds the peer's
+  tokens itself from the input, which `Receiver.bind_inputs` hands it).
+- `Receiver.remote_kv(b, message)` turns the peer's message for block b (None where
+  `exchanges_at(b)` is False) into its K/V, or
   (`dedup`) into the codebook rows of its tokens, whose K/V the engine asks of
   `Method.row_kv(b, rows)` once per distinct row of all peers. A message from another
   process is untrusted: its length, every codebook index (against the size of the codebook
@@ -49,7 +53,12 @@ class Receiver(abc.ABC):
     peer_name: str | None = None
 
     @abc.abstractmethod
-    def remote_kv(self, block: int, message: bytes) -> RemoteKV | RemoteRows: ...
+    def remote_kv(self, block: int, message: bytes | None) -> RemoteKV | RemoteRows: ...
+
+    def bind_inputs(self, inputs: Tensor, start: int, stop: int) -> None:
+        """The whole input of the inference and the peer's tokens [start, stop) in it; only
+        receivers that compute a peer's embeddings themselves keep them."""
+        return None
 
     def refuse(self, what: str, block: int, problem: str) -> ProtocolError:
         """The error for a bad message: `what` (e.g. "voltage message") from this peer for
@@ -97,6 +106,11 @@ class Method(abc.ABC):
         """True when messages for block b + 1 leave during block b's FFN (Trace); the other
         methods make block b's message from block b's input, needed before attention."""
         return self.spec.is_trace
+
+    def exchanges_at(self, block: int) -> bool:
+        """True when peers send a message for block `block` (every block but for Trace's
+        exact-embedding placements at block 0)."""
+        return True
 
     def payload_bits(self, tokens: int, batch: int = 1) -> int:
         """Bits of one message from a device holding `tokens` tokens."""

@@ -2,15 +2,19 @@
 
 Exchange points: VQ_0 quantises the block-0 input X^(0); VQ_b (b >= 1) quantises what block
 b - 1 produced after its attention. The sender encodes right after attention and the message
-travels while its FFN runs.
+travels while its FFN runs. The placement (tracevq.placement, the paper's Table VI; see
+docs/method.md, VQ placement) decides what a receiver builds from the indices:
 
-- trace-b codes Z^(b-1). The next block input of a codeword c is g(c) = c + FFN(LN2(c)), a
-  function of c alone, so the receiver gathers rows of precomputed K/V buffers
-  (docs/method.md, Trace-b: why the K/V buffers work). `buffers=False` runs the same chain
-  at the receiver instead.
-- trace-nb codes the attention update A = Z - X. The receiver keeps a shadow stream per remote
-  token that starts at the VQ_0 codeword and advances as Z~ = X~ + codeword,
-  X~ = Z~ + FFN(LN2(Z~)) (docs/method.md, Trace-nb); remote K/V are projected from LN1(X~).
+- trace-b ("2 B", "2 A") codes Z^(b-1). The next block input of a codeword c is
+  g(c) = c + FFN(LN2(c)), a function of c alone, so the receiver gathers rows of precomputed
+  K/V buffers (docs/method.md, Trace-b: why the K/V buffers work). `buffers=False` runs the
+  same chain at the receiver instead.
+- trace-nb ("1 A.i", "1 A.ii", "1 A.iii", "1 B") codes the attention update A = Z - X. The
+  receiver keeps a copy per remote token: Z~ = residual + codeword, the residual being the
+  copy's previous state (or, at the first update, X^(0), the VQ_0 codeword or nothing); with
+  `remote_ffn` the copy then passes the FFN, and remote K/V are projected from LN1 of it.
+- "A" cases take block 0's K/V from the exact X^(0): no VQ_0 message, each receiver embeds
+  the peer's patches itself from the input.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class TraceSender(Sender):
         self.method = method
 
     def pre_block(self, block: int, x: Tensor) -> bytes | None:
-        return self.method.encode(0, x) if block == 0 else None
+        return self.method.encode(0, x) if block == 0 and self.method.exchanges_at(0) else None
 
     def post_attention(self, block: int, x: Tensor, z: Tensor) -> bytes | None:
         if block + 1 >= len(self.method.quantizers):
@@ -46,22 +50,21 @@ class TraceReceiver(Receiver):
     def __init__(self, method: TraceMethod, peer: int, tokens: int, batch: int):
         self.method, self.peer = method, peer
         self.tokens, self.batch = tokens, batch
-        self.shadow: Tensor | None = None  # trace-nb: the peer's block input as seen here
+        self.placement = method.placement
+        self.inputs: tuple[Tensor, int, int] | None = None  # the input, the peer's span
+        self.residual: Tensor | None = None  # trace-nb: what the peer's next update adds to
 
-    def remote_kv(self, block: int, message: bytes) -> RemoteKV | RemoteRows:
+    def bind_inputs(self, inputs: Tensor, start: int, stop: int) -> None:
+        self.inputs = (inputs, start, stop)
+
+    def remote_kv(self, block: int, message: bytes | None) -> RemoteKV | RemoteRows:
         method = self.method
-        tree = method.trees[block]
-        count = self.tokens * self.batch
-        try:
-            level, positions = decode_trace_message(message, count, tree.level_bits, block)
-        except ProtocolError as error:
-            raise self.refuse(f"{method.name} message", block, str(error)) from error
-        # r bits hold up to 2^r - 1, more than a level of K_m < 2^r codewords has
-        size = tree.level_sizes[level]
-        self.check_indices(positions, size, method.name, block, f"level {level}'s K_m")
-        rows = tree.rows(torch.from_numpy(positions), level).reshape(self.batch, self.tokens)
+        if block == 0 and not self.placement.sends_vq0:
+            return self._exact_kv()
+        assert message is not None, f"no {method.name} message for block {block}"
+        rows = self._rows(block, message)
         if method.name == "trace-nb":
-            return self._shadow_kv(block, rows)
+            return self._copy_kv(block, rows)
         if method.spec.dedup:
             return RemoteRows(rows)
         if method.buffers is not None:
@@ -71,18 +74,45 @@ class TraceReceiver(Receiver):
         x = method.block_input_of_codewords(block, method.quantizers[block].decode(rows))
         return RemoteKV(*method.model.blocks[block].remote_kv(x))
 
-    def _shadow_kv(self, block: int, rows: Tensor) -> RemoteKV | RemoteRows:
-        codewords = self.method.quantizers[block].decode(rows)  # (B, n, D)
-        blocks = self.method.model.blocks
-        if block == 0:
-            self.shadow = codewords
-            # the shadow starts as the codeword: K/V of block 0 depend on the index alone
-            if self.method.spec.dedup:
-                return RemoteRows(rows)
+    def _rows(self, block: int, message: bytes) -> Tensor:
+        """The codebook rows the message names, checked: (B, n)."""
+        method, tree = self.method, self.method.trees[block]
+        count = self.tokens * self.batch
+        try:
+            level, positions = decode_trace_message(message, count, tree.level_bits, block)
+        except ProtocolError as error:
+            raise self.refuse(f"{method.name} message", block, str(error)) from error
+        # r bits hold up to 2^r - 1, more than a level of K_m < 2^r codewords has
+        size = tree.level_sizes[level]
+        self.check_indices(positions, size, method.name, block, f"level {level}'s K_m")
+        return tree.rows(torch.from_numpy(positions), level).reshape(self.batch, self.tokens)
+
+    def _exact_kv(self) -> RemoteKV:
+        """Block 0 of an "A" case: the peer's exact X^(0), embedded here from the input."""
+        assert self.inputs is not None, "an exact-embedding placement needs bind_inputs"
+        model = self.method.model
+        x0 = model.embed(*self.inputs)  # (B, n, D)
+        if self.placement.first_residual == "exact":
+            self.residual = x0
+        return RemoteKV(*model.blocks[0].remote_kv(x0))
+
+    def _copy_kv(self, block: int, rows: Tensor) -> RemoteKV | RemoteRows:
+        """Trace-nb: advance the copy of the peer's tokens by the received codewords."""
+        method, placement = self.method, self.placement
+        by_index_alone = self.residual is None  # K/V a function of the row: dedup is exact
+        keeps = placement.carries_residual or block == 0  # the copy's state is needed later
+        if by_index_alone and method.spec.dedup and not keeps:  # "1 A.iii": the row is all
+            return RemoteRows(rows)
+        codewords = method.quantizers[block].decode(rows)  # (B, n, D)
+        if block == 0:  # "1 B": the VQ_0 codeword is block 0's K/V source and residual
+            state = codewords
         else:
-            assert self.shadow is not None, "trace-nb receiver skipped block 0"
-            self.shadow = blocks[block - 1].ffn(self.shadow + codewords)
-        return RemoteKV(*blocks[block].remote_kv(self.shadow))
+            z = codewords if self.residual is None else self.residual + codewords
+            state = method.block_input_of_codewords(block, z)
+        self.residual = state if keeps else None
+        if by_index_alone and method.spec.dedup:
+            return RemoteRows(rows)
+        return RemoteKV(*method.model.blocks[block].remote_kv(state))
 
 
 class TraceMethod(Method):
@@ -102,6 +132,9 @@ class TraceMethod(Method):
                 f"(one per block), the bundle has {len(quantizers)} and {len(trees)}"
             )
         self.quantizers, self.trees = quantizers, trees
+        placement = spec.resolved_placement
+        assert placement is not None and placement.method == spec.name, "spec checks placement"
+        self.placement = placement
         self.level = trees[0].level_for_size(spec.resolved_level_k)
         use_buffers = spec.name == "trace-b" and spec.buffers
         self.buffers = self._compute_buffers() if use_buffers else None
@@ -117,6 +150,9 @@ class TraceMethod(Method):
                 f"level {level} not in the codebook tree (0..{len(self.level_bits) - 1})"
             )
         self.level = level
+
+    def exchanges_at(self, block: int) -> bool:
+        return block > 0 or self.placement.sends_vq0
 
     def payload_bits(self, tokens: int, batch: int = 1) -> int:
         return tokens * batch * self.level_bits[self.level] + 8
@@ -143,9 +179,13 @@ class TraceMethod(Method):
             positions.numpy(), self.level_bits[self.level], self.level, block
         )
 
-    def block_input_of_codewords(self, block: int, codewords: Tensor) -> Tensor:
-        """Block `block`'s input for tokens whose exchanged state is `codewords` (trace-b)."""
-        return codewords if block == 0 else self.model.blocks[block - 1].ffn(codewords)
+    def block_input_of_codewords(self, block: int, state: Tensor) -> Tensor:
+        """What block `block` projects for remote tokens whose received state is `state`:
+        g(state) = state + FFN(LN2(state)) of block - 1 for trace-b and for trace-nb with
+        `remote_ffn`; the state itself at block 0 and for trace-nb without."""
+        if block == 0 or (self.name == "trace-nb" and not self.spec.remote_ffn):
+            return state
+        return self.model.blocks[block - 1].ffn(state)
 
     def row_kv(self, block: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """K/V of codebook rows (U,): buffer rows, or the chain run on those rows only."""

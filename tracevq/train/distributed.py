@@ -12,10 +12,13 @@ computed once per block for the whole sequence, and each partition gathers its p
 
 - `voltage`: the exact block input (the single-device model).
 - `astra`: codeword of X^(b), then LN1 and the K/V projection.
-- `trace-b`: codeword of X^(0) at block 0, of Z^(b-1) after it, passed through g(c) =
-  c + FFN(LN2(c)) of block b - 1, then LN1 and the projection (what the buffers hold).
-- `trace-nb`: a shadow stream per token that starts at the codeword of X^(0) and advances as
-  X~ = FFN-block(X~ + codeword of the update Z^(b-1) - X^(b-1)).
+- `trace-b`: codeword of X^(0) at block 0 (placement "2 B"; "2 A": the exact X^(0)), of
+  Z^(b-1) after it, passed through g(c) = c + FFN(LN2(c)) of block b - 1, then LN1 and the
+  projection (what the buffers hold).
+- `trace-nb`: a copy per token, Z~ = residual + codeword of the update Z^(b-1) - X^(b-1),
+  through the FFN of block b - 1 only with `remote_ffn`; the residual is the copy's previous
+  state, and at the first update X^(0), the VQ_0 codeword or nothing, as the placement says
+  (tracevq.placement; block 0's K/V from X^(0) or from its VQ_0 codeword).
 
 In training the codewords come from `TrainableQuantizer`s (straight-through); in evaluation
 from `ExactCodec`, which encodes exactly as the byte-exact methods do (Astra: the
@@ -32,6 +35,7 @@ from torch import Tensor, nn
 from tracevq.errors import ConfigError
 from tracevq.models import VisionTransformer
 from tracevq.partition import partition_ranges
+from tracevq.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from tracevq.train.quantizer import CodebookRule, TrainableQuantizer
 from tracevq.tree import CodebookTree
 from tracevq.vq import VectorQuantizer
@@ -94,8 +98,11 @@ def distributed_logits(
     family: str,
     codec: nn.Module | None = None,
     probe: list[tuple[Tensor, Tensor]] | None = None,
+    placement: str | None = None,
+    remote_ffn: bool = False,
 ) -> Tensor:
-    """Device 0's logits (B, classes) when `devices` devices run `family` with `codec`.
+    """Device 0's logits (B, classes) when `devices` devices run `family` with `codec`
+    (Trace: at `placement`, the method's default when None, and `remote_ffn` for trace-nb).
 
     `probe`, if given, receives per block the pair (exact [K; V], remote view of [K; V]) of
     every token, each (B, H, N, 2d), for diagnostics."""
@@ -103,22 +110,29 @@ def distributed_logits(
         raise ConfigError(f"no differentiable forward for {family!r}; choose from {FAMILIES}")
     if family != "voltage" and codec is None:
         raise ConfigError(f"{family!r} needs its codebooks (a codec)")
+    default = DEFAULT_PLACEMENT.get(family)
+    case = PLACEMENTS[placement or default] if default else None
     ranges = partition_ranges(model.config.tokens, devices)
     x = model.embed(images)  # (B, N, D), token t as computed on its own device
     z: Tensor | None = None
     previous: Tensor | None = None  # block input of the previous block (trace-nb)
-    shadow: Tensor | None = None  # trace-nb: every token's block input as its peers see it
+    residual: Tensor | None = None  # trace-nb: what each token's next update adds to
     for b, block in enumerate(model.blocks):
-        if family == "voltage":
+        if family == "voltage" or (b == 0 and case is not None and not case.sends_vq0):
             seen = x
+            if family == "trace-nb" and case.first_residual == "exact":
+                residual = x
         elif family == "astra":
             seen = codec(b, x)
         elif family == "trace-b":
             seen = codec(0, x) if b == 0 else model.blocks[b - 1].ffn(codec(b, z))
-        elif b == 0:
-            seen = shadow = codec(0, x)
+        elif b == 0:  # "1 B"
+            seen = residual = codec(0, x)
         else:
-            seen = shadow = model.blocks[b - 1].ffn(shadow + codec(b, z - previous))
+            update = codec(b, z - previous)
+            state = update if residual is None else residual + update
+            seen = model.blocks[b - 1].ffn(state) if remote_ffn else state
+            residual = seen if case.carries_residual else None
         remote_k, remote_v = block.remote_kv(seen)  # (B, H, N, d) each
         q, k, v = block.attn.qkv_heads(block.norm1(x))  # (B, H, N, d) each
         if probe is not None:

@@ -1,0 +1,67 @@
+"""Where Trace's quantiser sits and what a receiver stands a remote token on: the six cases of
+the paper's Table VI (docs/method.md, VQ placement). Pure Python (no torch).
+
+Each case answers three questions about the receiver's quantised copy of a peer's token:
+- block 0 (the paper's block 1): are its K/V those of the exact embedding X^(0), which the
+  receiver computes itself from the input (`first_kv="exact"`, no message for block 0), or of
+  its VQ_0 codeword (`first_kv="vq0"`, one message)?
+- pre-residual cases (Trace-nb, the VQ codes the attention update A): what residual does the
+  first update land on (`first_residual`: the exact X^(0), the VQ_0 codeword, or none), and
+  does the copy carry its residual from block to block (`carries_residual`)?
+- post-residual cases (Trace-b, the VQ codes Z): the codeword is the whole state, no residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One Table VI case.
+
+    Attributes:
+        name: the paper's label ("1 A.i").
+        method: the method whose codebooks it uses: "trace-nb" (pre-residual VQ, codes the
+            update A) or "trace-b" (post-residual VQ, codes Z).
+        first_kv: block 0's remote K/V from the exact X^(0) or from the VQ_0 codeword.
+        first_residual: what block 0's update is added to (pre-residual cases only).
+        carries_residual: each later update is added to the copy's previous state
+            (pre-residual cases only; False: the codeword of the update alone).
+        paper: the paper's CIFAR-100 accuracy (%) at P = 2 and P = 3.
+    """
+
+    name: str
+    method: Literal["trace-b", "trace-nb"]
+    first_kv: Literal["exact", "vq0"]
+    first_residual: Literal["exact", "vq0", "none"] | None
+    carries_residual: bool | None
+    paper: tuple[float, float]
+
+    @property
+    def sends_vq0(self) -> bool:
+        """True when peers send VQ_0 indices for block 0; False: the receiver embeds itself."""
+        return self.first_kv == "vq0"
+
+    def exchanges(self, depth: int) -> int:
+        """Messages a device sends each peer per inference."""
+        return depth if self.sends_vq0 else depth - 1
+
+
+PLACEMENTS: dict[str, Placement] = {
+    p.name: p
+    for p in (
+        Placement("1 A.i", "trace-nb", "exact", "exact", True, (91.23, 90.58)),
+        Placement("1 A.ii", "trace-nb", "exact", "none", True, (90.78, 89.03)),
+        Placement("1 A.iii", "trace-nb", "exact", "none", False, (90.51, 88.59)),
+        Placement("1 B", "trace-nb", "vq0", "vq0", True, (90.90, 89.56)),
+        Placement("2 A", "trace-b", "exact", None, None, (90.52, 88.61)),
+        Placement("2 B", "trace-b", "vq0", None, None, (90.51, 89.90)),
+    )
+}
+DEFAULT_PLACEMENT = {"trace-nb": "1 A.i", "trace-b": "2 B"}
+
+
+def placements_of(method: str) -> list[str]:
+    return [name for name, p in PLACEMENTS.items() if p.method == method]
