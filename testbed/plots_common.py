@@ -49,7 +49,7 @@ class Style:
 
 def variant(frame: pd.DataFrame) -> pd.Series:
     """A readable name per method variant: 'trace-b K=1024 level_k=32'."""
-    params = frame["params"].fillna("").astype(str).str.replace(",", " ")
+    params = frame["params"].astype("string").fillna("").str.replace(",", " ")
     return (frame["method"].astype(str) + " " + params).str.strip()
 
 
