@@ -73,6 +73,9 @@ class Timeline:
         shift = self.offset_ns[receiver]
         start, end = block.wait_start_ns + shift, block.wait_end_ns + shift
         keys = [(peer, block.inference, block.block) for peer in peers]
+        if not any(k in self.departures and self.arrivals.get(k) for k in keys):
+            # no message for this block (a Trace placement of case A has none at block 0)
+            return 0.0, 0.0, (end - start) / 1e6
         departed = max(self.departures[k].departed_ns for k in keys if k in self.departures)
         arrived = max(max(self.arrivals[k]) for k in keys if self.arrivals.get(k))
         peer_ns = min(max(departed - start, 0), end - start)

@@ -101,3 +101,17 @@ def test_comm_and_wait_split_on_aligned_clocks(skew_s):
     layer = layers.iloc[0]
     assert layer["departed_ms"] == pytest.approx(1.0) and layer["arrived_ms"] == pytest.approx(3.0)
     assert trials["wait_ms"].tolist() == [2.0, 2.0]  # the device's own figure, as recorded
+
+
+def test_a_block_without_messages_has_no_peer_or_link_wait():
+    """Trace's placements of case A send nothing for block 0: each device's block 0 has no
+    departure and no arrival, and its (zero) wait is not split among peers and link."""
+    zero = 1_000_000_000_000_000
+    quiet = dict(start_ns=0, wait_start_ns=0.5, wait_end_ns=0.5)
+    records = {rank: device(rank, zero, 0, [block(zero, 0, **quiet)], []) for rank in (0, 1)}
+    for rank in (0, 1):
+        records[rank].blocks[0].message_bytes = records[rank].blocks[0].received_bytes = 0
+    facts = {"bandwidth_mbit": 1.0, "level_k": None, "r_bits": None}
+    trials, layers = trial_rows({0: dict(facts), 1: dict(facts)}, records)
+    assert (trials[["wait_peer_ms", "wait_link_ms", "wait_wakeup_ms"]] == 0).all().all()
+    assert (layers["comm_ms"] == 0).all() and (layers["message_bytes"] == 0).all()
