@@ -18,6 +18,8 @@ import yaml
 
 from testbed.columns import TRIAL_NAMES
 from testbed.results import load
+from tracevq.payload import exchanges
+from tracevq.spec import method_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,10 +56,14 @@ def check_results(run_dir: Path, trials_expected: int) -> None:
     config = results.config
     depth = {"vit-tiny": 4}[config["model"]["name"]]
     for row in trials.itertuples():
-        assert row.payload_bits == depth * row.payload_bits_per_layer
+        # one message per block, but none at block 0 in Trace's default trace-nb placement
+        # (1 A.i: receivers embed the peers' patches themselves)
+        trace = row.method.startswith("trace")
+        messages = exchanges(method_spec(row.method, K=int(row.K)), depth) if trace else depth
+        assert row.payload_bits == messages * row.payload_bits_per_layer
         # every peer gets a copy; each message is its payload rounded up to whole bytes
         per_message = math.ceil(row.payload_bits_per_layer / 8)
-        assert row.message_bytes == depth * per_message * (row.devices - 1)
+        assert row.message_bytes == messages * per_message * (row.devices - 1)
         assert row.effective_ms >= row.compute_ms > 0
         assert row.effective_ms == pytest.approx(row.compute_ms + row.wait_ms, rel=1e-3)
         parts = row.wait_peer_ms + row.wait_link_ms + row.wait_wakeup_ms
