@@ -13,19 +13,16 @@ message carries its level, so the receivers follow.
   Per frame byte (headers included), the median over a peer's messages of the last inference
   predicts each level's transfer time, and the budget is the median FFN time of the last
   inference's blocks. The one-way time includes the link's latency, which does not shrink
-  with the message: the prediction errs towards coarser levels, by the latency's share
-  (negligible where a level's choice matters: there the frames' wire time dominates). Taking
-  the handshake's small-message latency off instead was wrong on slow links: its pings'
-  own wire time (2.4 ms at 0.25 Mbit/s) is in it. What a device measures of a peer's
-  messages it echoes back in its own stamps to that peer, so each device chooses from how
-  its own messages travelled, as the slowest of its peers saw them; until the first echo
-  arrives, from how the peers' messages to it travelled (the same link where devices share
-  one channel).
+  with the message: the prediction errs towards coarser levels by the latency's share
+  (small where the choice matters: there the frames' wire time dominates). What a device
+  measures of a peer's messages it echoes back in its own stamps to that peer, so each device
+  chooses from how its own messages travelled, as the slowest of its peers saw them; until
+  the first echo arrives, from how the peers' messages to it travelled (the same link where
+  devices share one channel).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import defaultdict
@@ -126,10 +123,11 @@ class LiveLevel:
             self.echo(peer, per_byte)
         # this device's own messages as its slowest peer saw them; before any echo came back,
         # the peers' messages as this device saw them
-        per_byte = max(echoed.values() or downlink.values() or [math.nan])
+        seen = echoed or downlink
         ffn_ms = [(b.ffn_end_ns - b.ffn_start_ns) / 1e6 for b in blocks]
-        if math.isnan(per_byte) or not ffn_ms:
+        if not seen or not ffn_ms:
             return self.method.level
+        per_byte = max(seen.values())
         budget_ms = statistics.median(ffn_ms)
         self.rate_mbit = 8e3 / per_byte if per_byte > 0 else None
         level = 0
