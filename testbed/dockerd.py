@@ -39,7 +39,8 @@ def engine_answers(timeout_s: float = 15.0) -> bool:
     return proc.returncode == 0 and bool(proc.stdout.strip())
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -55,7 +56,7 @@ def _remove_stale_pidfile(pidfile: Path) -> None:
         pid = int(pidfile.read_text().strip() or "0")
     except (FileNotFoundError, ValueError):
         return
-    if pid <= 0 or not _pid_alive(pid):
+    if pid <= 0 or not pid_alive(pid):
         log.debug("removing stale %s (pid %d)", pidfile, pid)
         pidfile.unlink(missing_ok=True)
 

@@ -12,6 +12,7 @@ import logging
 import os
 from typing import Any
 
+from testbed.dockerd import pid_alive
 from testbed.errors import ShapingError
 from testbed.link.tbf import TBF_HANDLE
 
@@ -100,7 +101,7 @@ def stale_probe_namespaces() -> list[str]:
     stale = []
     for name in names:
         pid = name.removeprefix(PROBE_PREFIX).split("-")[0]
-        if name.startswith(PROBE_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith(PROBE_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
             stale.append(name)
     return sorted(stale)
 
@@ -118,13 +119,3 @@ def remove_stale_probes() -> list[str]:
             continue
         removed.append(f"netns {name}")
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
