@@ -1,6 +1,6 @@
 """Image classification data for training and accuracy studies, all read offline.
 
-Four sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64 labels:
+Five sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64 labels:
 
 - `digits`: scikit-learn's 8x8 handwritten digits (1,797 images, shipped with the package),
   upsampled bilinearly to the model's image size (smooth patches rather than blocks of
@@ -10,6 +10,8 @@ Four sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64
   tokens in row-major order put b on another device than the CLS token, so the class depends
   on how exactly the peers' tokens cross the link. Each split of pairs is drawn only from the
   same split of the digits.
+- `glyphs`: glyph pairs (tracevq.glyphs), generated from a seed in any number: 64 classes,
+  test splits large enough for a sampling error under 0.3 points.
 - `cifar`: CIFAR-format python batches (`data_batch_*`, `test_batch`, or CIFAR-100's
   `train`/`test`): pickled dicts with `data` (n, 3072) uint8 and `labels` or `fine_labels`.
   They are read with an unpickler that only builds numpy arrays and plain containers.
@@ -177,6 +179,32 @@ def digit_pairs_splits(
         pair_dataset(digits.val, val_size, 1000 * split_seed + 2),
         pair_dataset(digits.test, test_size, 1000 * split_seed + 3),
     )
+
+
+# --------------------------------------------------------------------------- glyph pairs
+
+
+def glyph_pairs_splits(
+    image_size: int = 24,
+    glyphs: int = 8,
+    train_size: int = 40000,
+    val_size: int = 2000,
+    test_size: int = 100000,
+    split_seed: int = 0,
+) -> Splits:
+    """Glyph pairs (tracevq.glyphs): every split drawn from its own seed with the same
+    prototypes, so a test image is never a training image and the test split can be as large
+    as the study's sampling error needs."""
+    from tracevq.glyphs import glyph_pairs, glyph_prototypes
+
+    prototypes = glyph_prototypes(glyphs, 1000 * split_seed)
+    classes = [f"{a}-{b}" for a in range(glyphs) for b in range(glyphs)]
+
+    def split(count: int, offset: int) -> Dataset:
+        images, labels = glyph_pairs(prototypes, count, 1000 * split_seed + offset)
+        return Dataset(resize(images, image_size), labels, classes)
+
+    return Splits(split(train_size, 1), split(val_size, 2), split(test_size, 3))
 
 
 # --------------------------------------------------------------------------- CIFAR

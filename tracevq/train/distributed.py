@@ -150,10 +150,16 @@ def distributed_logits(
 
 @torch.no_grad()
 def remote_kv_error(
-    model: VisionTransformer, images: Tensor, devices: int, family: str, codec: nn.Module
+    model: VisionTransformer,
+    images: Tensor,
+    devices: int,
+    family: str,
+    codec: nn.Module,
+    placement: str | None = None,
+    remote_ffn: bool = False,
 ) -> list[float]:
     """Per block, ||remote [K; V] - exact [K; V]|| / ||exact [K; V]|| over every token: how
     far the receivers' view of a token is from what its own device computes in that run."""
     probe: list[tuple[Tensor, Tensor]] = []
-    distributed_logits(model, images, devices, family, codec, probe)
+    distributed_logits(model, images, devices, family, codec, probe, placement, remote_ffn)
     return [float((seen - exact).norm() / exact.norm()) for exact, seen in probe]

@@ -88,6 +88,7 @@ def evaluate_family(
     test: Dataset,
     settings: Settings,
     all_levels: bool = True,
+    params: dict[str, object] | None = None,
 ) -> list[dict[str, object]]:
     """A codebook family with each given metric's bundle, at each device count and tree level.
 
@@ -95,11 +96,14 @@ def evaluate_family(
         bundles: metric -> bundle holding `family`'s codebooks and trees.
         all_levels: every tree level for the families in `evaluation.all_levels` (else, and
             always for astra, the finest level only).
+        params: further method parameters (a Trace placement).
     """
     evaluation = settings.evaluation
     rows = []
     for metric, bundle in bundles.items():
-        method = make_method(family, model, bundle, K=bundle.K)
+        method = make_method(family, model, bundle, K=bundle.K, **(params or {}))
+        case = method.spec.resolved_placement
+        placement = None if case is None else case.name
         tree = bundle.trees[family][0]
         sweep = all_levels and family in evaluation.all_levels
         levels: Iterable[int] = range(tree.num_levels) if sweep else [tree.finest]
@@ -108,7 +112,13 @@ def evaluate_family(
                 if family != "astra":
                     method.set_level(level)
                 value = simulated_accuracy(model, method, devices, test, evaluation.batch_size)
-                extra = {"level": level, "level_k": tree.level_sizes[level], "metric": metric}
+                extra = {
+                    "level": level,
+                    "level_k": tree.level_sizes[level],
+                    "metric": metric,
+                    "placement": placement,
+                    "remote_ffn": getattr(method.spec, "remote_ffn", False),
+                }
                 rows.append(
                     _row(method, devices, value, K=bundle.K, finest=level == tree.finest, **extra)
                 )

@@ -54,12 +54,22 @@ class Job:
     K: int
     family: str
     variant: str  # "kmeans" or a rule name
+    placement: str | None = None  # Trace's Table VI case; None: the family's default
+    remote_ffn: bool = False  # trace-nb: the receiver runs the FFN on its copy
 
     @property
     def directory(self) -> str:
         if self.family == "single":
             return f"seed{self.seed}/{self.family}-{self.variant}"
-        return f"seed{self.seed}/K{self.K}/{self.family}-{self.variant}"
+        case = "" if self.placement is None else "-" + self.placement.replace(" ", "")
+        ffn = "-ffn" if self.remote_ffn else ""
+        return f"seed{self.seed}/K{self.K}/{self.family}{case.replace('.', '')}{ffn}-{self.variant}"
+
+    @property
+    def method_params(self) -> dict[str, object]:
+        """The placement and receiver FFN as method parameters, where the job sets them."""
+        params: dict[str, object] = {} if self.placement is None else {"placement": self.placement}
+        return params | ({"remote_ffn": True} if self.remote_ffn else {})
 
 
 def rule_of(settings: Settings, name: str) -> tuple[CodebookRule, int | None]:
@@ -111,15 +121,18 @@ def run_job(
         rule, _ = rule_of(settings, job.variant)
         codec = TrainingCodec(quantizers, rule, seed=job.seed)
         losses = finetune(
-            model, codec, job.family, splits.train, settings.finetune, settings.base, job.seed
-        )
+            model, codec, job.family, splits.train, settings.finetune, settings.base, job.seed,
+            params=job.method_params,
+        )  # fmt: skip
         info["final_loss"] = sum(losses[-10:]) / max(1, len(losses[-10:]))
         every = job.variant == default_rule and job.family == "trace-b"
         metrics = settings.codebooks.metrics if every else settings.codebooks.metrics[:1]
-    info["val_accuracy"] = validation_accuracy(model, job.family, quantizers, splits, settings)
+    info["val_accuracy"] = validation_accuracy(
+        model, job.family, quantizers, splits, settings, job.method_params
+    )
     info["kv_error"] = remote_kv_error(
         model, splits.val.take(slice(0, 200)), settings.evaluation.devices[0], job.family,
-        ExactCodec(job.family, quantizers),
+        ExactCodec(job.family, quantizers), **job.method_params,
     )  # fmt: skip
     bundles = {
         metric: with_trees(model, job.family, quantizers, metric, settings, fitted.meta)
@@ -134,11 +147,14 @@ def run_job(
     sweep = job.variant == default_rule or (
         job.variant == "kmeans" and settings.evaluation.sweep_kmeans
     )
-    rows = evaluate_family(model, bundles, job.family, splits.test, settings, sweep)
+    rows = evaluate_family(
+        model, bundles, job.family, splits.test, settings, sweep, job.method_params
+    )
     info.update(asdict(job), seconds=time.perf_counter() - started)
     (directory / "job.json").write_text(json.dumps(info, indent=1))
     for row in rows:
-        row.update(asdict(job), val_accuracy=info["val_accuracy"])
+        # the placement the method resolved (a default named), not the job's None
+        row.update(asdict(job) | {"placement": row["placement"]}, val_accuracy=info["val_accuracy"])
     return rows, info
 
 
@@ -180,12 +196,17 @@ def validation_accuracy(
     quantizers: list[VectorQuantizer],
     splits: Splits,
     settings: Settings,
+    params: dict[str, object] | None = None,
 ) -> float:
     """Accuracy on the validation split at the first device count, full codebook: the figure
     for choices (steps, learning rate), so that the test split is never tuned on."""
     codec = ExactCodec(family, quantizers)
     devices = settings.evaluation.devices[0]
-    return accuracy(lambda x: distributed_logits(model, x, devices, family, codec), splits.val)
+
+    def predict(images: torch.Tensor) -> torch.Tensor:
+        return distributed_logits(model, images, devices, family, codec, **(params or {}))
+
+    return accuracy(predict, splits.val)
 
 
 def with_trees(

@@ -98,9 +98,11 @@ def finetune(
     augment: BaseSection,
     seed: int,
     progress: bool = False,
+    params: dict[str, object] | None = None,
 ) -> list[float]:
-    """Fine-tune model and codebooks in the differentiable P-device forward; P alternates
-    over `section.devices` step by step. Returns the loss of every step."""
+    """Fine-tune model and codebooks in the differentiable P-device forward (Trace with the
+    method `params` placement and remote_ffn, defaults when absent); P alternates over
+    `section.devices` step by step. Returns the loss of every step."""
     generator = torch.Generator().manual_seed(seed)
     parameters = [*model.parameters(), *codec.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=section.lr, weight_decay=section.weight_decay)
@@ -114,7 +116,7 @@ def finetune(
         set_lr(optimizer, section.lr * cosine_lr(step, section.steps, section.steps // 10 + 1))
         devices = section.devices[step % len(section.devices)]
         images = shift(images, augment.shift_px, generator)
-        logits = distributed_logits(model, images, devices, family, codec)
+        logits = distributed_logits(model, images, devices, family, codec, **(params or {}))
         task = F.cross_entropy(logits, labels, label_smoothing=augment.label_smoothing)
         loss = task + codec.loss()
         optimizer.zero_grad(set_to_none=True)

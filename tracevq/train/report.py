@@ -10,6 +10,10 @@ prism) are deterministic and appear with n = 1. Written next to `results.csv`:
 - `table_codebook_sizes.csv` / `fig_codebook_sizes.png`: VQ methods across K, both variants.
 - `table7_levels.csv` / `fig_levels.png`: Trace at every tree level, per hierarchy metric.
 - `table8_rules.csv` / `fig_rules.png`: the codebook update rules.
+- `table6_placements.csv` / `fig_placements.png` (studies that list `codebooks.placements`):
+  Trace at each Table VI case, finest level, with the test split's 95% sampling interval
+  (half-width, binomial) beside the spread over seeds, and the paper's CIFAR-100 figure.
+  The other tables keep each family's default placement only.
 - `table_kv_error.csv`: per block, the relative error of the K/V receivers reconstruct for a
   peer's tokens (||seen - exact|| / ||exact||), the mechanism behind the accuracy differences.
 - `summary.md`: the same tables as Markdown (mean ± std).
@@ -26,6 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from tracevq.placement import DEFAULT_PLACEMENT, PLACEMENTS  # noqa: E402
 from tracevq.train.settings import Settings  # noqa: E402
 
 VQ_METHODS = ("astra", "trace-b", "trace-nb")
@@ -89,6 +94,8 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
         if column in frame:
             frame[column] = frame[column].astype("Int64")
     frame.to_csv(directory / "results.csv", index=False)
+    placements = placement_table(frame, settings)
+    frame = at_default_placement(frame)
     rules = list(settings.finetune.rules)
     main_K = max(settings.finetune.K) if settings.finetune.K else max(settings.codebooks.K)
     metric = settings.codebooks.metrics[0]
@@ -108,6 +115,8 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
         finest[(finest["K"] == main_K) & finest["variant"].isin(rules)],
         ["method", "variant", "devices"],
     )
+    if placements is not None:
+        tables["table6_placements"] = placements
     for name, table in tables.items():
         table.to_csv(directory / f"{name}.csv", index=False)
     kv_error = kv_error_table(directory / "jobs.json")
@@ -121,6 +130,78 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
     _plot_sizes(tables["table_codebook_sizes"], single, directory / "fig_codebook_sizes.png")
     _plot_levels(tables["table7_levels"], single, directory / "fig_levels.png")
     _plot_rules(tables["table8_rules"], single, directory / "fig_rules.png")
+    if placements is not None:
+        _plot_placements(placements, single, directory / "fig_placements.png")
+
+
+def at_default_placement(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of methods without a placement, and of Trace at its default one."""
+    if "placement" not in frame:
+        return frame
+    default = frame["method"].map(DEFAULT_PLACEMENT)
+    plain = frame["remote_ffn"].fillna(False) == False  # noqa: E712 - element-wise
+    return frame[frame["placement"].isna() | ((frame["placement"] == default) & plain)]
+
+
+def sampling_half_width(accuracy: float, images: int) -> float:
+    """The 95% half-width (points) of an accuracy measured on `images` test images (Wilson)."""
+    p, z = accuracy / 100, 1.96
+    centre_spread = z * math.sqrt(p * (1 - p) / images + z * z / (4 * images * images))
+    return 100 * centre_spread / (1 + z * z / images)
+
+
+def placement_table(frame: pd.DataFrame, settings: Settings) -> pd.DataFrame | None:
+    """Table VI: each Trace placement at the finest level with the first metric, per variant,
+    K and P; None unless the study lists placements."""
+    if not settings.codebooks.placements or "placement" not in frame:
+        return None
+    rows = frame[
+        frame["placement"].notna()
+        & (frame["finest"] == True)  # noqa: E712 - pandas element-wise comparison
+        & (frame["metric"] == frame["metric"].dropna().iloc[0])
+    ]
+    rows = rows.assign(case=rows["placement"] + rows["remote_ffn"].map({True: " + FFN", False: ""}))
+    table = aggregate(rows, ["method", "case", "placement", "variant", "K", "devices"])
+    images = int(frame["test_images"].iloc[0])
+    table["sampling_95"] = table["mean"].map(lambda a: sampling_half_width(a, images))
+    table["paper"] = [
+        PLACEMENTS[p].paper[d - 2] if d in (2, 3) else math.nan
+        for p, d in zip(table["placement"], table["devices"], strict=True)
+    ]
+    table["order"] = table["placement"].map(list(PLACEMENTS).index) + table["case"].str.len() / 100
+    return table.sort_values(["variant", "K", "order", "devices"]).drop(columns="order")
+
+
+def placement_markdown(table: pd.DataFrame) -> pd.DataFrame:
+    """Table VI wide: per P, ours as mean ± std over seeds [95% sampling half-width], and the
+    paper's."""
+    wide = table[["method", "case", "variant", "K"]].drop_duplicates().reset_index(drop=True)
+    for devices in sorted(table["devices"].unique()):
+        part = table[table["devices"] == devices].set_index(["case", "variant", "K"])
+        index = list(zip(wide["case"], wide["variant"], wide["K"], strict=True))
+        rows = part.reindex(index)
+        wide[f"P={devices}"] = [
+            f"{r['mean']:.2f} ± {r['std']:.2f} [±{r['sampling_95']:.2f}]"
+            for _, r in rows.iterrows()
+        ]
+        wide[f"paper P={devices}"] = rows["paper"].to_numpy()
+    return wide
+
+
+def _ranked(part: pd.DataFrame, column: str) -> str:
+    ordered = part.sort_values(column, ascending=False)
+    pairs = zip(ordered["case"], ordered[column], strict=True)
+    return " > ".join(f"{p} {m:.2f}" for p, m in pairs)
+
+
+def placement_orderings(table: pd.DataFrame) -> list[str]:
+    """Per (variant, K, P), the placements from the most to the least accurate, ours and the
+    paper's, as Markdown lines."""
+    return [
+        f"- {variant}, K={K}, P={devices}: ours {_ranked(part, 'mean')}; "
+        f"paper {_ranked(part, 'paper')}"
+        for (variant, K, devices), part in table.groupby(["variant", "K", "devices"], sort=False)
+    ]
 
 
 def markdown(table: pd.DataFrame) -> str:
@@ -143,7 +224,8 @@ def kv_error_table(records_path: Path) -> pd.DataFrame | None:
     long = records.explode("kv_error").assign(
         block=lambda r: r.groupby(level=0).cumcount(), error=lambda r: r["kv_error"].astype(float)
     )
-    grouped = long.groupby(["family", "variant", "K", "block"])["error"]
+    keys = ["family", "placement", "remote_ffn"] if "placement" in long else ["family"]
+    grouped = long.groupby([*keys, "variant", "K", "block"], dropna=False)["error"]
     table = grouped.agg(["mean", "std"]).reset_index()
     return table.assign(std=table["std"].fillna(0.0))
 
@@ -163,7 +245,7 @@ def _write_markdown(
 ) -> None:
     lines = [header, ""]
     for name, table in tables.items():
-        if table.empty:
+        if table.empty or name == "table6_placements":
             continue
         shown = table.assign(accuracy=_pm(table)).drop(columns=["mean", "std", "min", "max"])
         pivot_keys = [c for c in shown.columns if c not in ("devices", "accuracy", "n")]
@@ -172,11 +254,21 @@ def _write_markdown(
         )
         wide.columns = [f"P={p}" for p in wide.columns]
         lines += [f"## {name}", "", markdown(wide.reset_index()), ""]
+    if "table6_placements" in tables:
+        lines += [
+            "## table6_placements",
+            "",
+            markdown(placement_markdown(tables["table6_placements"])),
+            "",
+        ]
+        lines += ["## Table VI orderings (mean over seeds)", ""]
+        lines += [*placement_orderings(tables["table6_placements"]), ""]
     if kv_error is not None:
         shown = kv_error.assign(error=kv_error.apply(lambda r: f"{r['mean']:.3f}", axis=1))
+        keys = [c for c in shown.columns if c not in ("block", "mean", "std", "error")]
         wide = shown.pivot_table(
-            index=["family", "variant", "K"], columns="block", values="error", aggfunc="first"
-        )
+            index=keys, columns="block", values="error", aggfunc="first", dropna=False
+        ).dropna(how="all")
         wide.columns = [f"block {b}" for b in wide.columns]
         lines += ["## remote K/V relative error (validation, first P)", ""]
         lines += [markdown(wide.reset_index()), ""]
@@ -232,6 +324,8 @@ def _plot_sizes(table: pd.DataFrame, single: float, path: Path) -> None:
 
 
 def _plot_levels(table: pd.DataFrame, single: float, path: Path) -> None:
+    if table.empty:
+        return
     figure, axes, devices = _by_devices(table)
     for axis, p in zip(axes, devices, strict=True):
         part = table[table["devices"] == p]
@@ -244,6 +338,29 @@ def _plot_levels(table: pd.DataFrame, single: float, path: Path) -> None:
         axis.set_xscale("log", base=2)
         axis.set_xlabel("codewords at the level, K_m (r = log2 K_m bits)")
         axis.set_title(f"P = {p}")
+    _finish(figure, axes, single, path)
+
+
+def _plot_placements(table: pd.DataFrame, single: float, path: Path) -> None:
+    """Per P, each placement's mean with its spread over seeds, one bar group per
+    (variant, K); the paper's figures as black ticks for the ordering (another task)."""
+    figure, axes, devices = _by_devices(table)
+    groups = list(dict.fromkeys(zip(table["variant"], table["K"], strict=True)))
+    width = 0.8 / max(1, len(groups))
+    for axis, p in zip(axes, devices, strict=True):
+        part = table[table["devices"] == p]
+        names = list(dict.fromkeys(part["case"]))  # the table's order
+        for g, (variant, K) in enumerate(groups):
+            bars = part[(part["variant"] == variant) & (part["K"] == K)].set_index("case")
+            bars = bars.reindex(names)
+            x = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(names))]
+            axis.bar(x, bars["mean"], width, yerr=bars["std"], capsize=3,
+                     label=f"K={K}, {variant}")  # fmt: skip
+        axis.set_xticks(range(len(names)), names)
+        low = part["min"].min()
+        axis.set_ylim(max(0.0, low - 3), min(100.0, max(single, part["max"].max()) + 1))
+        axis.set_title(f"P = {p}")
+        axis.set_xlabel("Table VI case")
     _finish(figure, axes, single, path)
 
 

@@ -12,10 +12,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tracevq.config import known_model_name
+from tracevq.config import known_model_name, model_config
 from tracevq.errors import ConfigError
+from tracevq.placement import PLACEMENTS
 
-TASKS = ("digits", "pairs", "cifar", "folder")
+TASKS = ("digits", "pairs", "glyphs", "cifar", "folder")
 VQ_FAMILIES = ("astra", "trace-b", "trace-nb")
 
 
@@ -26,9 +27,10 @@ class Strict(BaseModel):
 class DataSection(Strict):
     """Which images. `path` is required for cifar (the batch folder) and folder (the root)."""
 
-    task: Literal["digits", "pairs", "cifar", "folder"] = "digits"
+    task: Literal["digits", "pairs", "glyphs", "cifar", "folder"] = "digits"
     path: str | None = None
-    train_size: int = Field(4000, ge=1)  # pairs only: generated training pairs
+    train_size: int = Field(4000, ge=1)  # pairs and glyphs only: generated training images
+    glyphs: int = Field(8, ge=2, le=64)  # glyphs only: prototypes (classes = glyphs^2)
     val_size: int = Field(200, ge=1)
     test_size: int = Field(400, ge=1)
     split_seed: int = 0
@@ -78,6 +80,23 @@ class CodebookSection(Strict):
     metrics: list[Literal["euclidean", "cosine", "frequency"]] = Field(
         default_factory=lambda: ["euclidean", "cosine", "frequency"]
     )
+    # Trace's Table VI cases (tracevq.placement) each trace family is run at; a family with
+    # none listed runs at its default (trace-nb "1 A.i", trace-b "2 B")
+    placements: list[str] = Field(default_factory=list)
+    # trace-nb cases of `placements` also run with the receiver's FFN on its copy
+    # (`remote_ffn`; at "1 B" the Trace-nb of before placements), the other reading of Table VI
+    remote_ffn_placements: list[str] = Field(default_factory=list)
+    evaluate_kmeans: bool = True  # False: only the fine-tuned codebooks are evaluated
+
+    @field_validator("placements")
+    @classmethod
+    def _placements(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in PLACEMENTS]
+        if unknown:
+            raise ValueError(f"unknown placement {unknown[0]!r}; known: {', '.join(PLACEMENTS)}")
+        if len(set(names)) != len(names):
+            raise ValueError("a placement is listed twice")
+        return names
 
     @field_validator("K")
     @classmethod
@@ -184,6 +203,25 @@ def parse_settings(data: Any, source: str = "<settings>", **overrides: Any) -> S
         raise ConfigError(f"{source}: {problems}") from None
     if settings.data.task in ("cifar", "folder") and settings.data.path is None:
         raise ConfigError(f"{source}: data.path: required for task {settings.data.task!r}")
+    for name in settings.codebooks.remote_ffn_placements:
+        if name not in settings.codebooks.placements or PLACEMENTS[name].method != "trace-nb":
+            raise ConfigError(
+                f"{source}: codebooks.remote_ffn_placements: {name!r} must be a trace-nb case "
+                f"listed in codebooks.placements"
+            )
+    for name in settings.codebooks.placements:
+        if PLACEMENTS[name].method not in settings.codebooks.families:
+            raise ConfigError(
+                f"{source}: codebooks.placements: {name!r} is a {PLACEMENTS[name].method} "
+                f"case, but codebooks.families does not list {PLACEMENTS[name].method}"
+            )
+    if settings.data.task == "glyphs":
+        classes = model_config(settings.model.name).num_classes
+        if classes != settings.data.glyphs**2:
+            raise ConfigError(
+                f"{source}: data.glyphs: {settings.data.glyphs} glyphs make "
+                f"{settings.data.glyphs**2} classes, model {settings.model.name!r} has {classes}"
+            )
     return settings
 
 

@@ -34,8 +34,10 @@ from tracevq.data import (
     digit_pairs_splits,
     digits_splits,
     folder_splits,
+    glyph_pairs_splits,
 )
 from tracevq.models import VisionTransformer
+from tracevq.placement import PLACEMENTS
 from tracevq.train.evaluate import evaluate_baselines
 from tracevq.train.jobs import Fit, Job, fit_of, run_fit, run_job
 from tracevq.train.loops import accuracy, train_base
@@ -52,6 +54,9 @@ def load_splits(settings: Settings) -> Splits:
     elif data.task == "pairs":
         sizes = (data.train_size, data.val_size, data.test_size)
         splits = digit_pairs_splits(config.image_size, *sizes, split_seed=data.split_seed)
+    elif data.task == "glyphs":
+        sizes = (data.train_size, data.val_size, data.test_size)
+        splits = glyph_pairs_splits(config.image_size, data.glyphs, *sizes, data.split_seed)
     elif data.task == "cifar":
         splits = cifar_splits(
             data.path, config.image_size, config.in_chans, data.val_size, data.split_seed
@@ -116,7 +121,8 @@ def export_test_inputs(test: Dataset, path: Path, max_bytes: int = 256 * 2**20) 
 
 def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
     """Every fit and job the settings ask for, in a deterministic order. Rules beyond the
-    default are tried at the main K (the largest fine-tuned one) only. With fine-tuning,
+    default are tried at the main K (the largest fine-tuned one) only; a Trace family runs at
+    each of its placements in `codebooks.placements` (all from one fit). With fine-tuning,
     each seed also fine-tunes the model alone (`single`), as a control."""
     rules = list(settings.finetune.rules)
     main_K = max(settings.finetune.K, default=0)
@@ -126,12 +132,23 @@ def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
         for K in settings.codebooks.K:
             tuned = K in settings.finetune.K and settings.finetune.steps > 0
             for family in settings.codebooks.families:
-                variants = ["kmeans"]
+                variants = ["kmeans"] if settings.codebooks.evaluate_kmeans or not tuned else []
                 if tuned:
                     variants.append(rules[0])
                     if K == main_K and family in settings.finetune.rule_families:
                         variants.extend(rules[1:])
-                jobs.extend(Job(seed, K, family, variant) for variant in variants)
+                cases: list[tuple[str | None, bool]] = [
+                    (p, ffn)
+                    for p in settings.codebooks.placements
+                    if PLACEMENTS[p].method == family
+                    for ffn in (False, True)
+                    if not ffn or p in settings.codebooks.remote_ffn_placements
+                ]
+                jobs.extend(
+                    Job(seed, K, family, variant, *case)
+                    for case in cases or [(None, False)]
+                    for variant in variants
+                )
     for job in jobs:
         fits[fit_of(job, settings)] = None
     if main_K and settings.finetune.steps > 0:  # the control: same training, no codebooks
