@@ -1,4 +1,5 @@
-"""Data loaders: digits and digit pairs, CIFAR-format batches and image folders generated here."""
+"""Data loaders: digits, digit pairs and glyph pairs, CIFAR-format batches and image folders
+generated here."""
 
 import pickle
 
@@ -13,9 +14,11 @@ from tracevq.data import (
     digits_splits,
     folder_dataset,
     folder_splits,
+    glyph_pairs_splits,
     pair_dataset,
     read_cifar_batch,
 )
+from tracevq.glyphs import glyph_pairs, glyph_prototypes, render
 
 
 def test_digits_split_is_fixed_stratified_and_upsampled():
@@ -49,6 +52,34 @@ def test_digit_pairs_splits_sizes():
     assert splits.test.images.shape[1:] == (1, 24, 24)
     with pytest.raises(DataError, match="even image size"):
         digit_pairs_splits(25)
+
+
+def test_glyph_pair_label_names_the_top_left_and_bottom_right_glyphs():
+    prototypes = glyph_prototypes(8, seed=5)
+    images, labels = glyph_pairs(prototypes, 200, seed=1, jitter=0.0, noise=0.0)
+    assert images.shape == (200, 1, 24, 24) and set(labels.tolist()) <= set(range(64))
+    clean = render(prototypes, torch.ones(8), torch.ones(8)).flatten(1)  # (8, 144)
+    clean = clean / clean.norm(dim=1, keepdim=True)
+
+    def nearest(cells):
+        return (cells.flatten(1) @ clean.T).argmax(dim=1)  # the best-correlated prototype
+
+    assert torch.equal(nearest(images[:, 0, :12, :12]), labels // 8)
+    assert torch.equal(nearest(images[:, 0, 12:, 12:]), labels % 8)
+    jittered, same = glyph_pairs(prototypes, 200, seed=1)
+    assert torch.equal(same, labels) and not torch.equal(jittered, images)
+
+
+def test_glyph_pairs_splits_are_fixed_and_distinct():
+    splits = glyph_pairs_splits(24, glyphs=4, train_size=300, val_size=50, test_size=5000)
+    assert [len(s) for s in (splits.train, splits.val, splits.test)] == [300, 50, 5000]
+    assert len(splits.test.classes) == 16
+    counts = torch.bincount(splits.test.labels, minlength=16)
+    assert counts.min() > 250  # about 312 of each class
+    again = glyph_pairs_splits(24, glyphs=4, train_size=300, val_size=50, test_size=5000)
+    assert torch.equal(again.test.images, splits.test.images)
+    assert not torch.equal(splits.train.images[:50], splits.val.images)
+    assert 0.0 <= float(splits.test.images.min()) and float(splits.test.images.max()) <= 1.0
 
 
 def _write_batch(path, count, label_key=b"labels", seed=0):

@@ -66,7 +66,8 @@ def test_eval_forward_equals_simulate(model, bundle, inputs, family, devices):
 @pytest.mark.parametrize(
     ("family", "placement", "remote_ffn"),
     [("trace-nb", p, False) for p in ("1 A.i", "1 A.ii", "1 A.iii", "1 B")]
-    + [("trace-nb", "1 B", True), ("trace-b", "2 A", False), ("trace-b", "2 B", False)],
+    + [("trace-nb", "1 B", True), ("trace-nb", "1 A.i", True)]
+    + [("trace-b", "2 A", False), ("trace-b", "2 B", False)],
 )
 def test_eval_forward_equals_simulate_at_every_placement(
     model, bundle, inputs, family, placement, remote_ffn

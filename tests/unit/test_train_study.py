@@ -14,7 +14,7 @@ from tracevq.errors import ConfigError
 from tracevq.train.__main__ import main
 from tracevq.train.evaluate import simulated_accuracy
 from tracevq.train.loops import accuracy, train_base
-from tracevq.train.report import write_report
+from tracevq.train.report import sampling_half_width, write_report
 from tracevq.train.settings import BaseSection, load_settings, parse_settings
 from tracevq.train.study import load_splits, plan, run_study
 
@@ -44,6 +44,22 @@ def test_every_config_loads_and_plans(path):
         ({"name": "x", "model": {"name": "vit-digit"}}, r"model\.name: .*did you mean"),
         ({"name": "x", "data": {"task": "cifar"}}, r"data\.path: required for task 'cifar'"),
         ({"finetune": {}}, r"name: Field required"),
+        (
+            {"name": "x", "codebooks": {"placements": ["1 C"]}},
+            r"placements: unknown placement '1 C'",
+        ),
+        (
+            {"name": "x", "codebooks": {"families": ["astra"], "placements": ["2 A"]}},
+            r"codebooks\.placements: '2 A' is a trace-b case, but codebooks\.families",
+        ),
+        (
+            {"name": "x", "codebooks": {"placements": ["1 B"], "remote_ffn_placements": ["1 A.i"]}},
+            r"remote_ffn_placements: '1 A\.i' must be a trace-nb case listed in",
+        ),
+        (
+            {"name": "x", "data": {"task": "glyphs", "glyphs": 4}, "model": {"name": "vit-glyphs"}},
+            r"data\.glyphs: 4 glyphs make 16 classes, model 'vit-glyphs' has 64",
+        ),
     ],
 )
 def test_bad_settings_name_the_field_and_source(data, message):
@@ -70,6 +86,38 @@ def test_plan_counts():
     assert len(jobs) == 2 * (3 * 3 + 3 * 2 + 2 + 1)
     assert sum(j.family == "single" for j in jobs) == 2
     assert len(fits) == 2 * 4  # each K, and K=256 with d_q
+
+
+def test_plan_runs_each_trace_family_at_each_of_its_placements():
+    settings = parse_settings(
+        {
+            "name": "x",
+            "seeds": [0, 1],
+            "codebooks": {
+                "K": [64],
+                "families": ["astra", "trace-b", "trace-nb"],
+                "placements": ["1 A.i", "1 A.iii", "1 B", "2 A"],
+                "remote_ffn_placements": ["1 B"],
+                "evaluate_kmeans": False,
+            },
+            "finetune": {"K": [64]},
+        }
+    )
+    fits, jobs = plan(settings)
+    per_seed = {(j.family, j.placement, j.remote_ffn, j.variant) for j in jobs if j.seed == 0}
+    assert per_seed == {
+        ("astra", None, False, "ema"),
+        ("trace-nb", "1 A.i", False, "ema"),
+        ("trace-nb", "1 A.iii", False, "ema"),
+        ("trace-nb", "1 B", False, "ema"),
+        ("trace-nb", "1 B", True, "ema"),
+        ("trace-b", "2 A", False, "ema"),
+        ("single", None, False, "ema"),
+    }
+    assert len(jobs) == 2 * 7 and len(fits) == 2  # one fit per seed serves every placement
+    directories = {j.directory for j in jobs if j.seed == 0}
+    assert "seed0/K64/trace-nb-1B-ffn-ema" in directories
+    assert "seed0/K64/trace-nb-1Aiii-ema" in directories
 
 
 def tiny_settings(tmp_path: Path, **changes):
@@ -144,6 +192,56 @@ def test_tiny_study_end_to_end(tmp_path):
     again = tiny_settings(tmp_path, codebooks={"K": [4], "families": ["astra"]}, finetune={"K": []})
     run_study(again, progress=False)
     assert '"base_reused": true' in (run / "timing.json").read_text()
+
+
+def test_sampling_half_width_is_the_binomial_95_percent_interval():
+    assert sampling_half_width(90.0, 60000) == pytest.approx(0.240, abs=0.001)
+    assert sampling_half_width(85.0, 60000) == pytest.approx(0.286, abs=0.001)
+    assert sampling_half_width(97.25, 400) == pytest.approx(1.60, abs=0.1)  # digits' test split
+
+
+def test_tiny_placement_study_on_glyphs(tmp_path):
+    settings = tiny_settings(
+        tmp_path,
+        data={"task": "glyphs", "train_size": 200, "val_size": 40, "test_size": 300},
+        model={"name": "vit-glyphs"},
+        codebooks={
+            "K": [8],
+            "families": ["trace-nb", "trace-b"],
+            "placements": ["1 A.i", "1 B", "2 A"],
+            "remote_ffn_placements": ["1 A.i"],
+            "evaluate_kmeans": False,
+            "calibration_images": 32,
+            "metrics": ["euclidean"],
+        },
+        finetune={"K": [8], "steps": 2, "batch_size": 16},
+        evaluation={"prism_segments": [3], "all_levels": [], "sweep_kmeans": False},
+    )
+    rows = run_study(settings, progress=False)
+    write_report(rows, settings, settings.run_dir)
+    run = settings.run_dir
+    table = pd.read_csv(run / "table6_placements.csv")
+    assert list(dict.fromkeys(table["case"])) == ["1 A.i", "1 A.i + FFN", "1 B", "2 A"]
+    assert (table.groupby("case")["devices"].apply(set) == {2, 3}).all()
+    paper = table[(table["case"] == "1 B") & (table["devices"] == 3)]["paper"]
+    assert paper.iloc[0] == pytest.approx(89.56)
+    # 300 test images: the sampling interval is several points wide
+    assert table["sampling_95"].between(0.5, 6).all()
+    summary = (run / "summary.md").read_text()
+    assert "## Table VI orderings" in summary and "[±" in summary
+    assert (run / "fig_placements.png").stat().st_size > 1000
+    # the default placement alone feeds the other tables
+    methods = pd.read_csv(run / "table3_methods.csv")
+    assert set(methods["label"]) >= {"trace-nb (K=8, fine-tuned, ema)"}
+
+    # the saved pair of a placement with the receiver's FFN reproduces its reported accuracy
+    directory = run / "seed0" / "K8" / "trace-nb-1Ai-ffn-ema"
+    model = load_checkpoint(tracevq.build_model("vit-glyphs"), directory / "model.pth")
+    bundle = Bundle.load(directory / "bundle.pt")
+    method = tracevq.make_method("trace-nb", model, bundle, K=8, placement="1 A.i", remote_ffn=True)
+    measured = simulated_accuracy(model, method, 3, load_splits(settings).test, 500)
+    reported = table[(table["case"] == "1 A.i + FFN") & (table["devices"] == 3)]["mean"]
+    assert measured == pytest.approx(float(reported.iloc[0]))
 
 
 def test_cli_reports_bad_files_without_a_traceback(tmp_path, capsys):
