@@ -3,6 +3,8 @@
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
 #   make smoke        the same pipeline on a tiny model in about a minute
 #   make trace-replay Trace-b with fixed and live (level_k auto) levels over a 20-1-20 Mbit/s trace
+#   make trace-replay-digits  the same with the accuracy study's vit-digits, and the accuracy
+#                     of the levels used (runs the digits study first if its results are missing)
 #   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
@@ -23,7 +25,7 @@ IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
 .PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
-	reproduce reproduce-quick bench trace-replay
+	reproduce reproduce-quick bench trace-replay trace-replay-digits
 
 venv: $(VENV_STAMP)
 dev-venv: $(DEV_STAMP)
@@ -76,6 +78,15 @@ sweep-bandwidth: venv host-setup
 
 trace-replay: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/trace-replay.yaml $(RUN_ARGS)
+
+# The study's fine-tuned Trace-b K=64 (seed 0) and its per-level accuracy, from the digits
+# study of `make accuracy` (results.csv is written last, after every model and bundle).
+DIGITS_STUDY := results/accuracy/digits/results.csv
+$(DIGITS_STUDY): configs/accuracy-digits.yaml | $(DEV_STAMP)
+	$(VENV_PY) -m tracevq.train configs/accuracy-digits.yaml $(ACCURACY_ARGS)
+
+trace-replay-digits: venv host-setup $(DIGITS_STUDY)
+	$(VENV_PY) -m testbed.run experiments/trace-replay-digits.yaml $(RUN_ARGS)
 
 smoke: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/smoke.yaml $(RUN_ARGS)

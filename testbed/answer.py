@@ -3,7 +3,9 @@ rate with its effective latency (median over repetitions of the slowest device, 
 its communication (median of the devices' mean) and its speedup over Voltage (median of the
 per-repetition ratios, the repetitions paired in time), in the figures' variant order. Over
 a replayed trace the rows are the rates in force when the inferences started, with the mean
-codewords of the levels used.
+codewords of the levels used. With an accuracy study's table (`report.level_accuracy`), a
+last column gives the mean over the group's rows (every device's every inference) of the
+study's top-1 at the level each used (`level_accuracy_pct`, testbed.level_accuracy).
 
     P=2 vit-b16 (6 repetitions)   effective ms [95% CI]      comm ms   vs voltage
     1 Mbit/s  voltage             14,210 [14,102, 14,305]     13,402       1.00x
@@ -21,6 +23,8 @@ from testbed.plots_common import ok_trials, variant_order
 from testbed.results import Results
 
 BASELINE = "voltage"
+EXTRA_WIDTH = 13
+LEVEL_ACCURACY = "top-1 % used"
 
 
 def _ms(value: float) -> str:
@@ -55,7 +59,7 @@ def answer_lines(results: Results) -> list[str]:
     keys = ["devices", rate_column, "variant"]
     effective = stats.summarize(ok, keys, ["effective_ms"], "max").set_index(keys)
     comm = stats.summarize(ok, keys, ["comm_ms"], "mean").set_index(keys)
-    levels = ok.groupby(keys)["level_k"].mean() if traced else None
+    extra = _extra_columns(ok, keys, traced)
     gains = _speedups(ok, rate_column)
     order = variant_order(ok)
     width = max(len(v) for v in order) + 2
@@ -65,9 +69,9 @@ def answer_lines(results: Results) -> list[str]:
         at = effective.loc[devices]
         n = int(at["n"].max())
         title = f"P={devices} {model} ({n} repetitions)"
-        level_head = f"{'mean K used':>13}" if traced else ""
+        heads = "".join(f"{head:>{EXTRA_WIDTH}}" for head in extra)
         lines += ["", f"{title:<{10 + width}}{'effective ms [95% CI]':>26}{'comm ms':>11}"
-                  f"{'vs ' + BASELINE:>13}{level_head}"]  # fmt: skip
+                  f"{'vs ' + BASELINE:>13}{heads}"]  # fmt: skip
         for rate in sorted(ok.loc[ok["devices"] == devices, rate_column].unique()):
             first = True
             for name in order:
@@ -79,12 +83,30 @@ def answer_lines(results: Results) -> list[str]:
                     f"{_ms(cell['effective_ms_high'])}]"
                 )
                 gain = gains.get((devices, rate, name), math.nan)
-                level = "" if levels is None else f"{_ms(levels.loc[(devices, rate, name)]):>13}"
+                cells = "".join(
+                    f"{_ms(means.get((devices, rate, name), math.nan)):>{EXTRA_WIDTH}}"
+                    for means in extra.values()
+                )
                 rate_text = f"{rate:g} Mbit/s" if first else ""
                 lines.append(
                     f"{rate_text:<10}{name:<{width}}{interval:>26}"
                     f"{_ms(comm.loc[(devices, rate, name), 'comm_ms']):>11}"
-                    f"{'-' if math.isnan(gain) else f'{gain:,.2f}x':>13}{level}"
+                    f"{'-' if math.isnan(gain) else f'{gain:,.2f}x':>13}{cells}"
                 )
                 first = False
+    if LEVEL_ACCURACY in extra:
+        table = results.config.get("report", {}).get("level_accuracy")
+        lines += ["", f"{LEVEL_ACCURACY}: the accuracy study's top-1 at the level each inference "
+                  f"used ({table}; the rows matched: level_accuracy.csv)"]  # fmt: skip
     return lines
+
+
+def _extra_columns(ok: pd.DataFrame, keys: list[str], traced: bool) -> dict[str, pd.Series]:
+    """Columns after the speedup, by heading: over a trace the mean codewords of the levels
+    used; with an accuracy study's table the mean accuracy of those levels."""
+    extra = {}
+    if traced:
+        extra["mean K used"] = ok.groupby(keys)["level_k"].mean()
+    if "level_accuracy_pct" in ok and ok["level_accuracy_pct"].notna().any():
+        extra[LEVEL_ACCURACY] = ok.groupby(keys)["level_accuracy_pct"].mean()
+    return extra

@@ -123,6 +123,9 @@ CONTEXT = _columns(
     ("kernel_timestamps", "boolean", "", "arrivals are the kernel's receive timestamps (else "
      "the receiving thread's clock)"),
     ("correct", "Int64", "", "correct predictions of the batch on device 0 (labelled inputs)"),
+    ("level_accuracy_pct", "float64", "%", "with report.level_accuracy: the accuracy study's "
+     "top-1 of this method, P and K at the level this device used (level_k), its mean over "
+     "the study's seeds (testbed.level_accuracy); empty for other methods"),
     ("batch", "Int64", "", "inputs per inference"),
     ("cpus", "float64", "", "CPU allotment per device"),
     ("threads", "Int64", "", "the worker's torch threads"),

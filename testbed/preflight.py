@@ -12,12 +12,18 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from testbed.errors import ConfigError, ShapingError
+from testbed.level_accuracy import check_covered, load_level_accuracy
 from testbed.link.links import emulator_for
 from testbed.plan import link_trace
 from testbed.profiles import LinkProfile, load_profile
-from testbed.schema import Experiment
+from testbed.schema import FITTED_BRANCHING, Experiment
+from tracevq.codec import level_sizes_for
+
+if TYPE_CHECKING:
+    from tracevq.bundle import Bundle
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +32,8 @@ def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkP
     """Raises ConfigError naming `source` and the field; returns the link profile."""
     _check_backend(experiment, backend, source)
     _check_files(experiment, source)
-    _check_bundle(experiment, source)
+    bundle = _check_bundle(experiment, source)
+    _check_level_accuracy(experiment, bundle, source)
     _check_cpus(experiment, backend, source)
     emulator = _emulator(experiment, backend, source)
     _check_board_rates(experiment, backend, source)
@@ -69,6 +76,7 @@ def _check_files(experiment: Experiment, source: str) -> None:
         "model.checkpoint": experiment.model.checkpoint,
         "bundle.path": experiment.bundle.path,
         "evaluation.inputs": experiment.evaluation.inputs if experiment.evaluation else None,
+        "report.level_accuracy": experiment.report.level_accuracy,
     }
     for field, name in named.items():
         if name is None:
@@ -88,11 +96,11 @@ def _check_files(experiment: Experiment, source: str) -> None:
             raise ConfigError(f"{source}: {error}") from None
 
 
-def _check_bundle(experiment: Experiment, source: str) -> None:
+def _check_bundle(experiment: Experiment, source: str) -> Bundle | None:
     """A given bundle (bundle.path) has every codebook family, K and tree level the methods
-    ask for: otherwise the workers would refuse it only once the devices run."""
+    ask for: otherwise the workers would refuse it only once the devices run. Returns it."""
     if experiment.bundle.path is None:
-        return
+        return None
     from tracevq.bundle import Bundle
     from tracevq.spec import method_spec
 
@@ -114,6 +122,33 @@ def _check_bundle(experiment: Experiment, source: str) -> None:
                 f"{where}: {spec.name} level_k={spec.level_k} is not a level of its codebook tree "
                 f"(levels: {', '.join(map(str, sizes))})"
             )
+    return bundle
+
+
+def _check_level_accuracy(experiment: Experiment, bundle: Bundle | None, source: str) -> None:
+    """The table of report.level_accuracy reads, and has a row for every level the Trace
+    methods may use (their trees' levels: the given bundle's, else the fitted tree's)."""
+    if experiment.report.level_accuracy is None:
+        return
+    metric = None if bundle is None else bundle.meta.get("metric")
+    if metric is not None and metric != experiment.bundle.metric:
+        raise ConfigError(
+            f"{source}: bundle.metric: the trees of {experiment.bundle.path} are built by "
+            f"{metric}, the rows of report.level_accuracy are taken for {experiment.bundle.metric}"
+            f"; say bundle: {{metric: {metric}}}"
+        )
+
+    def level_sizes(method: str, K: int) -> list[int]:
+        if bundle is None:
+            return level_sizes_for(K, FITTED_BRANCHING)
+        return list(bundle.trees[method][0].level_sizes)
+
+    try:
+        table = load_level_accuracy(experiment)
+        assert table is not None
+        check_covered(table, experiment, level_sizes)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
 
 
 def host_cpus() -> int:

@@ -24,6 +24,7 @@ from testbed import environment, interrupts, voice
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.bundles import RunFiles, prepare_run_files
 from testbed.inventory import Inventory
+from testbed.level_accuracy import load_level_accuracy
 from testbed.link.links import Links, LinkState, emulator_for
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
@@ -106,6 +107,7 @@ class Runner:
         self.emulator = emulator_for(experiment.link.emulator, backend)
         link = experiment.link
         self.trace = None if link.trace is None else link_trace(link)
+        self.level_accuracy = load_level_accuracy(experiment)  # None without report.level_accuracy
         self.sessions = 0  # sessions started: each gets its own worker port
 
     def run(self, resume: bool = False) -> RunOutcome:
@@ -115,6 +117,8 @@ class Runner:
 
     def _run(self, resume: bool) -> RunOutcome:
         plan = prepare_run_dir(self.experiment, self.run_dir, self.trials)
+        if self.level_accuracy is not None:
+            write_frame(self.level_accuracy.frame(), self.run_dir / "level_accuracy.csv")
         done = finished_trials(self.run_dir) if resume else set()
         outcome = RunOutcome(self.run_dir, skipped=len(done & {t.trial_id for t in self.trials}))
         files = prepare_run_files(self.experiment, self.trials, self.run_dir)
@@ -209,6 +213,8 @@ class Runner:
             self._save_replay(replay, name)
         for trial in trials:
             trial_rows, layer_rows = result.rows[trial.trial_id]
+            if self.level_accuracy is not None:
+                trial_rows = self.level_accuracy.annotate(trial_rows)
             save_trial(self.run_dir, trial.trial_id, trial_rows, layer_rows)
             if result.ok:
                 outcome.ok += 1

@@ -22,7 +22,15 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from testbed.errors import ConfigError
 from testbed.inventory import Inventory, inventory_input
@@ -249,6 +257,22 @@ class EvaluationSection(Strict):
     limit: int | None = Field(None, ge=1)
 
 
+class ReportSection(Strict):
+    """What the answer and the figures set beside the measurements (testbed.level_accuracy)."""
+
+    # the accuracy study's per-level table (results/accuracy/<task>/table7_levels.csv or
+    # results.csv); relative: from the working directory
+    level_accuracy: str | None = Field(None, min_length=1)
+    variant: str | None = Field(None, min_length=1)  # its rows' variant (default: see there)
+
+    @field_validator("variant")
+    @classmethod
+    def _of_a_table(cls, variant: str | None, info: ValidationInfo) -> str | None:
+        if variant is not None and info.data.get("level_accuracy") is None:
+            raise ValueError("names a variant of report.level_accuracy, which is not given")
+        return variant
+
+
 class Experiment(Strict):
     name: str
     description: str = ""
@@ -263,6 +287,7 @@ class Experiment(Strict):
     repeats: int = Field(3, ge=1, le=100_000)
     warmup: int = Field(1, ge=0, le=10_000)
     evaluation: EvaluationSection | None = None
+    report: ReportSection = ReportSection()
     timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
 
     _inventory = field_validator("inventory", mode="before")(inventory_input)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -117,3 +118,32 @@ def test_auto_follows_each_devices_own_uplink(tmp_path):
     # scheduling on a busy host): its estimate is low, but far above device 0's
     assert math.isclose(low, 0.25, rel_tol=0.15) and high > 10 * low, (low, high)
     assert slow["level_k"].max() < fast["level_k"].min(), (slow["level_k"], fast["level_k"])
+
+
+def test_every_inference_gets_the_accuracy_of_the_level_it_used(tmp_path):
+    """With `report.level_accuracy`, each row carries the table's top-1 at its own level_k
+    (the testbed fits k-means codebooks: the table's kmeans rows), the matched rows are saved
+    beside the results, and the answer has the column."""
+    top1 = {2: 20.0, 4: 40.0, 8: 60.0, 16: 80.0}
+    lines = ["method,variant,metric,devices,level,level_k,mean,std,min,max,n"]
+    for variant, shift in (("kmeans", 0.0), ("ema", 5.0)):
+        for level, (level_k, value) in enumerate(top1.items()):
+            row = f"trace-b,{variant},euclidean,2,{level},{level_k},{value + shift}"
+            lines.append(row + ",0,0,100,3")
+    table = tmp_path / "table7_levels.csv"
+    table.write_text("\n".join(lines) + "\n")
+    experiment = yaml.safe_load(trace_experiment(tmp_path).read_text())
+    experiment["report"] = {"level_accuracy": str(table)}
+    experiment["repeats"] = 20
+    path = tmp_path / "levels.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    trials = load(run_dir).trials
+    assert (trials["status"] == "ok").all() and trials["level_k"].notna().all()
+    assert (trials["level_accuracy_pct"] == trials["level_k"].map(top1)).all()
+    matched = pd.read_csv(run_dir / "level_accuracy.csv")
+    assert set(matched["variant"]) == {"kmeans"} and len(matched) == len(top1)
+    assert "top-1 % used" in done.stdout

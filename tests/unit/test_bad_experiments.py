@@ -23,10 +23,26 @@ BOARDS = (
     "{name: a, address: 10.0.0.1, user: u}, {name: b, address: 10.0.0.2, user: u}]}\n"
 )
 VOLTAGE = "methods: [{name: voltage}]\n"
+TRACE64 = "methods: [{name: trace-b, K: 64, level_k: auto}]\n"
 
 
 def exp(body: str, methods: str = VOLTAGE, name: str = "name: bad\n") -> str:
     return name + body + methods
+
+
+def levels_csv(K: int, variants: tuple[str, ...] = ("kmeans", "ema"), top1: float = 50.0) -> str:
+    """An accuracy study's table7_levels.csv: trace-b at P=2, every level of a K tree."""
+    from tracevq.codec import level_sizes_for
+
+    lines = ["method,variant,metric,devices,level,level_k,mean,std,min,max,n"]
+    for variant in variants:
+        for level, level_k in enumerate(level_sizes_for(K, 2)):
+            lines.append(f"trace-b,{variant},euclidean,2,{level},{level_k},{top1},0,0,100,3")
+    return "\n".join(lines) + "\n"
+
+
+def report(table: str, extra: str = "") -> str:
+    return f"report: {{level_accuracy: {{tmp}}/{table}{extra}}}\n"
 
 
 # (case id, experiment text (`{tmp}` is the test's directory), text the one line must hold)
@@ -219,6 +235,45 @@ CASES: list[tuple[str, str, str]] = [
     ("bundle-missing", exp("bundle: {path: {tmp}/no-bundle.pt}\n"), "bundle.path: file not"),
     ("inventory-missing", exp("backend: ssh\ninventory: {tmp}/no.yaml\n"), "inventory: "),
     ("inventory-duplicate", exp("backend: ssh\ninventory: {tmp}/dup.yaml\n"), "duplicate key"),
+    # the accuracy study's table of report.level_accuracy
+    ("levels-missing", exp(report("no.csv"), TRACE64), "report.level_accuracy: file not found"),
+    ("levels-empty", exp(report("empty.csv"), TRACE64), "is not a readable CSV table"),
+    (
+        "levels-columns",
+        exp(report("cols.csv"), TRACE64),
+        "cols.csv has no column variant, metric, mean (or accuracy); expected the accuracy",
+    ),
+    ("levels-not-percent", exp(report("pct.csv"), TRACE64), "outside 0..100 (the study's top-1"),
+    (
+        "levels-other-K",
+        exp(report("k1024.csv"), TRACE64),
+        "no row for trace-b K=64 at P=2 level_k 2, 4, 8, 16, 32, 64 (variant kmeans, metric "
+        "euclidean, every level under level_k auto); it has trace-b K=1024 at P=2",
+    ),
+    (
+        "levels-other-P",
+        exp("devices: {count: [2, 3]}\n" + report("k64.csv"), TRACE64),
+        "no row for trace-b K=64 at P=3 level_k 2, 4",
+    ),
+    (
+        "levels-fixed-level",
+        exp(report("k64.csv"), "methods: [{name: trace-b, K: 128, level_k: [128, 64]}]\n"),
+        "no row for trace-b K=128 at P=2 level_k 128 (variant kmeans, metric euclidean); it has",
+    ),
+    (
+        "levels-other-model",
+        exp(report("study/levels.csv"), TRACE64),
+        "study/levels.csv is from a study of vit-digits",
+    ),
+    ("levels-metric", exp("bundle: {metric: cosine}\n" + report("k64.csv"), TRACE64), "'cosine'"),
+    ("levels-no-trace", exp(report("k64.csv")), "no method of this experiment uses tree levels"),
+    (
+        "levels-variant-unknown",
+        exp(report("k64.csv", ", variant: gradient"), TRACE64),
+        "report.variant: {tmp}/k64.csv has no variant 'gradient' (it has: ema, kmeans)",
+    ),
+    ("levels-variant-alone", exp("report: {variant: ema}\n"), "report.variant: names a variant"),
+    ("levels-typo", exp("report: {level_acuracy: x}\n"), "(did you mean 'level_accuracy'?)"),
     # backends
     ("ssh-no-inventory", exp("backend: ssh\n"), "inventory: backend 'ssh' needs an inventory"),
     ("ssh-too-few-boards", exp("backend: ssh\ndevices: {count: 3}\n" + BOARDS), "devices.count"),
@@ -254,6 +309,13 @@ AUXILIARY = {
     "nan.yaml": "rate_mbit: .nan\n",
     "dup.yaml": "delay_ms: 1\ndelay_ms: 2\n",
     "neg.csv": "t_s,mbit\n0,5\n10,-1\n20,\n",
+    "empty.csv": "",
+    "cols.csv": "method,devices,level_k,top1\ntrace-b,2,64,50\n",
+    "pct.csv": levels_csv(64, top1=120.0),
+    "k64.csv": levels_csv(64),
+    "k1024.csv": levels_csv(1024),
+    "study/levels.csv": levels_csv(64),
+    "study/settings.yaml": "name: digits\nmodel: {name: vit-digits}\n",
 }
 
 
@@ -273,11 +335,12 @@ def refused(capsys, tmp_path: Path, args: list[str]) -> str:
 @pytest.mark.parametrize(("text", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_experiment_is_refused_in_one_line(capsys, tmp_path, text, expected):
     for name, content in AUXILIARY.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(content)
     path = tmp_path / "bad.yaml"
     path.write_text(text.replace("{tmp}", str(tmp_path)))
     line = refused(capsys, tmp_path, [str(path)])
-    assert expected in line
+    assert expected.replace("{tmp}", str(tmp_path)) in line
     assert f"{path}: " in line
 
 
@@ -427,3 +490,28 @@ def test_a_given_bundle_without_what_the_methods_ask_for(capsys, tmp_path, small
                         f"methods: [{method}]\n"))  # fmt: skip
     line = refused(capsys, tmp_path, [str(path)])
     assert f"bundle.path: {small_bundle}" in line and expected in line
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            "bundle: {path: {bundle}}\n" + report("tuned.csv"),
+            "report.variant: {tmp}/tuned.csv has several fine-tuned variants (ema, gradient)",
+        ),
+        (
+            "bundle: {path: {bundle}, metric: cosine}\n" + report("tuned.csv"),
+            "bundle.metric: the trees of {bundle} are built by euclidean",
+        ),
+    ],
+    ids=["variant-ambiguous", "bundle-metric"],
+)
+def test_a_level_table_beside_a_given_bundle(capsys, tmp_path, small_bundle, body, expected):
+    (tmp_path / "tuned.csv").write_text(levels_csv(16, ("kmeans", "ema", "gradient")))
+    path = tmp_path / "bad.yaml"
+    text = exp("model: {name: vit-tiny}\n" + body, "methods: [{name: trace-b, K: 16}]\n")
+    places = {"{tmp}": str(tmp_path), "{bundle}": str(small_bundle)}
+    for place, value in places.items():
+        text, expected = text.replace(place, value), expected.replace(place, value)
+    path.write_text(text)
+    assert expected in refused(capsys, tmp_path, [str(path)])

@@ -75,9 +75,10 @@ def test_caption_states_n_and_what_the_bars_are():
     assert interval_caption(eight).endswith("95% CI of the median (= the range, 99.2%)")
 
 
-def trace_results(tmp_path) -> Results:
+def trace_results(tmp_path, accuracy: dict[int, float] | None = None) -> Results:
     """Two devices over a 20-1-20 Mbit/s trace: fixed K=64, fixed K=2 and auto, whose level
-    drops to 4 codewords while 1 Mbit/s is in force."""
+    drops to 4 codewords while 1 Mbit/s is in force; with `accuracy` (level_k -> top-1 %), the
+    rows carry it as a run with `report.level_accuracy` would."""
     rows = []
     for params, level in (("K=64,level_k=64", 64), ("K=64,level_k=2", 2), ("K=64,level_k=auto", 0)):
         for repeat in range(30):
@@ -95,9 +96,13 @@ def trace_results(tmp_path) -> Results:
                     wire_comm_ms=3.0, analytic_comm_ms=2.0, payload_bits_per_layer=1000,
                     measured_mbit=19.1,
                 ))  # fmt: skip
+                if accuracy is not None:
+                    rows[-1]["level_accuracy_pct"] = accuracy[used]
     trials = pd.DataFrame(rows)
     plan = trials[trials["repeat"] == 0].drop(columns=["repeat"])
     config = {"name": "toy", "model": {"name": "vit-tiny"}, "link": {"trace": "step-20-1-20.csv"}}
+    if accuracy is not None:
+        config["report"] = {"level_accuracy": "study/results.csv", "variant": "ema"}
     return Results(tmp_path, trials, pd.DataFrame(), plan, config, {})
 
 
@@ -112,5 +117,29 @@ def test_a_trace_run_answers_per_rate_in_force_and_draws_its_timeline(tmp_path):
     assert lines[one].split()[-1] == "64.0" and "150" in lines[one]  # K=64 at 1 Mbit/s
     assert lines[one + 1].split()[-1] == "4.0" and "101" in lines[one + 1]  # auto: K=4
     assert lines[twenty + 1].split()[-1] == "64.0"  # auto at 20 Mbit/s: the finest
+    assert not any("top-1" in line for line in lines)  # no table, no accuracy
     paths = make_figures(results)
     assert "trace.png" in [p.name for p in paths]
+
+
+def test_a_trace_run_with_a_level_table_answers_the_accuracy_of_the_levels_used(tmp_path):
+    from PIL import Image
+
+    from testbed.answer import answer_lines
+    from testbed.plots_trace import traced
+
+    plain = Image.open(make_figures(trace_results(tmp_path / "plain"))[-1]).size
+    results = trace_results(tmp_path, accuracy={64: 90.0, 4: 70.0, 2: 60.0})
+    lines = answer_lines(results)
+    assert lines[1].endswith("mean K used top-1 % used")
+    one = next(i for i, line in enumerate(lines) if line.startswith("1 Mbit/s"))
+    twenty = next(i for i, line in enumerate(lines) if line.startswith("20 Mbit/s"))
+    cells = [lines[i].split()[-2:] for i in (one, one + 1, one + 2, twenty + 1)]
+    assert cells == [["64.0", "90.0"], ["4.0", "70.0"], ["2.0", "60.0"], ["64.0", "90.0"]]
+    assert "study/results.csv" in lines[-1] and lines[-1].startswith("top-1 % used: ")
+    table = traced(results)
+    accuracy_by_level = table.groupby("level_k")["level_accuracy_pct"].unique().to_dict()
+    assert accuracy_by_level == {2: [60.0], 4: [70.0], 64: [90.0]}
+    figure = make_figures(results)[-1]
+    assert figure.name == "trace.png"
+    assert Image.open(figure).size[1] > plain[1] * 1.15  # a fourth panel: accuracy over time
