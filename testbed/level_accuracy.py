@@ -39,6 +39,7 @@ import yaml
 
 from testbed.errors import ConfigError
 from testbed.schema import Experiment
+from tracevq.placement import DEFAULT_PLACEMENT
 
 FIELD = "report.level_accuracy"
 KEYS = ["method", "devices", "K", "level_k"]
@@ -115,6 +116,10 @@ def _read(path: str) -> pd.DataFrame:
             "table7_levels.csv or results.csv (results/accuracy/<task>/)"
         )
     table = table.dropna(subset=["level_k"]).rename(columns={value: "value"})
+    if "placement" in table:  # a study of Table VI placements: the methods' defaults only
+        default = table["method"].map(DEFAULT_PLACEMENT)
+        plain = ~table.get("remote_ffn", pd.Series(False, table.index)).fillna(False).astype(bool)
+        table = table[(table["placement"].isna() | (table["placement"] == default)) & plain]
     numbers = ["devices", "level_k", "value"] + (["K"] if "K" in table else [])
     for column in numbers:
         values = pd.to_numeric(table[column], errors="coerce")
