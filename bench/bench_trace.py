@@ -6,8 +6,11 @@ Every figure is a median over repetitions with its distribution-free 95% interva
 
 1. In process (one thread, device 0 of P = 2, methods alternating): Trace-b compute /
    Voltage compute (goal <= 1.0) on ViT-B/16; buffers off (no dedup, the paper's full chain) /
-   buffers + dedup (the default) compute (goal >= 1.5) on ViT-B/16 and ViViT-B.
-   `python -m bench.bench_dedup` isolates dedup's own gain.
+   buffers + dedup (the default) compute (goal >= 1.5) on ViT-B/16 and ViViT-B, and on ViViT-B
+   at tree level 32 too (goal >= 1.8), with the fraction of remote keys left after dedup;
+   Trace-nb (its default placement, 1 A.i) / Trace-b compute beside the paper's 1.12.
+   `python -m bench.bench_dedup` isolates dedup's own gain, `bench.bench_placements` every
+   Table VI case.
 2. On the testbed at 10 Mbit/s (per repetition the slowest device's times: an inference
    ends when its slowest device does): Trace-b effective / compute (goal <= 1.02:
    communication hidden); Trace-b's effective speedup over Astra (goal >= 1.15, the paper
@@ -33,6 +36,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from bench.bench_dedup import unique_fraction
 from bench.compute import bundle_for, compare
 from testbed.results import load
 from testbed.runner import Runner, new_run_id
@@ -56,11 +60,12 @@ def in_process(quick: bool) -> None:
     torch.set_num_threads(1)
     vit = build_model("vit-tiny" if quick else "vit-b16")
     K = 64 if quick else 1024
-    bundle = bundle_for(vit, K, 16 if quick else 8)
+    bundle = bundle_for(vit, K, 16 if quick else 8, ("astra", "trace-b", "trace-nb"))
     times = compare(vit, bundle, {
         "voltage": {"name": "voltage"},
         "trace-b": {"name": "trace-b", "K": K},
         "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False, "dedup": False},
+        "trace-nb": {"name": "trace-nb", "K": K},
     }, rounds=4 if quick else 8)  # fmt: skip
     show_times(vit.config.name, times)
     ratio = paired_ratio_interval(times["trace-b"], times["voltage"])
@@ -69,16 +74,26 @@ def in_process(quick: bool) -> None:
     gain = paired_ratio_interval(times["trace-b buffers off"], times["trace-b"])
     name = f"buffers off / (buffers + dedup) compute ({vit.config.name})"
     report(name, gain, ">= 1.5", gain.median >= 1.5)
+    ratio = paired_ratio_interval(times["trace-nb"], times["trace-b"])
+    name = f"trace-nb (1 A.i) compute / trace-b compute ({vit.config.name})"
+    report(name, ratio, "paper 119/106 = 1.12", None)
     vivit = build_model("vivit-tiny" if quick else "vivit-b")
     bundle = bundle_for(vivit, K, 4 if quick else 1)
+    coarse = 8 if quick else 32
     times = compare(vivit, bundle, {
         "trace-b": {"name": "trace-b", "K": K},
         "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False, "dedup": False},
+        f"level {coarse}": {"name": "trace-b", "K": K, "level_k": coarse},
+        f"level {coarse} buffers off": {
+            "name": "trace-b", "K": K, "level_k": coarse, "buffers": False, "dedup": False
+        },
     }, rounds=4 if quick else 6)  # fmt: skip
     show_times(vivit.config.name, times)
-    gain = paired_ratio_interval(times["trace-b buffers off"], times["trace-b"])
-    name = f"buffers off / (buffers + dedup) compute ({vivit.config.name})"
-    report(name, gain, ">= 1.5", gain.median >= 1.5)
+    for level_k, key, goal in ((K, "trace-b", 1.5), (coarse, f"level {coarse}", 1.8)):
+        gain = paired_ratio_interval(times[f"{key} buffers off"], times[key])
+        fraction = unique_fraction(vivit, bundle, K, level_k)
+        name = f"buffers off / (buffers + dedup), level {level_k} ({vivit.config.name})"
+        report(name, gain, f">= {goal}; unique-key fraction {fraction:.4f}", gain.median >= goal)
 
 
 def show_times(model: str, times: dict[str, pd.Series]) -> None:
