@@ -158,7 +158,7 @@ def placement_table(frame: pd.DataFrame, settings: Settings) -> pd.DataFrame | N
     rows = frame[
         frame["placement"].notna()
         & (frame["finest"] == True)  # noqa: E712 - pandas element-wise comparison
-        & (frame["metric"] == frame["metric"].dropna().iloc[0])
+        & (frame["metric"] == settings.codebooks.metrics[0])
     ]
     rows = rows.assign(case=rows["placement"] + rows["remote_ffn"].map({True: " + FFN", False: ""}))
     table = aggregate(rows, ["method", "case", "placement", "variant", "K", "devices"])
@@ -199,7 +199,7 @@ def placement_orderings(table: pd.DataFrame) -> list[str]:
     paper's, as Markdown lines."""
     return [
         f"- {variant}, K={K}, P={devices}: ours {_ranked(part, 'mean')}; "
-        f"paper {_ranked(part, 'paper')}"
+        f"paper {_ranked(part[part['case'] == part['placement']], 'paper')}"
         for (variant, K, devices), part in table.groupby(["variant", "K", "devices"], sort=False)
     ]
 
