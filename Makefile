@@ -5,6 +5,7 @@
 #   make trace-replay Trace-b with fixed and live (level_k auto) levels over a 20-1-20 Mbit/s trace
 #   make trace-replay-digits  the same with the accuracy study's vit-digits, and the accuracy
 #                     of the levels used (runs the digits study first if its results are missing)
+#   make accuracy     the accuracy study (digits, digit pairs); accuracy-placements: Table VI
 #   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
@@ -108,9 +109,13 @@ bench: venv host-setup
 # A base model trained earlier with the same settings is reused (delete base/ to retrain).
 ACCURACY_CONFIGS ?= configs/accuracy-digits.yaml configs/accuracy-pairs.yaml
 ACCURACY_ARGS ?=
-.PHONY: accuracy
+.PHONY: accuracy accuracy-placements
 accuracy: dev-venv
 	$(VENV_PY) -m tracevq.train $(ACCURACY_CONFIGS) $(ACCURACY_ARGS)
+
+# The Table VI ablation: Trace at each VQ placement on glyph pairs (results/accuracy/placements/).
+accuracy-placements: dev-venv
+	$(VENV_PY) -m tracevq.train configs/accuracy-placements.yaml $(ACCURACY_ARGS)
 
 # ---------------------------------------------------------------------------
 # Cleaning
