@@ -234,7 +234,7 @@ def _noise_note(single: float, test_size: int, task: str) -> str:
     """The sampling noise of the test split, to read differences against."""
     error = 100.0 * math.sqrt(single / 100 * (1 - single / 100) / test_size)
     return (
-        f"{task}: {test_size} test images (one image = {100 / test_size:.2f} points); "
+        f"{task}: {test_size} test images (one image = {100 / test_size:.2g} points); "
         f"binomial standard error at the single-device accuracy {single:.2f}%: "
         f"{error:.2f} points. Spread below = sample std over seeds."
     )
