@@ -47,8 +47,9 @@ class BlockRecord:
     written_ns: the kernel had accepted the last byte of the last copy.
     wait_start_ns, wait_end_ns: the compute thread blocked for the peers' messages
     (None without peers); attention starts at wait_end_ns.
-    unique_remote_keys: with `dedup`, the distinct codebook rows of all peers' tokens that the
-    block's attention used as remote keys (the union over the batch); None without dedup.
+    unique_remote_keys: with `dedup`, the remote keys each input's attention used: the
+    distinct codebook rows of all peers' tokens (the union over the batch), or the peers'
+    tokens themselves when the union is not smaller (tracevq.engine); None without dedup.
     """
 
     run: str

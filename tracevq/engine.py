@@ -111,10 +111,22 @@ class DeviceRun:
     def _unique_kv(self, block: int, remotes: list[RemoteRows]) -> RemoteKV:
         """One key per distinct row of all peers (the union over the batch), log(count) on its
         logit; -inf where a batch element has none of that row. Softmax over n equal rows
-        equals softmax over one of them with log(n) added, so the output is unchanged."""
+        equals softmax over one of them with log(n) added, so the output is unchanged.
+
+        When the batch's union has at least as many rows as one input has remote tokens (large
+        batches, fine levels), each input attends over its own tokens' rows instead, with no
+        bias: the same output, and never more keys than without dedup."""
         rows = torch.cat([r.rows for r in remotes], dim=1)  # (B, n_remote)
         unique, inverse = torch.unique(rows, return_inverse=True)  # (U,), (B, n_remote)
         batch, distinct = rows.shape[0], unique.shape[0]
+        if distinct >= rows.shape[1]:
+            k, v = self.method.row_kv(block, rows.reshape(-1))  # (1, H, B * n_remote, d)
+            self.unique_remote_keys = rows.shape[1]
+
+            def per_input(t: Tensor) -> Tensor:
+                return t[0].unflatten(1, rows.shape).transpose(0, 1)  # (B, H, n_remote, d)
+
+            return RemoteKV(per_input(k), per_input(v), None)
         offsets = torch.arange(batch).unsqueeze(1) * distinct  # (B, 1)
         counts = torch.bincount((inverse + offsets).reshape(-1), minlength=batch * distinct)
         k, v = self.method.row_kv(block, unique)  # (1, H, U, d) each

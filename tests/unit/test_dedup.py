@@ -8,6 +8,7 @@ from tracevq.bundle import fit_bundle
 from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError
 from tracevq.methods import make_method
+from tracevq.partition import partition_sizes
 from tracevq.spec import method_spec
 
 K = 64
@@ -88,6 +89,22 @@ def test_unique_counts_are_recorded_per_block(model, bundle, inputs):
         c is None
         for per_block in _unique_keys_per_block(plain, model, inputs, 2)
         for c in per_block
+    )
+
+    # a batch of 16 at the finest level: where the batch's rows have as many distinct ones as
+    # an input has remote tokens, each input attends over its own tokens' rows instead, so
+    # dedup never attends more keys than the tokens, with the same logits
+    fine = make_method("trace-b", model, bundle, K=K)
+    batch = torch.randn(model.config.input_shape(16), generator=torch.Generator().manual_seed(3))
+    remote = partition_sizes(model.config.tokens, 2)[1]  # device 1's tokens, remote to 0
+    counts = [c[0] for c in _unique_keys_per_block(fine, model, batch, 2)]
+    assert all(c <= remote for c in counts) and remote in counts, counts
+    off = make_method("trace-b", model, bundle, K=K, dedup=False)
+    torch.testing.assert_close(
+        tracevq.simulate(model, batch, fine, 2).logits,
+        tracevq.simulate(model, batch, off, 2).logits,
+        atol=1e-5,
+        rtol=1e-5,
     )
 
     def nb_counts(placement):
