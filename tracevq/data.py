@@ -11,7 +11,7 @@ Five sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64
   on how exactly the peers' tokens cross the link. Each split of pairs is drawn only from the
   same split of the digits.
 - `glyphs`: glyph pairs (tracevq.glyphs), generated from a seed in any number: 64 classes,
-  test splits large enough for a sampling error under 0.3 points.
+  test splits as large as a study's sampling error needs.
 - `cifar`: CIFAR-format python batches (`data_batch_*`, `test_batch`, or CIFAR-100's
   `train`/`test`): pickled dicts with `data` (n, 3072) uint8 and `labels` or `fine_labels`.
   They are read with an unpickler that only builds numpy arrays and plain containers.
@@ -187,9 +187,9 @@ def digit_pairs_splits(
 def glyph_pairs_splits(
     image_size: int = 24,
     glyphs: int = 8,
-    train_size: int = 40000,
+    train_size: int = 30000,
     val_size: int = 2000,
-    test_size: int = 100000,
+    test_size: int = 60000,
     split_seed: int = 0,
 ) -> Splits:
     """Glyph pairs (tracevq.glyphs): every split drawn from its own seed with the same

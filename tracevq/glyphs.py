@@ -4,7 +4,7 @@ The digits tasks have 400 and 1,000 test images, a sampling error (0.8 and 1.4 p
 as the differences between the methods. This task draws as many images as asked from a seed:
 
 - `glyphs` prototypes, each a few strokes (polylines of random points in a 12 x 12 cell),
-  fixed by `prototype_seed` so that every split shares them;
+  fixed by one seed (the study's split seed) so that every split shares them;
 - an image is a 24 x 24 canvas with a glyph in each quadrant; each sample moves every stroke
   point by Gaussian jitter, draws its strokes with a random width and ink, and adds faint noise,
   so that no two images are alike and some are ambiguous (the task has a Bayes error);
