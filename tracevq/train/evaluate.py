@@ -117,7 +117,7 @@ def evaluate_family(
                     "level_k": tree.level_sizes[level],
                     "metric": metric,
                     "placement": placement,
-                    "remote_ffn": getattr(method.spec, "remote_ffn", False),
+                    "remote_ffn": method.spec.remote_ffn,
                 }
                 rows.append(
                     _row(method, devices, value, K=bundle.K, finest=level == tree.finest, **extra)

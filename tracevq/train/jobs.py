@@ -61,9 +61,9 @@ class Job:
     def directory(self) -> str:
         if self.family == "single":
             return f"seed{self.seed}/{self.family}-{self.variant}"
-        case = "" if self.placement is None else "-" + self.placement.replace(" ", "")
-        ffn = "-ffn" if self.remote_ffn else ""
-        return f"seed{self.seed}/K{self.K}/{self.family}{case.replace('.', '')}{ffn}-{self.variant}"
+        slug = (self.placement or "").replace(" ", "").replace(".", "")  # "1 A.ii" -> "1Aii"
+        case = (f"-{slug}" if slug else "") + ("-ffn" if self.remote_ffn else "")
+        return f"seed{self.seed}/K{self.K}/{self.family}{case}-{self.variant}"
 
     @property
     def method_params(self) -> dict[str, object]:
