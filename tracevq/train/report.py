@@ -356,7 +356,7 @@ def _plot_placements(table: pd.DataFrame, single: float, path: Path) -> None:
             x = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(names))]
             axis.bar(x, bars["mean"], width, yerr=bars["std"], capsize=3,
                      label=f"K={K}, {variant}")  # fmt: skip
-        axis.set_xticks(range(len(names)), names)
+        axis.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         low = part["min"].min()
         axis.set_ylim(max(0.0, low - 3), min(100.0, max(single, part["max"].max()) + 1))
         axis.set_title(f"P = {p}")
