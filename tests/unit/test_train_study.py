@@ -1,6 +1,12 @@
 """The study: configuration files, the plan, a tiny run end to end, the CLI, and (slow) the
 digits model reaching 90% after brief training."""
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -242,6 +248,54 @@ def test_tiny_placement_study_on_glyphs(tmp_path):
     measured = simulated_accuracy(model, method, 3, load_splits(settings).test, 500)
     reported = table[(table["case"] == "1 A.i + FFN") & (table["devices"] == 3)]["mean"]
     assert measured == pytest.approx(float(reported.iloc[0]))
+
+
+def _pool_workers(parent: int) -> list[int]:
+    """Pids of the processes whose command line says multiprocessing spawned them for parent."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid")))
+        if ppid == parent and b"spawn_main" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def test_pool_workers_leave_when_the_study_is_killed(tmp_path):
+    study = tmp_path / "long.yaml"
+    study.write_text(
+        "name: long\nseeds: [0, 1]\njobs: 2\n"
+        f"output: {tmp_path}\n"
+        "data: {task: digits, test_size: 60, val_size: 40}\nbase: {epochs: 1}\n"
+        "codebooks: {K: [8], families: [trace-b], calibration_images: 32, metrics: [euclidean]}\n"
+        "finetune: {K: [8], steps: 100000, batch_size: 16}\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tracevq.train", str(study), "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _pool_workers(process.pid)) < 2:
+            assert process.poll() is None and time.monotonic() < deadline, "no pool started"
+            time.sleep(0.2)
+        process.kill()  # SIGKILL: no handler of the parent's runs
+        process.wait()
+        deadline = time.monotonic() + 5
+        while alive := [p for p in workers if Path(f"/proc/{p}").exists()]:
+            assert time.monotonic() < deadline, f"pool workers {alive} outlived the study"
+            time.sleep(0.1)
+    finally:
+        process.kill()
+        for pid in workers:  # orphans, if the test failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_cli_reports_bad_files_without_a_traceback(tmp_path, capsys):

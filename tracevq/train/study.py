@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -161,7 +162,20 @@ def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(settings: Settings, state: dict[str, torch.Tensor]) -> None:
+def _exit_with(parent: int, poll_s: float = 0.5) -> None:
+    """Leave as soon as `parent` is gone (killed, not only interrupted): a pool worker
+    otherwise runs its job to the end, loading a machine that may be measuring by then."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _init_worker(settings: Settings, state: dict[str, torch.Tensor], parent: int) -> None:
+    _exit_with(parent)
     torch.set_num_threads(1)
     model = tracevq.build_model(settings.model.name)
     model.load_state_dict(state)
@@ -220,7 +234,7 @@ def run_study(settings: Settings, progress: bool = True) -> list[dict[str, objec
             settings.jobs,
             torch.multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(settings, state),
+            initargs=(settings, state, os.getpid()),
         )
     try:
         fit_info = _run_all(
