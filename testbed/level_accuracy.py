@@ -38,8 +38,7 @@ import pandas as pd
 import yaml
 
 from testbed.errors import ConfigError
-from testbed.schema import Experiment
-from tracevq.placement import DEFAULT_PLACEMENT
+from testbed.schema import Experiment, variant_spec
 
 FIELD = "report.level_accuracy"
 KEYS = ["method", "devices", "K", "level_k"]
@@ -117,9 +116,9 @@ def _read(path: str) -> pd.DataFrame:
         )
     table = table.dropna(subset=["level_k"]).rename(columns={value: "value"})
     if "placement" in table:  # a study of Table VI placements: the methods' defaults only
-        default = table["method"].map(DEFAULT_PLACEMENT)
-        plain = ~table.get("remote_ffn", pd.Series(False, table.index)).fillna(False).astype(bool)
-        table = table[(table["placement"].isna() | (table["placement"] == default)) & plain]
+        from tracevq.train.report import at_default_placement
+
+        table = at_default_placement(table)
     numbers = ["devices", "level_k", "value"] + (["K"] if "K" in table else [])
     for column in numbers:
         values = pd.to_numeric(table[column], errors="coerce")
@@ -157,11 +156,8 @@ def _check_model(path: str, model: str) -> None:
 
 def trace_methods(experiment: Experiment) -> list[tuple[str, int]]:
     """(method, K) of every Trace method variant of the experiment, in order, once each."""
-    from tracevq.spec import method_spec
-
     found: list[tuple[str, int]] = []
-    for variant in experiment.method_variants():
-        spec = method_spec(variant["name"], **{k: v for k, v in variant.items() if k != "name"})
+    for spec in map(variant_spec, experiment.method_variants()):
         if spec.is_trace and (spec.name, spec.K) not in found:
             found.append((spec.name, spec.K))
     return found
@@ -194,13 +190,10 @@ def check_covered(
     """Every level a Trace method of the experiment may use has a row at every device count
     above one: its fixed level, or under `level_k: auto` every level of its tree
     (`level_sizes(method, K)`, coarsest first). Raises ConfigError naming `report.*`."""
-    from tracevq.spec import method_spec
-
     if not trace_methods(experiment):
         raise ConfigError(f"{FIELD}: no method of this experiment uses tree levels (trace-b, "
                           "trace-nb); leave report.level_accuracy out")  # fmt: skip
-    for variant in experiment.method_variants():
-        spec = method_spec(variant["name"], **{k: v for k, v in variant.items() if k != "name"})
+    for spec in map(variant_spec, experiment.method_variants()):
         if not spec.is_trace:
             continue
         auto = spec.level_k == "auto"

@@ -19,7 +19,7 @@ from testbed.level_accuracy import check_covered, load_level_accuracy
 from testbed.link.links import emulator_for
 from testbed.plan import link_trace
 from testbed.profiles import LinkProfile, load_profile
-from testbed.schema import FITTED_BRANCHING, Experiment
+from testbed.schema import FITTED_BRANCHING, Experiment, variant_spec
 from tracevq.codec import level_sizes_for
 
 if TYPE_CHECKING:
@@ -102,12 +102,10 @@ def _check_bundle(experiment: Experiment, source: str) -> Bundle | None:
     if experiment.bundle.path is None:
         return None
     from tracevq.bundle import Bundle
-    from tracevq.spec import method_spec
 
     bundle = Bundle.load(experiment.bundle.path)  # ConfigError: unreadable, wrong format
     for variant in experiment.method_variants():
-        params = {k: v for k, v in variant.items() if k != "name"}
-        spec = method_spec(variant["name"], **params)
+        spec = variant_spec(variant)
         if not spec.uses_codebooks:
             continue
         where = f"{source}: bundle.path: {experiment.bundle.path}"

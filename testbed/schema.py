@@ -38,7 +38,7 @@ from testbed.names import check_slug
 from testbed.yamlfile import load_yaml
 from tracevq.codec import level_sizes_for
 from tracevq.config import known_model_name, model_config
-from tracevq.spec import MethodSpec
+from tracevq.spec import MethodSpec, method_spec
 
 BACKENDS = ("auto", "docker", "local", "ssh")
 MAX_TRIALS = 10_000  # device counts x bandwidths x method variants, counted before expanding
@@ -371,7 +371,6 @@ def grid_size(data: Any) -> int:
 
 def _check_method(variant: dict[str, Any], index: int) -> None:
     from tracevq.errors import ConfigError as TraceConfigError
-    from tracevq.spec import method_spec
 
     if not isinstance(variant["name"], str):
         raise ValueError(
@@ -389,11 +388,14 @@ def _check_method(variant: dict[str, Any], index: int) -> None:
         raise ValueError(f"methods[{index}]{field}: {error}") from None
 
 
+def variant_spec(variant: dict[str, Any]) -> MethodSpec:
+    """The method spec of one expanded method entry ({"name": ..., parameters ...})."""
+    return method_spec(variant["name"], **{k: v for k, v in variant.items() if k != "name"})
+
+
 def _check_level(variant: dict[str, Any], index: int) -> None:
     """A trace method's `level_k` must be a level of the tree fitted over its K codewords."""
-    from tracevq.spec import method_spec
-
-    spec = method_spec(variant["name"], **{k: v for k, v in variant.items() if k != "name"})
+    spec = variant_spec(variant)
     if not spec.is_trace or spec.level_k in (None, "auto"):
         return
     levels = level_sizes_for(spec.K, FITTED_BRANCHING)

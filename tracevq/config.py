@@ -111,20 +111,12 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         mlp_ratio=2.0,
         num_classes=19,
     ),
-    # glyph pairs (tracevq.glyphs): four 12x12 glyphs on a 24x24 canvas, label = the pair
-    # (top-left, bottom-right) of 8 glyphs, 64 classes
-    "vit-glyphs": ModelConfig(
-        "vit-glyphs",
-        image_size=24,
-        patch_size=4,
-        in_chans=1,
-        dim=32,
-        depth=4,
-        heads=4,
-        mlp_ratio=2.0,
-        num_classes=64,
-    ),
 }
+# glyph pairs (tracevq.glyphs): four 12x12 glyphs on a 24x24 canvas, label = the pair
+# (top-left, bottom-right) of 8 glyphs, 64 classes; otherwise the digit-pairs model
+MODEL_CONFIGS["vit-glyphs"] = dataclasses.replace(
+    MODEL_CONFIGS["vit-digit-pairs"], name="vit-glyphs", num_classes=64
+)
 
 
 def model_config(name: str, **overrides: object) -> ModelConfig:

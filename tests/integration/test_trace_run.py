@@ -86,6 +86,18 @@ def test_rates_in_force_follow_the_trace_and_auto_measures_them(tmp_path):
     assert high > 2.5 * low, (low, high)
 
 
+def run_changed(tmp_path, name: str, **changes):
+    """The trace experiment with top-level keys replaced, run on the local backend: (its run
+    directory, the finished command)."""
+    experiment = {**yaml.safe_load(trace_experiment(tmp_path).read_text()), **changes}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return only_run_dir(out), done
+
+
 def scheduled_times(trace, up_to_s: float) -> list[float]:
     """Every step time of the looped trace up to one period past `up_to_s`."""
     times = []
@@ -101,16 +113,9 @@ def test_auto_follows_each_devices_own_uplink(tmp_path):
     its own messages travelled, which its peer echoes back, so device 0 goes coarse (its
     1,230-byte messages take 39 ms at the finest level) and device 1 stays fine (0.5 ms),
     although each receives the other's messages at the other's rate."""
-    experiment = yaml.safe_load(trace_experiment(tmp_path).read_text())
-    experiment["link"] = {"profile": "ideal", "emulator": "serial", "bandwidth_mbit": 20,
-                          "uplink_mbit": {0: 0.25}, "probe_s": 0.2}  # fmt: skip
-    experiment["repeats"] = 12
-    path = tmp_path / "uplinks.yaml"
-    path.write_text(yaml.safe_dump(experiment))
-    out = tmp_path / "out"
-    done = run_cli(str(path), "--out", str(out), "--backend", "local")
-    assert done.returncode == 0, done.stderr[-3000:]
-    trials = load(only_run_dir(out)).trials
+    link = {"profile": "ideal", "emulator": "serial", "bandwidth_mbit": 20,
+            "uplink_mbit": {0: 0.25}, "probe_s": 0.2}  # fmt: skip
+    trials = load(run_changed(tmp_path, "uplinks", link=link, repeats=12)[0]).trials
     later = trials[trials["repeat"] >= 3]  # the echoes are back after two inferences
     slow, fast = (later[later["rank"] == rank] for rank in (0, 1))
     low, high = slow["est_rate_mbit"].median(), fast["est_rate_mbit"].median()
@@ -132,15 +137,8 @@ def test_every_inference_gets_the_accuracy_of_the_level_it_used(tmp_path):
             lines.append(row + ",0,0,100,3")
     table = tmp_path / "table7_levels.csv"
     table.write_text("\n".join(lines) + "\n")
-    experiment = yaml.safe_load(trace_experiment(tmp_path).read_text())
-    experiment["report"] = {"level_accuracy": str(table)}
-    experiment["repeats"] = 20
-    path = tmp_path / "levels.yaml"
-    path.write_text(yaml.safe_dump(experiment))
-    out = tmp_path / "out"
-    done = run_cli(str(path), "--out", str(out), "--backend", "local")
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = only_run_dir(out)
+    run_dir, done = run_changed(tmp_path, "levels", report={"level_accuracy": str(table)},
+                                repeats=20)  # fmt: skip
     trials = load(run_dir).trials
     assert (trials["status"] == "ok").all() and trials["level_k"].notna().all()
     assert (trials["level_accuracy_pct"] == trials["level_k"].map(top1)).all()

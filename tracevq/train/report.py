@@ -139,7 +139,8 @@ def at_default_placement(frame: pd.DataFrame) -> pd.DataFrame:
     if "placement" not in frame:
         return frame
     default = frame["method"].map(DEFAULT_PLACEMENT)
-    plain = frame["remote_ffn"].fillna(False) == False  # noqa: E712 - element-wise
+    ffn = frame["remote_ffn"] if "remote_ffn" in frame else pd.Series(False, frame.index)
+    plain = ffn.fillna(False) == False  # noqa: E712 - element-wise
     return frame[frame["placement"].isna() | ((frame["placement"] == default) & plain)]
 
 
