@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from bench.compute import bundle_for, compare, device0_compute_ms
+from bench.compute import bundle_for, compare, device0_compute_ms, measured_input
 from testbed.stats import median_interval, paired_ratio_interval
 from tracevq.methods import make_method
 from tracevq.models import build_model
@@ -28,7 +28,7 @@ DEVICES = 2
 def unique_fraction(model, bundle, K: int, level_k: int) -> float:
     """Distinct remote keys / remote tokens on device 0, over every block of one inference."""
     method = make_method("trace-b", model, bundle, K=K, level_k=level_k)
-    inputs = torch.randn(model.config.input_shape(1), generator=torch.Generator().manual_seed(0))
+    inputs = measured_input(model)
     counts: list[int] = []
     device0_compute_ms(method, inputs, DEVICES, unique_keys=counts)
     remote_tokens = sum(partition_sizes(model.config.tokens, DEVICES)[1:])

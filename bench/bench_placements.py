@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench.compute import bundle_for, compare, device0_flops
+from bench.compute import bundle_for, compare, device0_flops, measured_input
 from testbed.stats import median_interval, paired_ratio_interval
 from tracevq.methods import make_method
 from tracevq.models import build_model
@@ -62,7 +62,7 @@ def paper_ratio(label: str, base: str) -> str:
 @torch.no_grad()
 def embedding_ms(model, rounds: int = 50) -> float:
     """Median time to embed the peer's patches of P = 2 (device 0's extra work at block 0)."""
-    inputs = torch.randn(model.config.input_shape(1), generator=torch.Generator().manual_seed(0))
+    inputs = measured_input(model)
     start, stop = partition_ranges(model.config.tokens, DEVICES)[1]
     times = []
     for _ in range(rounds):
@@ -74,7 +74,7 @@ def embedding_ms(model, rounds: int = 50) -> float:
 
 def count_flops(model, bundle, K: int) -> None:
     """Device-0 GFLOP per variant and their ratios (deterministic: one run each)."""
-    inputs = torch.randn(model.config.input_shape(1), generator=torch.Generator().manual_seed(0))
+    inputs = measured_input(model)
     flops = {
         label: device0_flops(make_method(model=model, bundle=bundle, **kw), inputs, DEVICES)
         for label, kw in variants(K).items()

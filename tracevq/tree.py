@@ -5,7 +5,7 @@ The finest level holds all K codewords; each coarser level clusters the medoids 
 just finer, so every medoid at every level is an existing codeword and a coarse index maps to an
 existing K/V buffer row. Level 0 is the coarsest. A `CodebookTree` knows each level's medoids
 (as codebook rows), which medoid represents each leaf at each level, and how to encode
-activations at a level with one matmul against that level's medoids only.
+activations at a level by a search over that level's medoids only (`tracevq.search`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tracevq.codec import MAX_LEVELS, index_bits, level_sizes_for
 from tracevq.errors import CheckpointError, ConfigError
+from tracevq.search import CodewordSearch
 
 METRICS = ("euclidean", "cosine", "frequency")
 
@@ -41,8 +42,7 @@ class CodebookTree:
         self.metric = metric
         self.branching = branching
         self.level_sizes = [len(rows) for rows in self.medoids]
-        self._vectors = [self.codebook[rows] for rows in self.medoids]  # per level (K_m, D)
-        self._norms = [(vectors**2).sum(dim=1) for vectors in self._vectors]  # per level (K_m,)
+        self._searches = [CodewordSearch(self.codebook[rows]) for rows in self.medoids]
 
     @property
     def num_levels(self) -> int:
@@ -87,9 +87,7 @@ class CodebookTree:
                 f"codebook has {self.codebook.shape[1]}"
             )
         flat = x.reshape(-1, x.shape[-1]).to(self.codebook.dtype)  # (n, D)
-        # ||x||^2 is the same for every medoid, so it does not change the argmin
-        scores = self._norms[m] - 2.0 * flat @ self._vectors[m].T  # (n, K_m)
-        return scores.argmin(dim=1).reshape(x.shape[:-1])
+        return self._searches[m].nearest(flat).reshape(x.shape[:-1])
 
     def rows(self, positions: torch.Tensor, m: int) -> torch.Tensor:
         """Codebook rows (equally K/V buffer rows) of level-m positions."""

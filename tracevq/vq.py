@@ -1,4 +1,4 @@
-"""Vector quantiser: one per exchange point. Nearest codeword by one matmul with cached norms.
+"""Vector quantiser: one per exchange point. Nearest codeword by `tracevq.search` (cached).
 
 A quantiser may project its input to d_q dimensions before the search (`project_in`) and
 decode a codeword back to D (`project_out`). The EMA statistics (`ema_counts`, `ema_sums`) are
@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from tracevq.search import CodewordSearch
 
 
 class VectorQuantizer(nn.Module):
@@ -23,7 +25,7 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("ema_sums", torch.zeros(num_codes, code_dim))
         self.project_in = nn.Linear(dim, code_dim) if code_dim != dim else None
         self.project_out = nn.Linear(code_dim, dim) if code_dim != dim else None
-        self._sq_norms: tuple[tuple[int, int], Tensor] | None = None  # (codebook version, norms)
+        self._search: tuple[tuple[int, int], CodewordSearch] | None = None  # (codebook version, .)
 
     @property
     def num_codes(self) -> int:
@@ -45,20 +47,19 @@ class VectorQuantizer(nn.Module):
         """Every codeword in model space: (K, D)."""
         return self.decode(torch.arange(self.num_codes, device=self.codebook.device))
 
+    @torch.no_grad()
     def nearest(self, x: Tensor) -> Tensor:
         """Index of the nearest codeword (squared euclidean) of each row of x: (..., D) -> (...)."""
         flat = self.project(x).reshape(-1, self.code_dim)
-        scores = torch.addmm(self._norms(), flat, self.codebook.t(), alpha=-2.0)  # (n, K)
-        return scores.argmin(dim=1).reshape(x.shape[:-1])
+        return self.search().nearest(flat).reshape(x.shape[:-1])
 
-    @torch.no_grad()
-    def _norms(self) -> Tensor:
-        """Squared codeword norms (K,), recomputed whenever the codebook tensor changed: an
-        in-place write or `load_state_dict` bumps its version, an assignment its identity."""
+    def search(self) -> CodewordSearch:
+        """The codebook's search, rebuilt whenever the codebook tensor changed: an in-place
+        write or `load_state_dict` bumps its version, an assignment its identity."""
         key = (id(self.codebook), self.codebook._version)
-        if self._sq_norms is None or self._sq_norms[0] != key:
-            self._sq_norms = (key, self.codebook.pow(2).sum(dim=1))
-        return self._sq_norms[1]
+        if self._search is None or self._search[0] != key:
+            self._search = (key, CodewordSearch(self.codebook))
+        return self._search[1]
 
 
 GRAM_ROWS = 4096  # k-means++ seeding: the (n, n) Gram matrix up to 64 MB

@@ -1,0 +1,96 @@
+"""The int8-screened codeword search finds the float64 nearest codeword on every path."""
+
+import pytest
+import torch
+
+from tracevq.search import SCREEN_MIN_WORK, CodewordSearch
+
+
+def clustered(n: int, k: int, dim: int, spread: float, seed: int = 0):
+    """Codewords of unequal norms and rows scattered around them: nearest decided by a wide
+    margin for some rows, by a hair for others."""
+    generator = torch.Generator().manual_seed(seed)
+    codewords = torch.randn(k, dim, generator=generator) * torch.rand(k, 1, generator=generator)
+    owners = torch.randint(0, k, (n,), generator=generator)
+    scale = spread * torch.rand(n, 1, generator=generator)
+    rows = codewords[owners] + scale * torch.randn(n, dim, generator=generator)
+    return rows, codewords
+
+
+def check_nearest(search: CodewordSearch, rows: torch.Tensor) -> torch.Tensor:
+    """The chosen codeword is as near as the float64 nearest (within float32 rounding), and is
+    that very codeword wherever the runner-up is not within it; returns the choice."""
+    chosen = search.nearest(rows)
+    distances = torch.cdist(rows.double(), search.codewords.double()) ** 2  # (n, K)
+    best = distances.min(dim=1)
+    magnitude = (rows.double().norm(dim=1) + search.codewords.double().norm(dim=1).max()) ** 2
+    tolerance = 1e-5 * magnitude
+    assert (distances.gather(1, chosen[:, None]).squeeze(1) - best.values <= tolerance).all()
+    runner_up = distances.topk(2, dim=1, largest=False).values[:, 1]
+    clear = runner_up - best.values > tolerance
+    assert torch.equal(chosen[clear], best.indices[clear])
+    return chosen
+
+
+def forbid_full_search(monkeypatch):
+    def refuse(self, x):
+        raise AssertionError("the full float32 search ran")
+
+    monkeypatch.setattr(CodewordSearch, "scores", refuse)
+
+
+@pytest.mark.parametrize("spread", [0.05, 0.3, 0.8])
+def test_the_screen_decides_clustered_rows_without_a_full_search(monkeypatch, spread):
+    rows, codewords = clustered(300, 512, 96, spread)
+    search = CodewordSearch(codewords)
+    forbid_full_search(monkeypatch)
+    check_nearest(search, rows)
+
+
+def test_rows_between_two_codewords_are_rescored_exactly(monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    codewords = torch.randn(512, 64, generator=generator)
+    a, b = codewords[:200], codewords[200:400]
+    # just off the bisecting plane: the int8 screen alone cannot tell a from b
+    t = 0.5 + 1e-3 * torch.randn(200, 1, generator=generator)
+    rows = a + t * (b - a)
+    search = CodewordSearch(codewords)
+    forbid_full_search(monkeypatch)
+    chosen = check_nearest(search, rows)
+    assert set(chosen.tolist()) <= set(range(400))
+
+
+def test_equidistant_random_codewords_fall_back_to_the_full_search():
+    generator = torch.Generator().manual_seed(2)
+    rows, codewords = torch.randn(200, 512, generator=generator), torch.randn(1024, 512)
+    search = CodewordSearch(codewords)
+    calls = []
+    full = CodewordSearch.scores
+
+    def counted(self, x):
+        calls.append(len(x))
+        return full(self, x)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CodewordSearch, "scores", counted)
+        check_nearest(search, rows)
+    assert calls == [200]
+
+
+def test_zero_rows_codeword_rows_and_one_huge_coordinate():
+    _, codewords = clustered(1, 256, 64, 0.1, seed=3)
+    zeros = torch.zeros(100, 64)
+    exact = codewords[:100]
+    spiky = codewords[100:200].clone()
+    spiky[:, 0] = 1e4  # the int8 scale is set by this coordinate: the rest rounds to zero
+    rows = torch.cat([zeros, exact, spiky])
+    assert len(rows) * len(codewords) >= SCREEN_MIN_WORK
+    chosen = check_nearest(CodewordSearch(codewords), rows)
+    assert torch.equal(chosen[100:200], torch.arange(100))
+
+
+def test_small_searches_run_in_float32_only(monkeypatch):
+    rows, codewords = clustered(50, 64, 16, 0.3)
+    assert len(rows) * len(codewords) < SCREEN_MIN_WORK
+    monkeypatch.setattr(torch, "_int_mm", None)
+    check_nearest(CodewordSearch(codewords), rows)

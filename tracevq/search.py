@@ -1,0 +1,94 @@
+"""Nearest codeword by an int8 screen and an exact float32 rescoring of the few survivors.
+
+The score of codeword c_j for a row x is ||c_j||^2 - 2 x.c_j (||x||^2 is common to all j). Both
+sides are rounded to int8 with one scale per row: x = s q + e, c_j = t_j p_j + f_j. The int8
+product q.p_j is exact in int32 (torch._int_mm: several times the throughput of a float32
+matmul on CPUs with VNNI), and the rest of the dot product is bounded by Cauchy-Schwarz:
+
+    |x.c_j - s t_j q.p_j| = |s q.f_j + e.c_j| <= ||s q|| max||f|| + ||e|| max||c|| =: beta(x)
+
+so every true score lies within 2 beta(x) of its screened value, and a codeword whose screened
+score exceeds the row's screened minimum by more than 4 beta(x) cannot be nearest. A row with
+one survivor is done. The survivors of the others (two to five per row on ViT-B's activations)
+are rescored in float32, by one matmul against the union of their survivors (a few dozen
+codewords on ViT-B) or, when that union is wide, each row against its own, and the argmin is
+taken over them: the same codeword as a full float32 search, up to float32 rounding of scores
+that tie within it (a slack of 1e-5 of the scores' magnitude covers the rounding of both).
+Where the screen would not pay (few rows times codewords) or leaves too much to rescore
+(codewords that all lie about as far from the rows, as random ones do), the full float32
+search runs instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# x86 with AVX2 or AVX-512 has int8 matmul kernels (oneDNN); elsewhere _int_mm may not be faster
+SCREEN = torch.backends.cpu.get_cpu_capability().startswith("AVX")
+SCREEN_MIN_WORK = 1 << 16  # rows x codewords below which the full float32 search is cheaper
+SCREEN_MAX_RESCORED = 1 / 4  # rescoring work, of the full search's: beyond it, search all
+PAIR_COST = 32  # one survivor rescored alone (gathers) costs about 32 scores of a matmul
+ROUNDING_SLACK = 1e-5  # of ||c||^2 + 2 ||x|| ||c||: float32 rounding of screened and exact scores
+
+
+class CodewordSearch:
+    """Nearest of a fixed set of codewords (K, D) to each row of x (n, D)."""
+
+    def __init__(self, codewords: Tensor):
+        self.codewords = codewords.detach().float().contiguous()
+        self.sq_norms = self.codewords.pow(2).sum(dim=1)  # (K,)
+        quantized, scales, residual = _int8_rows(self.codewords)
+        self.quantized_t = quantized.t()  # (D, K) int8
+        self.scales = scales  # (K,)
+        self.residual_max = residual.norm(dim=1).max()
+        self.norm_max = self.sq_norms.max().sqrt()
+
+    def scores(self, x: Tensor) -> Tensor:
+        """Full float32 scores (n, K): ||c||^2 - 2 x.c."""
+        return torch.addmm(self.sq_norms, x, self.codewords.t(), alpha=-2.0)
+
+    def nearest(self, x: Tensor) -> Tensor:
+        """Index of the nearest codeword (squared euclidean) of each row: (n, D) -> (n,)."""
+        x = x.float()
+        n, k = x.shape[0], self.codewords.shape[0]
+        if not SCREEN or n * k < SCREEN_MIN_WORK:
+            return self.scores(x).argmin(dim=1)
+        quantized, scales, residual = _int8_rows(x)
+        dots = torch._int_mm(quantized, self.quantized_t).float()  # (n, K), exact
+        screened = torch.addcmul(self.sq_norms, dots, scales.unsqueeze(1) * self.scales, value=-2.0)
+        beta = (x - residual).norm(dim=1) * self.residual_max + residual.norm(dim=1) * self.norm_max
+        magnitude = self.norm_max * (self.norm_max + 2.0 * x.norm(dim=1))
+        margin = 4.0 * beta + ROUNDING_SLACK * magnitude  # (n,)
+        survivors = screened <= (screened.amin(dim=1) + margin).unsqueeze(1)  # (n, K)
+        counts = survivors.view(torch.uint8).sum(dim=1, dtype=torch.int32)  # (n,)
+        ambiguous = (counts > 1).nonzero().squeeze(1)  # (r,): rows with several survivors
+        among = survivors[ambiguous]  # (r, K)
+        union = among.any(dim=0).nonzero().squeeze(1)  # (U,)
+        union_work = ambiguous.numel() * union.numel()
+        pair_work = PAIR_COST * int(counts[ambiguous].sum())
+        if min(union_work, pair_work) > SCREEN_MAX_RESCORED * n * k:
+            return self.scores(x).argmin(dim=1)
+        nearest = survivors.view(torch.uint8).argmax(dim=1)  # right where a row has one survivor
+        if not ambiguous.numel():
+            return nearest
+        if union_work <= pair_work:  # one matmul against their survivors' union
+            codewords = self.codewords[union]
+            exact = torch.addmm(self.sq_norms[union], x[ambiguous], codewords.t(), alpha=-2.0)
+            exact.masked_fill_(~among[:, union], float("inf"))
+            nearest[ambiguous] = union[exact.argmin(dim=1)]
+        else:  # each row against its own survivors
+            place, cols = among.nonzero(as_tuple=True)
+            exact = torch.full(among.shape, float("inf"))
+            dots = (x[ambiguous[place]] * self.codewords[cols]).sum(dim=1)
+            exact[place, cols] = self.sq_norms[cols] - 2.0 * dots
+            nearest[ambiguous] = exact.argmin(dim=1)
+        return nearest
+
+
+def _int8_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x (n, D) as scale * q + residual, q int8 in [-127, 127], one scale per row."""
+    scales = (x.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    rounded = torch.round(x / scales.unsqueeze(1)).clamp_(-127, 127)
+    residual = x - rounded * scales.unsqueeze(1)
+    return rounded.to(torch.int8), scales, residual
