@@ -57,32 +57,38 @@ class CodewordSearch:
         quantized, scales, residual = _int8_rows(x)
         dots = torch._int_mm(quantized, self.quantized_t).float()  # (n, K), exact
         screened = torch.addcmul(self.sq_norms, dots, scales.unsqueeze(1) * self.scales, value=-2.0)
-        beta = (x - residual).norm(dim=1) * self.residual_max + residual.norm(dim=1) * self.norm_max
-        magnitude = self.norm_max * (self.norm_max + 2.0 * x.norm(dim=1))
+        norm, error = x.norm(dim=1), residual.norm(dim=1)  # ||s q|| <= norm + error
+        beta = (norm + error) * self.residual_max + error * self.norm_max
+        magnitude = self.norm_max * (self.norm_max + 2.0 * norm)
         margin = 4.0 * beta + ROUNDING_SLACK * magnitude  # (n,)
         survivors = screened <= (screened.amin(dim=1) + margin).unsqueeze(1)  # (n, K)
-        counts = survivors.view(torch.uint8).sum(dim=1, dtype=torch.int32)  # (n,)
-        ambiguous = (counts > 1).nonzero().squeeze(1)  # (r,): rows with several survivors
-        among = survivors[ambiguous]  # (r, K)
-        union = among.any(dim=0).nonzero().squeeze(1)  # (U,)
-        union_work = ambiguous.numel() * union.numel()
-        pair_work = PAIR_COST * int(counts[ambiguous].sum())
+        if survivors.sum() > SCREEN_MAX_RESCORED * n * k:
+            return self.scores(x).argmin(dim=1)
+        rows, cols = survivors.nonzero(as_tuple=True)
+        nearest = torch.empty(n, dtype=torch.long)
+        nearest[rows] = cols  # right where a row has one survivor
+        counts = torch.bincount(rows, minlength=n)
+        several = counts[rows] > 1
+        if not several.any():
+            return nearest
+        rows, cols = rows[several], cols[several]  # the survivors of rows with several
+        ambiguous = (counts > 1).nonzero().squeeze(1)  # (r,)
+        place = torch.empty(n, dtype=torch.long)
+        place[ambiguous] = torch.arange(len(ambiguous))
+        place = place[rows]  # each survivor's row among the ambiguous
+        union, slot = torch.unique(cols, return_inverse=True)  # (U,), each survivor's column
+        union_work, pair_work = len(ambiguous) * len(union), PAIR_COST * len(rows)
         if min(union_work, pair_work) > SCREEN_MAX_RESCORED * n * k:
             return self.scores(x).argmin(dim=1)
-        nearest = survivors.view(torch.uint8).argmax(dim=1)  # right where a row has one survivor
-        if not ambiguous.numel():
-            return nearest
-        if union_work <= pair_work:  # one matmul against their survivors' union
+        if union_work <= pair_work:  # one matmul of those rows against the union
             codewords = self.codewords[union]
             exact = torch.addmm(self.sq_norms[union], x[ambiguous], codewords.t(), alpha=-2.0)
-            exact.masked_fill_(~among[:, union], float("inf"))
-            nearest[ambiguous] = union[exact.argmin(dim=1)]
-        else:  # each row against its own survivors
-            place, cols = among.nonzero(as_tuple=True)
-            exact = torch.full(among.shape, float("inf"))
-            dots = (x[ambiguous[place]] * self.codewords[cols]).sum(dim=1)
-            exact[place, cols] = self.sq_norms[cols] - 2.0 * dots
-            nearest[ambiguous] = exact.argmin(dim=1)
+            exact = exact[place, slot]
+        else:  # each survivor alone
+            exact = self.sq_norms[cols] - 2.0 * (x[rows] * self.codewords[cols]).sum(dim=1)
+        rescored = torch.full((len(ambiguous), len(union)), float("inf"))
+        rescored[place, slot] = exact
+        nearest[ambiguous] = union[rescored.argmin(dim=1)]
         return nearest
 
 
