@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from tracevq.search import SCREEN_MIN_WORK, CodewordSearch
+from tracevq.search import SCREEN_MIN_DIM, SCREEN_MIN_WORK, CodewordSearch
+
+DIM = SCREEN_MIN_DIM  # the narrowest rows the screen takes
 
 
 def clustered(n: int, k: int, dim: int, spread: float, seed: int = 0):
@@ -41,7 +43,7 @@ def forbid_full_search(monkeypatch):
 
 @pytest.mark.parametrize("spread", [0.05, 0.3, 0.8])
 def test_the_screen_decides_clustered_rows_without_a_full_search(monkeypatch, spread):
-    rows, codewords = clustered(300, 512, 96, spread)
+    rows, codewords = clustered(300, 512, DIM, spread)
     search = CodewordSearch(codewords)
     forbid_full_search(monkeypatch)
     check_nearest(search, rows)
@@ -49,7 +51,7 @@ def test_the_screen_decides_clustered_rows_without_a_full_search(monkeypatch, sp
 
 def test_rows_between_two_codewords_are_rescored_exactly(monkeypatch):
     generator = torch.Generator().manual_seed(1)
-    codewords = torch.randn(512, 64, generator=generator)
+    codewords = torch.randn(512, DIM, generator=generator)
     a, b = codewords[:200], codewords[200:400]
     # just off the bisecting plane: the int8 screen alone cannot tell a from b
     t = 0.5 + 1e-3 * torch.randn(200, 1, generator=generator)
@@ -78,8 +80,8 @@ def test_equidistant_random_codewords_fall_back_to_the_full_search():
 
 
 def test_zero_rows_codeword_rows_and_one_huge_coordinate():
-    _, codewords = clustered(1, 256, 64, 0.1, seed=3)
-    zeros = torch.zeros(100, 64)
+    _, codewords = clustered(1, 256, DIM, 0.1, seed=3)
+    zeros = torch.zeros(100, DIM)
     exact = codewords[:100]
     spiky = codewords[100:200].clone()
     spiky[:, 0] = 1e4  # the int8 scale is set by this coordinate: the rest rounds to zero
@@ -89,8 +91,9 @@ def test_zero_rows_codeword_rows_and_one_huge_coordinate():
     assert torch.equal(chosen[100:200], torch.arange(100))
 
 
-def test_small_searches_run_in_float32_only(monkeypatch):
-    rows, codewords = clustered(50, 64, 16, 0.3)
-    assert len(rows) * len(codewords) < SCREEN_MIN_WORK
+@pytest.mark.parametrize("n, k, dim", [(50, 64, DIM), (300, 1024, DIM // 2)])
+def test_small_or_narrow_searches_run_in_float32_only(monkeypatch, n, k, dim):
+    rows, codewords = clustered(n, k, dim, 0.3)
+    assert n * k < SCREEN_MIN_WORK or dim < SCREEN_MIN_DIM
     monkeypatch.setattr(torch, "_int_mm", None)
     check_nearest(CodewordSearch(codewords), rows)
