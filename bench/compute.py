@@ -91,7 +91,8 @@ def device0_compute_ms(
 
 def device0_flops(method: Method, inputs: torch.Tensor, devices: int) -> float:
     """Device 0's floating-point operations as torch's FlopCounterMode counts them (matmuls
-    and attention; LayerNorm, GELU, gathers and the codeword search's argmin uncounted)."""
+    and attention; LayerNorm, GELU, gathers, the codeword search's int8 screen and its argmin
+    uncounted)."""
     return device0_work(method, inputs, devices, _counted)
 
 

@@ -14,9 +14,9 @@ are rescored in float32, by one matmul against the union of their survivors (a f
 codewords on ViT-B) or, when that union is wide, each row against its own, and the argmin is
 taken over them: the same codeword as a full float32 search, up to float32 rounding of scores
 that tie within it (a slack of 1e-5 of the scores' magnitude covers the rounding of both).
-Where the screen would not pay (few rows times codewords, or narrow rows) or leaves too much to rescore
-(codewords that all lie about as far from the rows, as random ones do), the full float32
-search runs instead.
+Where the screen would not pay (few rows times codewords, or narrow rows) or leaves too much
+to rescore (codewords that all lie about as far from the rows, as random ones do), the full
+float32 search runs instead.
 """
 
 from __future__ import annotations
