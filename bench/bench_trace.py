@@ -88,7 +88,6 @@ def in_process(quick: bool) -> None:
     coarse = 8 if quick else 32
     times = compare(vivit, bundle, {
         "trace-b": {"name": "trace-b", "K": K},
-        "astra": {"name": "astra", "K": K},
         "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False, "dedup": False},
         f"level {coarse}": {"name": "trace-b", "K": K, "level_k": coarse},
         f"level {coarse} buffers off": {
