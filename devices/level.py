@@ -8,13 +8,22 @@ message carries its level, so the receivers follow.
   spec's `rate_mbit` (the testbed's probe figure); without one, the finest level.
 - During the session (`LiveLevel`), at every inference boundary: from the messages of the last
   inference. Every message of an auto run carries its departure time (devices.transport,
-  STAMP), so the receiver knows its one-way time on its own clock: the kernel's receive
-  timestamp of its last byte minus the departure corrected by the handshake's clock offset.
-  Per frame byte (headers included), the median over a peer's messages of the last inference
-  predicts each level's transfer time, and the budget is the median FFN time of the last
-  inference's blocks. The one-way time includes the link's latency, which does not shrink
-  with the message: the prediction errs towards coarser levels by the latency's share
-  (small where the choice matters: there the frames' wire time dominates). What a device
+  STAMP), so the receiver knows its time on the link on its own clock: the kernel's receive
+  timestamp of its last byte minus its departure (corrected by the handshake's clock offset)
+  or, where it left before the previous message's last byte arrived and so queued behind it,
+  minus that arrival (a sender whose messages come faster than the link drains them would
+  otherwise measure its own queue: at 0.25 Mbit/s, a rate 23% low). Per frame byte (headers
+  included), the median over a peer's messages of an inference predicts each level's
+  transfer time (`est_rate_mbit` is its inverse), and the budget is the median FFN time of the
+  last inference's blocks. The link time includes the path's latency, which does not shrink
+  with the message, so small messages look slower per byte than large ones: of the last
+  HISTORY inferences, the one with the largest messages gives the estimate (the newest of
+  those). Otherwise a device at 20 Mbit/s alternated between the coarsest and the finest
+  level, one inference each: its coarse messages (0.1 ms of wire time in 1.4 ms of latency)
+  said 2 Mbit/s, its fine ones 5. The prediction still errs towards coarser levels by the
+  latency's share (small where the choice matters: there the frames' wire time dominates).
+  After a drop in rate the newest large messages say so at once; after a rise, a device at a
+  coarse level sees it through its small messages only. What a device
   measures of a peer's messages it echoes back in its own stamps to that peer, so each device
   chooses from how its own messages travelled, as the slowest of its peers saw them; until
   the first echo arrives, from how the peers' messages to it travelled (the same link where
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +46,7 @@ from tracevq.codec import trace_message_bytes
 from tracevq.methods import Method, TraceMethod, auto_level
 
 FFN_ROUNDS = 3
+HISTORY = 3  # inferences whose largest messages may set a peer's link estimate
 
 
 @torch.no_grad()
@@ -105,20 +115,31 @@ class LiveLevel:
             for bits in method.level_bits
         ]
         self.rate_mbit: float | None = None  # the last estimate of this device's uplink
+        # per peer, (frame bytes, ns per frame byte) of its messages in the last inferences
+        self.history: dict[int, deque[tuple[int, float]]] = defaultdict(
+            lambda: deque(maxlen=HISTORY)
+        )
 
     def update(self, arrivals: Sequence[ArrivalRecord], blocks: Sequence[BlockRecord]) -> int:
         """Set the level for the next inference from the last one's arrivals and blocks;
         returns it (unchanged when nothing could be measured)."""
         measured: dict[int, list[float]] = defaultdict(list)  # peer -> ns per frame byte
         echoed: dict[int, float] = {}  # peer -> its latest measure of this device's messages
+        stamped: dict[int, list[ArrivalRecord]] = defaultdict(list)
         for arrival in arrivals:
-            if arrival.sent_ns is None:
-                continue
-            frames = tcp_frame_bytes(STAMP.size + arrival.message_bytes)
-            measured[arrival.peer].append(max(self._one_way_ns(arrival), 0) / frames)
-            if arrival.echo_ps_per_byte is not None:
-                echoed[arrival.peer] = arrival.echo_ps_per_byte / 1000
-        downlink = {peer: statistics.median(values) for peer, values in measured.items()}
+            if arrival.sent_ns is not None:
+                stamped[arrival.peer].append(arrival)
+        for peer, received in stamped.items():
+            busy_until: int | None = None  # the previous message's last byte
+            for arrival in sorted(received, key=_received_ns):
+                frames = tcp_frame_bytes(STAMP.size + arrival.message_bytes)
+                measured[peer].append(max(self._link_ns(arrival, busy_until), 0) / frames)
+                busy_until = _received_ns(arrival)
+                if arrival.echo_ps_per_byte is not None:
+                    echoed[peer] = arrival.echo_ps_per_byte / 1000
+            largest = max(tcp_frame_bytes(STAMP.size + a.message_bytes) for a in received)
+            self.history[peer].append((largest, statistics.median(measured[peer])))
+        downlink = {peer: self._per_byte(peer) for peer in measured}
         for peer, per_byte in downlink.items():
             self.echo(peer, per_byte)
         # this device's own messages as its slowest peer saw them; before any echo came back,
@@ -137,8 +158,22 @@ class LiveLevel:
         self.method.set_level(level)
         return level
 
-    def _one_way_ns(self, arrival: ArrivalRecord) -> int:
-        """From the message's departure to its last byte's arrival, on this device's clock."""
+    def _per_byte(self, peer: int) -> float:
+        """A peer's link time per frame byte: from the largest of its messages of the last
+        HISTORY inferences (the newest of those), whose share of fixed latency is least."""
+        largest = max(frames for frames, _ in self.history[peer])
+        return [per_byte for frames, per_byte in self.history[peer] if frames == largest][-1]
+
+    def _link_ns(self, arrival: ArrivalRecord, busy_until: int | None) -> int:
+        """The message's time on the link, on this device's clock: from its departure, or from
+        the previous message's last byte where it left before that (it queued behind it), to
+        its own last byte."""
         assert arrival.sent_ns is not None
-        received = arrival.read_ns if arrival.kernel_ns is None else arrival.kernel_ns
-        return received - (arrival.sent_ns - self.offsets_ns.get(arrival.peer, 0))
+        departed = arrival.sent_ns - self.offsets_ns.get(arrival.peer, 0)
+        start = departed if busy_until is None else max(departed, busy_until)
+        return _received_ns(arrival) - start
+
+
+def _received_ns(arrival: ArrivalRecord) -> int:
+    """Its last byte's arrival: the kernel's timestamp, else when it was read."""
+    return arrival.read_ns if arrival.kernel_ns is None else arrival.kernel_ns

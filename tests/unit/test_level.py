@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tracevq
-from devices.level import LiveLevel
+from devices.level import HISTORY, LiveLevel
 from devices.records import ArrivalRecord, BlockRecord
 from devices.transport import STAMP, tcp_frame_bytes
 from tracevq.bundle import fit_bundle
@@ -92,3 +92,46 @@ def test_without_stamped_messages_the_level_stays(method):
     arrivals, blocks = inference(method, 2, 1.0, 0.1)
     unstamped = [dataclasses.replace(a, sent_ns=None) for a in arrivals]
     assert live.update(unstamped, blocks) == 2 and live.rate_mbit is None
+
+
+def test_messages_queued_behind_each_other_measure_the_link_not_the_queue(method):
+    """The peer sends every 1 ms messages that take 4 ms on the link: each waits for the one
+    before it (one-way times 4, 7, 10, 13 ms). Their time on the link is still 4 ms each; the
+    one-way median would put the rate at less than half."""
+    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, lambda *_: None)
+    method.set_level(2)
+    arrivals, blocks = inference(method, 2, 1.0, 3.0)
+    link_ns = arrivals[0].kernel_ns - 1_000_000_000
+    queued = []
+    for block, arrival in enumerate(arrivals):
+        sent_here = 1_000_000_000 + 1_000_000 * block
+        received = 1_000_000_000 + link_ns * (block + 1)
+        stamps = {"sent_ns": sent_here + OFFSET_NS, "kernel_ns": received}
+        queued.append(dataclasses.replace(arrival, read_ns=received + 10_000, **stamps))
+    live.update(list(reversed(queued)), blocks)  # in any order
+    assert live.rate_mbit == pytest.approx(1.0, rel=1e-3)
+
+
+def with_latency(arrivals, latency_ns: int):
+    later = {
+        "kernel_ns": lambda a: a.kernel_ns + latency_ns,
+        "read_ns": lambda a: a.read_ns + latency_ns,
+    }
+    return [dataclasses.replace(a, **{k: f(a) for k, f in later.items()}) for a in arrivals]
+
+
+def test_the_largest_recent_messages_set_the_estimate(method):
+    """1.4 ms of latency on a 20 Mbit/s link: the coarsest level's messages (114 bytes) look
+    20x slower per byte than they are, the finest level's (451 bytes) less so. After an
+    inference at the finest level the next at the coarsest does not undo its estimate; once
+    HISTORY inferences have gone by without large messages, the small ones decide."""
+    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, lambda *_: None)
+    fine = with_latency(inference(method, 3, 20.0, 2.0)[0], 1_400_000)
+    coarse, blocks = inference(method, 0, 20.0, 2.0)
+    coarse = with_latency(coarse, 1_400_000)
+    method.set_level(3)
+    assert live.update(fine, blocks) == 3
+    fine_rate = live.rate_mbit
+    for _ in range(HISTORY - 1):
+        assert live.update(coarse, blocks) == 3 and live.rate_mbit == fine_rate
+    assert live.update(coarse, blocks) == 0 and live.rate_mbit < fine_rate / 2
