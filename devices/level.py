@@ -23,11 +23,11 @@ message carries its level, so the receivers follow.
   said 2 Mbit/s, its fine ones 5. The prediction still errs towards coarser levels by the
   latency's share (small where the choice matters: there the frames' wire time dominates).
   After a drop in rate the newest large messages say so at once; after a rise, a device at a
-  coarse level sees it through its small messages only. What a device
-  measures of a peer's messages it echoes back in its own stamps to that peer, so each device
-  chooses from how its own messages travelled, as the slowest of its peers saw them; until
-  the first echo arrives, from how the peers' messages to it travelled (the same link where
-  devices share one channel).
+  coarse level sees it through its small messages only. What a device measures of a peer's
+  messages it echoes back in its own stamps to that peer, so each device chooses from how its
+  own messages travelled, as the slowest of its peers saw them; until the first echo arrives,
+  from how the peers' messages to it travelled (the same link where devices share one
+  channel).
 """
 
 from __future__ import annotations
