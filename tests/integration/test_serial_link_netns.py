@@ -221,9 +221,11 @@ def test_bulk_runs_at_the_rate(devices: Devices, switch: SerialSwitch, rate_mbit
     expected_mbit = rate_mbit * result["mss"] / FULL_FRAME_BYTES
     achieved_mbit = result["steady_bytes"] * 8 / result["steady_s"] / MBIT
     print(f"\n{rate_mbit} Mbit/s: payload {achieved_mbit:.4f} Mbit/s, expected {expected_mbit:.4f}")
-    assert achieved_mbit == pytest.approx(expected_mbit, rel=RATE_TOLERANCE)
-    assert result["retransmissions"] == 0
     stats = switch.stats()[0]
+    # on a shortfall, the switch's counters say whether it was late itself (late_us_max) or
+    # the link sat idle for want of frames (once in CI: 18.59 for 19.13, right after docker)
+    assert achieved_mbit == pytest.approx(expected_mbit, rel=RATE_TOLERANCE), (result, stats)
+    assert result["retransmissions"] == 0
     assert stats["rate_bit_s"] == rate_mbit * MBIT
     assert stats["drops"] == 0
     assert stats["bytes"] >= payload_bytes * FULL_FRAME_BYTES / result["mss"]
