@@ -131,13 +131,13 @@ class LiveLevel:
                 stamped[arrival.peer].append(arrival)
         for peer, received in stamped.items():
             busy_until: int | None = None  # the previous message's last byte
+            largest = 0  # frame bytes of its largest message
             for arrival in sorted(received, key=_received_ns):
                 frames = tcp_frame_bytes(STAMP.size + arrival.message_bytes)
                 measured[peer].append(max(self._link_ns(arrival, busy_until), 0) / frames)
-                busy_until = _received_ns(arrival)
+                busy_until, largest = _received_ns(arrival), max(largest, frames)
                 if arrival.echo_ps_per_byte is not None:
                     echoed[peer] = arrival.echo_ps_per_byte / 1000
-            largest = max(tcp_frame_bytes(STAMP.size + a.message_bytes) for a in received)
             self.history[peer].append((largest, statistics.median(measured[peer])))
         downlink = {peer: self._per_byte(peer) for peer in measured}
         for peer, per_byte in downlink.items():

@@ -21,6 +21,8 @@ float32 search runs instead.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -41,11 +43,14 @@ class CodewordSearch:
     def __init__(self, codewords: Tensor):
         self.codewords = codewords.detach().float().contiguous()
         self.sq_norms = self.codewords.pow(2).sum(dim=1)  # (K,)
+
+    @functools.cached_property
+    def _screen(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The codewords in int8, built on the first screened search (a search rebuilt at every
+        training step, or over narrow rows, never needs them): their transpose (D, K), scales
+        (K,), largest rounding residual and largest norm."""
         quantized, scales, residual = _int8_rows(self.codewords)
-        self.quantized_t = quantized.t()  # (D, K) int8
-        self.scales = scales  # (K,)
-        self.residual_max = residual.norm(dim=1).max()
-        self.norm_max = self.sq_norms.max().sqrt()
+        return quantized.t(), scales, residual.norm(dim=1).max(), self.sq_norms.max().sqrt()
 
     def scores(self, x: Tensor) -> Tensor:
         """Full float32 scores (n, K): ||c||^2 - 2 x.c."""
@@ -57,12 +62,13 @@ class CodewordSearch:
         n, k = x.shape[0], self.codewords.shape[0]
         if not SCREEN or n * k < SCREEN_MIN_WORK or x.shape[1] < SCREEN_MIN_DIM:
             return self.scores(x).argmin(dim=1)
+        codes_t, code_scales, residual_max, norm_max = self._screen
         quantized, scales, residual = _int8_rows(x)
-        dots = torch._int_mm(quantized, self.quantized_t).float()  # (n, K), exact
-        screened = torch.addcmul(self.sq_norms, dots, scales.unsqueeze(1) * self.scales, value=-2.0)
+        dots = torch._int_mm(quantized, codes_t).float()  # (n, K), exact
+        screened = torch.addcmul(self.sq_norms, dots, scales.unsqueeze(1) * code_scales, value=-2.0)
         norm, error = x.norm(dim=1), residual.norm(dim=1)  # ||s q|| <= norm + error
-        beta = (norm + error) * self.residual_max + error * self.norm_max
-        magnitude = self.norm_max * (self.norm_max + 2.0 * norm)
+        beta = (norm + error) * residual_max + error * norm_max
+        magnitude = norm_max * (norm_max + 2.0 * norm)
         margin = 4.0 * beta + ROUNDING_SLACK * magnitude  # (n,)
         survivors = screened <= (screened.amin(dim=1) + margin).unsqueeze(1)  # (n, K)
         if survivors.view(torch.uint8).sum(dtype=torch.int32) > SCREEN_MAX_RESCORED * n * k:
