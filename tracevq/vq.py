@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tracevq.search import CodewordSearch
+from tracevq.search import CodewordSearch, full_search
 
 
 class VectorQuantizer(nn.Module):
@@ -76,7 +76,7 @@ def kmeans(x: Tensor, k: int, iterations: int = 20, seed: int = 0) -> Tensor:
     centroids = _kmeans_plus_plus(x, k, generator)
     previous = None
     for _ in range(iterations):
-        assign = _nearest(x, centroids)
+        assign = full_search(x, centroids, centroids.pow(2).sum(1))
         counts = torch.bincount(assign, minlength=k)
         used = counts > 0
         if previous is not None and used.all() and torch.equal(assign, previous):
@@ -89,11 +89,6 @@ def kmeans(x: Tensor, k: int, iterations: int = 20, seed: int = 0) -> Tensor:
             rows = torch.randint(len(x), (len(empty),), generator=generator)
             centroids[empty] = x[rows]
     return centroids
-
-
-def _nearest(x: Tensor, centroids: Tensor) -> Tensor:
-    scores = torch.addmm(centroids.pow(2).sum(1), x, centroids.t(), alpha=-2.0)
-    return scores.argmin(dim=1)
 
 
 def _kmeans_plus_plus(x: Tensor, k: int, generator: torch.Generator) -> Tensor:

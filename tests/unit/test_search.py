@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tracevq.search import SCREEN_MIN_DIM, SCREEN_MIN_WORK, CodewordSearch
+from tracevq.search import BLOCK_ROWS, SCREEN_MIN_DIM, SCREEN_MIN_WORK, CodewordSearch, _argmin_rows
 
 DIM = SCREEN_MIN_DIM  # the narrowest rows the screen takes
 
@@ -38,7 +38,7 @@ def forbid_full_search(monkeypatch):
     def refuse(self, x):
         raise AssertionError("the full float32 search ran")
 
-    monkeypatch.setattr(CodewordSearch, "scores", refuse)
+    monkeypatch.setattr(CodewordSearch, "full", refuse)
 
 
 @pytest.mark.parametrize("spread", [0.05, 0.3, 0.8])
@@ -67,14 +67,14 @@ def test_equidistant_random_codewords_fall_back_to_the_full_search():
     rows, codewords = torch.randn(200, 512, generator=generator), torch.randn(1024, 512)
     search = CodewordSearch(codewords)
     calls = []
-    full = CodewordSearch.scores
+    full = CodewordSearch.full
 
     def counted(self, x):
         calls.append(len(x))
         return full(self, x)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(CodewordSearch, "scores", counted)
+        patch.setattr(CodewordSearch, "full", counted)
         check_nearest(search, rows)
     assert calls == [200]
 
@@ -97,3 +97,29 @@ def test_small_or_narrow_searches_run_in_float32_only(monkeypatch, n, k, dim):
     assert n * k < SCREEN_MIN_WORK or dim < SCREEN_MIN_DIM
     monkeypatch.setattr(torch, "_int_mm", None)
     check_nearest(CodewordSearch(codewords), rows)
+
+
+def test_the_full_search_over_many_rows_goes_block_by_block_to_the_same_answer():
+    rows, codewords = clustered(2 * BLOCK_ROWS + 17, 300, 32, 0.3, seed=4)
+    search = CodewordSearch(codewords)
+    blocks = []
+    addmm = torch.addmm
+
+    def counted(*args, **kwargs):
+        blocks.append(len(args[1]))
+        return addmm(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "addmm", counted)
+        check_nearest(search, rows)
+    assert blocks == [BLOCK_ROWS, BLOCK_ROWS, 17]
+
+
+def test_the_two_stage_argmin_takes_the_first_of_equal_minima():
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.randint(0, 50, (500, 1024), generator=generator).float()  # many ties
+    scores[:, 1000] = -1.0  # in the last group
+    scores[7, 3] = scores[7, 900] = -2.0  # two minima in different groups
+    scores[8, 64:] = -3.0  # a whole tail of equal minima
+    assert torch.equal(_argmin_rows(scores), scores.argmin(dim=1))
+    assert _argmin_rows(scores)[7] == 3 and _argmin_rows(scores)[8] == 64
