@@ -41,6 +41,7 @@ PORT = 5311
 MBIT = 1_000_000
 BULK_S = 2.0
 RATE_TOLERANCE = 0.01
+MAX_STALLED_SHARE = 0.05  # of the bulk's steady time: more, and the machine is unfit to measure
 
 TIMESTAMPS = """
 import socket, struct
@@ -219,12 +220,23 @@ def test_bulk_runs_at_the_rate(devices: Devices, switch: SerialSwitch, rate_mbit
     result = {**json.loads(received), **json.loads(sent)}
 
     expected_mbit = rate_mbit * result["mss"] / FULL_FRAME_BYTES
-    achieved_mbit = result["steady_bytes"] * 8 / result["steady_s"] / MBIT
-    print(f"\n{rate_mbit} Mbit/s: payload {achieved_mbit:.4f} Mbit/s, expected {expected_mbit:.4f}")
-    stats = switch.stats()[0]
-    # on a shortfall, the switch's counters say whether it was late itself (late_us_max) or
-    # the link sat idle for want of frames (once in CI: 18.59 for 19.13, right after docker)
-    assert achieved_mbit == pytest.approx(expected_mbit, rel=RATE_TOLERANCE), (result, stats)
+    steady_bits = result["steady_bytes"] * 8
+    achieved_mbit = steady_bits / result["steady_s"] / MBIT
+    both = switch.stats()
+    stats = both[0]
+    # The machine sometimes does not run the emulator for 5-13 ms (a VM's vCPU, kernel work:
+    # seen under load and once in CI after the docker tests), and the flow's link loses about
+    # that much. The switch counts those stalls; the rate must hold while it ran, and the
+    # stalls must stay rare.
+    stalled_s = sum(port["stalled_ms"] for port in both.values()) / 1e3
+    running_mbit = steady_bits / (result["steady_s"] - stalled_s) / MBIT
+    print(
+        f"\n{rate_mbit} Mbit/s: payload {achieved_mbit:.4f} Mbit/s ({running_mbit:.4f} without "
+        f"{1e3 * stalled_s:.1f} ms of stalls), expected {expected_mbit:.4f}"
+    )
+    assert stalled_s <= MAX_STALLED_SHARE * result["steady_s"], (result, both)
+    assert running_mbit >= expected_mbit * (1 - RATE_TOLERANCE), (result, both)
+    assert achieved_mbit <= expected_mbit * (1 + RATE_TOLERANCE), (result, both)
     assert result["retransmissions"] == 0
     assert stats["rate_bit_s"] == rate_mbit * MBIT
     assert stats["drops"] == 0

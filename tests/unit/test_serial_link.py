@@ -305,3 +305,12 @@ def test_offloads_include_transmit_checksums() -> None:
     argv = offload_argv("/proc/7/ns/net", "sl0")
     assert argv[:4] == ["nsenter", "--net=/proc/7/ns/net", "ethtool", "-K"]
     assert " ".join(argv[4:]) == "sl0 gso off tso off gro off tx off"
+
+
+def test_a_run_of_late_frames_counts_as_one_stall_of_its_first_frames_lateness():
+    counters = PortCounters()
+    for late_s in (0.0001, 0.004, 0.003, 0.0009, 0.0002, 0.0015, 0.0001):
+        counters.record(1514, 0.0, late_s)
+    stats = counters.as_dict()
+    assert (stats["stalls"], stats["stalled_ms"]) == (2, 5.5)
+    assert stats["late_us_max"] == 4000.0
