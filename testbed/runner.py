@@ -207,7 +207,7 @@ class Runner:
         replay = None if self.trace is None else TraceReplay(links.set_rate, self.trace)
         result = run_session(
             backend, self.experiment, trials, directory, port, identity, link, files,
-            links.sent_bytes, replay,
+            links.counters, replay,
         )  # fmt: skip
         if replay is not None:
             self._save_replay(replay, name)

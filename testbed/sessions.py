@@ -144,13 +144,13 @@ def run_session(
     identity: dict[str, dict[int, dict[str, Any]]],
     link: LinkState,
     files: RunFiles,
-    sent_bytes: Callable[[], dict[int, int]],
+    link_counters: Callable[[], dict[int, dict[str, float | None]]],
     replay: TraceReplay | None = None,
 ) -> SessionOutcome:
     """Run `trials` in one session on the backend's devices; `identity[trial id][rank]` holds
-    every column of a row that is not measured (plan, link and run facts); `sent_bytes()`
-    reads each device's link counter, before and after the session; `replay`, a trace to
-    play on the links while the workers run (from their start to their end)."""
+    every column of a row that is not measured (plan, link and run facts); `link_counters()`
+    reads each device's link counters (Links.counters), before and after the session;
+    `replay`, a trace to play on the links while the workers run (from their start to their end)."""
     peers = [f"{d.address}:{port}" for d in backend.devices]
     outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
     argvs = []
@@ -160,14 +160,14 @@ def run_session(
                            link)  # fmt: skip
         path = spec.write(outs[device.rank] / "spec.json")
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
-    before = sent_bytes()
+    before = link_counters()
     started = time.monotonic()
     deadline_s = experiment.timeout_s * len(trials)
     why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
     with replay or contextlib.nullcontext():
         results = run_workers(backend, argvs, deadline_s, why)
     session_s = round(time.monotonic() - started, 3)
-    after = sent_bytes()
+    after = link_counters()
     for device in backend.devices:
         backend.collect(device, outs[device.rank])
     for rank, result in enumerate(results):
@@ -177,7 +177,7 @@ def run_session(
         )
     for facts in identity.values():
         for rank, row in facts.items():
-            row.update(session_s=session_s, link_sent_bytes=after[rank] - before[rank])
+            row.update(session_s=session_s, **_link_columns(before[rank], after[rank]))
     failures = [r for r in results if not r.ok]
     error = (failures[0].tail(1) or f"exit status {failures[0].returncode}") if failures else ""
     records: dict[int, DeviceRecords] = {}
@@ -213,3 +213,12 @@ def only_run(records: DeviceRecords, run: str) -> DeviceRecords:
         [r for r in records.blocks if r.run == run],
         [r for r in records.arrivals if r.run == run],
     )
+
+
+def _link_columns(before: dict[str, float | None], after: dict[str, float | None]) -> dict:
+    """A device's link counters over the session, as row columns."""
+    stalled = after["stalled_ms"]
+    return {
+        "link_sent_bytes": after["sent_bytes"] - before["sent_bytes"],
+        "link_stalled_ms": None if stalled is None else round(stalled - before["stalled_ms"], 3),
+    }

@@ -205,9 +205,17 @@ class Links:
                       device.name, device.interface, up, down, caps)  # fmt: skip
             apply(device, plan(self.profile, up, peer_caps_mbit=caps, downlink_mbit=down))
 
-    def sent_bytes(self) -> dict[int, int]:
-        """Bytes each device's link has carried so far (its egress qdisc's counter)."""
-        return {d.rank: qdisc_sent_bytes(self.backend.qdisc_stats(d)) for d in self.backend.devices}
+    def counters(self) -> dict[int, dict[str, float | None]]:
+        """Per rank, what its link has done so far: `sent_bytes` (its egress qdisc's counter)
+        and, on the serial emulator, `stalled_ms` (its port's stalls, else None)."""
+        serial = self.switch.stats() if self.switch is not None else {}
+        return {
+            d.rank: {
+                "sent_bytes": qdisc_sent_bytes(self.backend.qdisc_stats(d)),
+                "stalled_ms": serial[d.rank]["stalled_ms"] if serial else None,
+            }
+            for d in self.backend.devices
+        }
 
     def stop(self) -> None:
         if self.switch is not None:

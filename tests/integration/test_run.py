@@ -69,6 +69,8 @@ def check_results(run_dir: Path, trials_expected: int) -> None:
         parts = row.wait_peer_ms + row.wait_link_ms + row.wait_wakeup_ms
         assert parts == pytest.approx(row.wait_ms, abs=1e-3)
         assert row.kernel_timestamps and row.emulator == "serial"
+        # the session's stalls of the serial emulator are counted (tbf links have none)
+        assert row.link_stalled_ms >= 0 and row.link_sent_bytes > 0
         # the serial link clocks every frame out: no message crosses faster than its frames'
         # wire time (the clocks are one kernel's), and none takes 20 ms more than that
         assert row.wire_comm_ms * 0.98 <= row.comm_ms <= row.wire_comm_ms + 20 * depth
