@@ -18,8 +18,9 @@ seconds of traffic at the rate; the TCP payload rate after the first tenth of th
 receiver's kernel timestamps, over rate x 1448 / 1514; the sender namespace's TCP
 retransmissions. Emulator columns (sender's port, over the bulk transfer): queue drops, CPU
 (utime + stime of all its threads from /proc/<pid>/stat over the transfer's wall time, in % of
-one core; system time in brackets), mean time a frame waited behind earlier ones, and mean
-lateness of its departure against its schedule.
+one core; system time in brackets), mean time a frame waited behind earlier ones, mean
+lateness of its departure against its schedule, and its stalls (frames more than 1 ms late:
+the machine did not run the emulator) with their total length.
 """
 
 from __future__ import annotations
@@ -280,6 +281,8 @@ def _window(before: dict, after: dict) -> dict[str, float]:
         "drops": after["drops"] - before["drops"],
         "queued_us": mean_us("queued_us_mean"),
         "late_us": mean_us("late_us_mean"),
+        "stalls": after["stalls"] - before["stalls"],
+        "stalled_ms": after["stalled_ms"] - before["stalled_ms"],
     }
 
 
@@ -301,11 +304,12 @@ def bulk_row(bed: Bed, rate_mbit: float, args: argparse.Namespace) -> str:
     result = bulk(bed, rate_mbit, args.bulk_s)
     row = f"| {bed.shaper} | {rate_mbit:g} | {result['ratio']:.4f} | {result['retransmissions']} |"
     if before is None or bed.stats is None:
-        return row + " | | |"
+        return row + " | | | |"
     window = _window(before, bed.stats()[0])
     return row + (
         f" {window['drops']} | {result['cpu_pct']:.1f} ({result['system_pct']:.1f}) | "
-        f"{window['queued_us']:.0f} / {window['late_us']:.0f} |"
+        f"{window['queued_us']:.0f} / {window['late_us']:.0f} | "
+        f"{window['stalls']} ({window['stalled_ms']:.1f}) |"
     )
 
 
@@ -348,8 +352,9 @@ MESSAGE_HEADER = [
 ]
 BULK_HEADER = [
     "| shaper | Mbit/s | bulk / target | TCP retransmissions | emulator drops "
-    "| emulator CPU % of a core (system) | emulator queued / late us, mean |",
-    "|" + " --- |" * 7,
+    "| emulator CPU % of a core (system) | emulator queued / late us, mean "
+    "| emulator stalls (ms) |",
+    "|" + " --- |" * 8,
 ]
 
 
