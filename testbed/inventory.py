@@ -19,22 +19,18 @@ experiment's: unknown keys get a "did you mean", every error names its field pat
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from testbed.errors import ConfigError
+from testbed.strict import Strict, describe
 from testbed.yamlfile import load_yaml
 
 SECRET_KEY = re.compile(r"pass(word|phrase)|secret", re.IGNORECASE)
 PATH_FIELDS = ("key_file", "known_hosts")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _refuse_secrets(data: Any) -> Any:
@@ -54,7 +50,7 @@ def _absolute(path: str) -> str:
     return str(Path(path).expanduser().absolute())
 
 
-class Board(_Strict):
+class Board(Strict):
     """One board. `address` is where the controller connects; `data_address` is where the
     other boards reach it (default: `address`) and where its worker listens, so it must be
     an address the board itself holds (not one translated by NAT; an IP address rather than
@@ -89,7 +85,7 @@ class Board(_Strict):
         return f"board '{self.name}' ({self.user}@{self.address}:{self.port})"
 
 
-class Inventory(_Strict):
+class Inventory(Strict):
     known_hosts: str = Field(min_length=1)
     accept_new_host_keys: bool = False  # first use only: unknown keys are added to known_hosts
     connect_timeout_s: float = Field(10.0, gt=0, le=3600)
@@ -132,34 +128,6 @@ class Inventory(_Strict):
         return self
 
 
-def _field_path(location: tuple[Any, ...]) -> str:
-    text = ""
-    for part in location:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
-def _model_at(location: tuple[Any, ...]) -> type[BaseModel]:
-    return Board if "boards" in location[:1] and len(location) > 1 else Inventory
-
-
-def describe(error: ValidationError) -> str:
-    """Pydantic's errors as `field.path: message` joined by `; ` (with "did you mean")."""
-    lines = []
-    for item in error.errors():
-        location = tuple(item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            known = list(_model_at(location[:-1]).model_fields)
-            hint = difflib.get_close_matches(str(location[-1]), known, n=1)
-            message = "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        path = _field_path(location)
-        if re.match(r"^boards\[\d+\]", message):  # a message that names its own field
-            path = ""
-        lines.append(f"{path}: {message}" if path else message)
-    return "; ".join(lines)
-
-
 def _relative_to(data: Any, directory: Path) -> Any:
     """A file's relative paths made absolute against its directory (other values untouched)."""
     if not isinstance(data, dict):
@@ -188,7 +156,7 @@ def parse_inventory(data: Any, source: str = "<inventory>") -> Inventory:
     try:
         return Inventory.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"{source}: {describe(error)}") from None
+        raise ConfigError(f"{source}: " + "; ".join(describe(error, Inventory))) from None
 
 
 def load_inventory(path: str | Path) -> Inventory:

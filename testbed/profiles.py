@@ -16,9 +16,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from testbed.errors import ConfigError
+from testbed.strict import Strict, describe
 from testbed.yamlfile import load_yaml
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,8 @@ PROFILES_DIR = Path(__file__).resolve().parent.parent / "netem_profiles"
 PROFILE_SUFFIX = ".yaml"
 
 
-class LinkProfile(BaseModel):
+class LinkProfile(Strict):
     """One link's shape. Rates follow tc's convention: 1 mbit = 10^6 bit/s."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1)
     description: str = ""
@@ -76,7 +75,7 @@ def parse_profile(data: dict[str, Any], source: str = "<link profile>") -> LinkP
     try:
         return LinkProfile.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(_describe(problem) for problem in error.errors())
+        problems = "; ".join(describe(error, LinkProfile))
         raise ConfigError(f"{source}: invalid link profile: {problems}") from None
 
 
@@ -97,14 +96,6 @@ def _resolve(name_or_path: str | Path, directory: Path) -> Path:
     hint = _did_you_mean(text, names)
     listed = ", ".join(names) or "none"
     raise ConfigError(f"unknown link profile '{text}'{hint}; available in {directory}: {listed}")
-
-
-def _describe(problem: dict[str, Any]) -> str:
-    field_path = ".".join(str(part) for part in problem["loc"]) or "<top level>"
-    if problem["type"] == "extra_forbidden":
-        hint = _did_you_mean(str(problem["loc"][-1]), list(LinkProfile.model_fields))
-        return f"unknown key '{field_path}'{hint}"
-    return f"field '{field_path}': {problem['msg']} (got {problem.get('input')!r})"
 
 
 def _did_you_mean(word: str, candidates: list[str]) -> str:

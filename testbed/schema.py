@@ -15,7 +15,6 @@ host, its files and the backend is checked by `testbed.preflight`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 import math
 import re
@@ -23,8 +22,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -35,6 +32,7 @@ from pydantic import (
 from testbed.errors import ConfigError
 from testbed.inventory import Inventory, inventory_input
 from testbed.names import check_slug
+from testbed.strict import Strict, describe
 from testbed.yamlfile import load_yaml
 from tracevq.codec import level_sizes_for
 from tracevq.config import known_model_name, model_config
@@ -47,12 +45,6 @@ RATE_RANGE_MBIT = (0.01, 10_000.0)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 FITTED_BRANCHING = 2  # codebooks the testbed fits get a binary tree (testbed.bundles)
 FLAG_PARAMS = {f.name for f in dataclasses.fields(MethodSpec) if isinstance(f.default, bool)}
-
-
-class Strict(BaseModel):
-    """No coercion (`true` is not 1, `"3"` is not 3), no NaN or infinity, no unknown keys."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _as_list(value: Any) -> Any:
@@ -426,51 +418,6 @@ def _check_ranks(link: LinkSection, most_devices: int) -> None:
             )
 
 
-def _path(location: tuple[Any, ...]) -> str:
-    text = ""
-    for part in location:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "(top level)"
-
-
-def _describe(error: dict[str, Any], data: Any) -> str:
-    location = tuple(p for p in error["loc"] if p not in ("function-after",))
-    if error["type"] == "extra_forbidden":
-        *parent, key = location
-        owner = _lookup_model(parent)
-        known = list(owner.model_fields) if owner else []
-        hint = difflib.get_close_matches(str(key), known, n=1)
-        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-        return f"{_path(location)}: unknown key{suggestion}"
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] not in ("value_error", "missing") and _short_repr(error.get("input")):
-        quoted = isinstance(error["input"], str) and error["type"] in ("float_type", "int_type")
-        note = ", which YAML reads as text" if quoted else ""
-        message += f" (got {_short_repr(error['input'])}{note})"
-    return f"{_path(location)}: {message}" if location else message
-
-
-def _short_repr(value: Any) -> str | None:
-    if isinstance(value, dict | list | BaseModel):
-        return None
-    text = repr(value)
-    return text if len(text) <= 60 else None
-
-
-def _lookup_model(parent: list[Any]) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Experiment
-    for part in parent:
-        if model is None or isinstance(part, int):
-            continue
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        model = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
-    return model
-
-
 def parse_experiment(data: Any, source: str = "<experiment>") -> Experiment:
     if data is None:
         raise ConfigError(f"{source}: empty; an experiment needs at least `name:` and `methods:`")
@@ -481,8 +428,7 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> Experiment:
     try:
         return Experiment.model_validate(data)
     except ValidationError as error:
-        lines = [_describe(e, data) for e in error.errors()]
-        raise ConfigError(f"{source}: " + "; ".join(lines)) from None
+        raise ConfigError(f"{source}: " + "; ".join(describe(error, Experiment))) from None
 
 
 def load_experiment(path: str | Path) -> Experiment:

@@ -1,0 +1,74 @@
+"""Strict pydantic models for the files a user writes (experiments, inventories, link
+profiles), and their validation errors as one line per problem that names the field.
+
+A strict model coerces nothing (`true` is not 1, `"3"` is not 3), takes no NaN or infinity
+and refuses unknown keys, with a "did you mean" from the model that owns the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def field_path(location: tuple[Any, ...]) -> str:
+    """('boards', 0, 'port') -> 'boards[0].port'."""
+    text = ""
+    for part in location:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
+    """One line per problem: `field.path: message`, an unknown key with the nearest known
+    one, a wrong type with the value given (and a note when YAML read a number as text)."""
+    return [_line(problem, root) for problem in error.errors()]
+
+
+def _line(problem: Any, root: type[BaseModel]) -> str:
+    location = tuple(part for part in problem["loc"] if part != "function-after")
+    path = field_path(location)
+    if problem["type"] == "extra_forbidden":
+        owner = _model_at(root, location[:-1])
+        known = list(owner.model_fields) if owner else []
+        hint = difflib.get_close_matches(str(location[-1]), known, n=1)
+        return f"{path}: unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+    message = problem["msg"].removeprefix("Value error, ")
+    given = _short_repr(problem.get("input"))
+    if problem["type"] not in ("value_error", "missing") and given:
+        as_text = isinstance(problem["input"], str) and problem["type"] in (
+            "float_type",
+            "int_type",
+        )
+        message += f" (got {given}{', which YAML reads as text' if as_text else ''})"
+    named = message.startswith((f"{path}[", f"{path}.", f"{path}:"))  # names its own field
+    return f"{path}: {message}" if path and not named else message
+
+
+def _short_repr(value: Any) -> str | None:
+    if isinstance(value, dict | list | BaseModel):
+        return None
+    text = repr(value)
+    return text if len(text) <= 60 else None
+
+
+def _model_at(root: type[BaseModel], location: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model whose fields are at `location` below `root` (list items and optional
+    fields followed through their annotations), or None."""
+    model: type[BaseModel] | None = root
+    for part in location:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+    return model
