@@ -78,7 +78,7 @@ def choose_level(
             "reason": "no link rate given (--rate-mbit): finest level",
         }
     ffn_ms = measure_ffn_ms(method, tokens, batch)
-    level = auto_level(method.level_bits, tokens * batch, rate_mbit * 1e6, ffn_ms)
+    level = auto_level(method.level_bits, tokens * batch, rate_mbit * 1e6, ffn_ms, method.min_level)
     method.set_level(level)
     transfer_ms = 1000 * method.payload_bits(tokens, batch) / (rate_mbit * 1e6)
     return {
@@ -151,9 +151,9 @@ class LiveLevel:
         per_byte = max(seen.values())
         budget_ms = statistics.median(ffn_ms)
         self.rate_mbit = 8e3 / per_byte if per_byte > 0 else None
-        level = 0
+        level = self.method.min_level
         for candidate, wire in enumerate(self.wire_bytes):
-            if wire * per_byte / 1e6 <= budget_ms:
+            if candidate > level and wire * per_byte / 1e6 <= budget_ms:
                 level = candidate
         self.method.set_level(level)
         return level

@@ -115,11 +115,14 @@ def _check_bundle(experiment: Experiment, source: str) -> Bundle | None:
         sizes = bundle.trees[spec.name][0].level_sizes
         if spec.K != sizes[-1]:
             raise ConfigError(f"{where}: {spec.name} K={spec.K}, its codebooks have {sizes[-1]}")
-        if spec.is_trace and spec.resolved_level_k not in sizes:
-            raise ConfigError(
-                f"{where}: {spec.name} level_k={spec.level_k} is not a level of its codebook tree "
-                f"(levels: {', '.join(map(str, sizes))})"
-            )
+        if not spec.is_trace:
+            continue
+        for field, size in (("level_k", spec.resolved_level_k), ("level_min_k", spec.level_min_k)):
+            if size is not None and size not in sizes:
+                raise ConfigError(
+                    f"{where}: {spec.name} {field}={size} is not a level of its codebook tree "
+                    f"(levels: {', '.join(map(str, sizes))})"
+                )
     return bundle
 
 

@@ -386,16 +386,19 @@ def variant_spec(variant: dict[str, Any]) -> MethodSpec:
 
 
 def _check_level(variant: dict[str, Any], index: int) -> None:
-    """A trace method's `level_k` must be a level of the tree fitted over its K codewords."""
+    """A trace method's `level_k` and `level_min_k` must be levels of the tree fitted over
+    its K codewords."""
     spec = variant_spec(variant)
-    if not spec.is_trace or spec.level_k in (None, "auto"):
+    if not spec.is_trace:
         return
     levels = level_sizes_for(spec.K, FITTED_BRANCHING)
-    if spec.resolved_level_k not in levels:
-        raise ValueError(
-            f"methods[{index}].level_k: {spec.level_k} is not a level of the K={spec.K} codebook "
-            f"tree (branching {FITTED_BRANCHING}); its levels are {', '.join(map(str, levels))}"
-        )
+    for field, size in (("level_k", spec.level_k), ("level_min_k", spec.level_min_k)):
+        if size not in (None, "auto") and size not in levels:
+            raise ValueError(
+                f"methods[{index}].{field}: {size} is not a level of the K={spec.K} codebook "
+                f"tree (branching {FITTED_BRANCHING}); its levels are "
+                f"{', '.join(map(str, levels))}"
+            )
 
 
 def _check_devices_fit(counts: list[int], model: str) -> None:

@@ -18,8 +18,8 @@ _ACCEPTS: dict[str, tuple[str, ...]] = {
     "voltage": (),
     "prism": ("segment", "mean_bits"),
     "astra": ("K", "packed", "dedup"),
-    "trace-b": ("K", "level_k", "buffers", "dedup", "placement"),
-    "trace-nb": ("K", "level_k", "dedup", "placement", "remote_ffn"),
+    "trace-b": ("K", "level_k", "level_min_k", "buffers", "dedup", "placement"),
+    "trace-nb": ("K", "level_k", "level_min_k", "dedup", "placement", "remote_ffn"),
 }
 
 
@@ -32,6 +32,8 @@ class MethodSpec:
         K: codebook size (astra, trace-*).
         level_k: codewords at the tree level used for encoding (trace-*); None = finest (K),
             "auto" = chosen per session from the link rate and the local FFN time.
+        level_min_k: with level_k "auto", the coarsest level it may choose (codewords): a
+            floor on accuracy, since the rule weighs only time; None = the coarsest level.
         segment: Prism's group size s.
         mean_bits: width of each transmitted Prism mean element (32 = fp32, 16 = fp16).
         packed: Astra indices packed at ceil(log2 K) bits instead of 16-bit words.
@@ -50,6 +52,7 @@ class MethodSpec:
     name: str
     K: int = 1024
     level_k: int | str | None = None
+    level_min_k: int | None = None
     segment: int = 10
     mean_bits: int = 32
     packed: bool = False
@@ -124,7 +127,18 @@ def _check(spec: MethodSpec) -> None:
     for flag in ("packed", "buffers", "dedup", "remote_ffn"):
         if not isinstance(getattr(spec, flag), bool):
             raise ConfigError(f"{where}: {flag} must be true or false", flag)
-    level = spec.level_k
+    level, floor = spec.level_k, spec.level_min_k
+    if floor is not None:
+        if level != "auto":
+            raise ConfigError(
+                f"{where}: level_min_k bounds level_k: auto from below; level_k is {level!r}",
+                "level_min_k",
+            )
+        if isinstance(floor, bool) or not isinstance(floor, int) or not 2 <= floor <= spec.K:
+            raise ConfigError(
+                f"{where}: level_min_k must be an integer in 2..K={spec.K}, got {floor!r}",
+                "level_min_k",
+            )
     if level is None or level == "auto":
         return
     if isinstance(level, bool) or not isinstance(level, int) or not 2 <= level <= spec.K:

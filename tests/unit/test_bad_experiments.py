@@ -154,6 +154,16 @@ CASES: list[tuple[str, str, str]] = [
     ("method-buffers-int", exp("", "methods: [{name: trace-b, buffers: 1}]\n"), ".buffers: "),
     ("method-mean-bits", exp("", "methods: [{name: prism, mean_bits: 8}]\n"), ".mean_bits: "),
     ("level-not-in-tree", exp("", "methods: [{name: trace-b, K: 64, level_k: 48}]\n"), "32, 64"),
+    (
+        "floor-not-in-tree",
+        exp("", "methods: [{name: trace-b, K: 64, level_k: auto, level_min_k: 12}]\n"),
+        "methods[0].level_min_k: 12 is not a level of the K=64 codebook tree",
+    ),
+    (
+        "floor-without-auto",
+        exp("", "methods: [{name: trace-nb, K: 64, level_min_k: 16}]\n"),
+        "methods[0].level_min_k: method 'trace-nb': level_min_k bounds level_k: auto from below",
+    ),
     ("level-odd", exp("", "methods: [{name: trace-nb, K: 1024, level_k: 3}]\n"), ".level_k: "),
     ("level-over-K", exp("", "methods: [{name: trace-b, K: 64, level_k: 128}]\n"), ".level_k: "),
     ("level-in-grid", exp("", "methods: [{name: trace-b, K: 100, level_k: [50, 64]}]\n"), "7, 13"),
@@ -480,8 +490,12 @@ def small_bundle(tmp_path_factory) -> Path:
         ("{name: trace-nb, K: 16}", "has no trace-nb codebooks (it has: trace-b)"),
         ("{name: trace-b, K: 64}", "trace-b K=64, its codebooks have 16"),
         ("{name: trace-b, K: 16, level_k: 3}", "level_k=3 is not a level of its codebook tree"),
+        (
+            "{name: trace-b, K: 16, level_k: auto, level_min_k: 6}",
+            "level_min_k=6 is not a level of its codebook tree (levels: 2, 4, 8, 16)",
+        ),
     ],
-    ids=["family", "K", "level"],
+    ids=["family", "K", "level", "floor"],
 )
 def test_a_given_bundle_without_what_the_methods_ask_for(capsys, tmp_path, small_bundle, method,
                                                          expected):  # fmt: skip

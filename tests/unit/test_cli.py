@@ -34,7 +34,8 @@ def test_bad_experiment_exits_2_with_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == (
         f"testbed.run: {bad}: methods[0].levle_k: method 'trace-b': unknown parameter "
-        "'levle_k' (did you mean 'level_k'?); accepts K, level_k, buffers, dedup, placement"
+        "'levle_k' (did you mean 'level_k'?); accepts K, level_k, level_min_k, buffers, dedup, "
+        "placement"
     )
     assert not (tmp_path / "x").exists()
 

@@ -22,10 +22,14 @@ OFFSET_NS = 5_000_000_000  # the peer's clock is 5 s ahead
 
 
 @pytest.fixture(scope="module")
-def method():
+def parts():
     model = tracevq.build_model("vit-tiny")
-    bundle = fit_bundle(model, torch.randn(4, 3, 32, 32), K=16, families=("trace-b",))
-    return make_method("trace-b", model, bundle, K=16, level_k="auto")
+    return model, fit_bundle(model, torch.randn(4, 3, 32, 32), K=16, families=("trace-b",))
+
+
+@pytest.fixture(scope="module")
+def method(parts):
+    return make_method("trace-b", *parts, K=16, level_k="auto")
 
 
 def wire_bytes(method, level: int) -> int:
@@ -135,3 +139,11 @@ def test_the_largest_recent_messages_set_the_estimate(method):
     for _ in range(HISTORY - 1):
         assert live.update(coarse, blocks) == 3 and live.rate_mbit == fine_rate
     assert live.update(coarse, blocks) == 0 and live.rate_mbit < fine_rate / 2
+
+
+def test_a_floor_bounds_the_choice_and_nothing_above_it(parts):
+    floored = make_method("trace-b", *parts, K=16, level_k="auto", level_min_k=4)
+    live = LiveLevel(floored, TOKENS, BATCH, {1: OFFSET_NS}, lambda *_: None)
+    assert live.update(*inference(floored, 1, rate_mbit=1.0, ffn_ms=1.0)) == 1  # not 0
+    assert floored.level == 1
+    assert live.update(*inference(floored, 1, rate_mbit=1.0, ffn_ms=10.0)) == 3

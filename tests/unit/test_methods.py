@@ -8,7 +8,7 @@ import tracevq.spec
 from tracevq.bundle import Bundle, fit_bundle
 from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError, ProtocolError
-from tracevq.methods import make_method
+from tracevq.methods import auto_level, make_method
 from tracevq.payload import exchanges
 
 K = 16
@@ -148,6 +148,20 @@ def test_codebook_methods_need_a_matching_bundle(model, bundle):
         make_method("trace-b", model, bundle, K=K, segment=3)
     with pytest.raises(ConfigError, match=r"level_k must be 'auto' or an integer in 2..K=16"):
         make_method("trace-b", model, bundle, K=K, level_k=64)
+    with pytest.raises(ConfigError, match=r"level_min_k bounds level_k: auto from below"):
+        make_method("trace-b", model, bundle, K=K, level_k=8, level_min_k=4)
+    with pytest.raises(ConfigError, match=r"level_min_k must be an integer in 2..K=16, got 32"):
+        make_method("trace-nb", model, bundle, K=K, level_k="auto", level_min_k=32)
+    with pytest.raises(ConfigError, match=r"no codebook tree level has 3 codewords"):
+        make_method("trace-b", model, bundle, K=K, level_k="auto", level_min_k=3)
+
+
+def test_auto_never_goes_below_its_floor():
+    bits = [1, 2, 3, 4]  # levels 0..3
+    assert auto_level(bits, 1000, 1e6, budget_ms=0.1) == 0  # nothing fits: the coarsest
+    assert auto_level(bits, 1000, 1e6, budget_ms=0.1, floor=2) == 2
+    assert auto_level(bits, 1000, 1e6, budget_ms=4.5, floor=2) == 3  # 4,008 bits in 4.0 ms
+    assert auto_level(bits, 1000, 1e6, budget_ms=3.5, floor=1) == 2  # above it, as without
 
 
 def _messages(method, model, inputs, rank=1):

@@ -136,6 +136,8 @@ class TraceMethod(Method):
         assert placement is not None and placement.method == spec.name, "spec checks placement"
         self.placement = placement
         self.level = trees[0].level_for_size(spec.resolved_level_k)
+        # the coarsest level `auto` may choose
+        self.min_level = trees[0].level_for_size(spec.level_min_k) if spec.level_min_k else 0
         use_buffers = spec.name == "trace-b" and spec.buffers
         self.buffers = self._compute_buffers() if use_buffers else None
 
@@ -241,11 +243,13 @@ class TraceMethod(Method):
         }
 
 
-def auto_level(level_bits: list[int], rows: int, rate_bit_s: float, budget_ms: float) -> int:
+def auto_level(
+    level_bits: list[int], rows: int, rate_bit_s: float, budget_ms: float, floor: int = 0
+) -> int:
     """Finest level whose message (rows indices + header) crosses the link within the budget
-    (the local FFN time, so that communication stays hidden); the coarsest if none fits."""
-    for level in range(len(level_bits) - 1, -1, -1):
+    (the local FFN time, so that communication stays hidden); `floor` if none above it fits."""
+    for level in range(len(level_bits) - 1, floor - 1, -1):
         transfer_ms = 1000.0 * (rows * level_bits[level] + 8) / rate_bit_s
         if transfer_ms <= budget_ms:
             return level
-    return 0
+    return floor
