@@ -16,7 +16,8 @@ taken over them: the same codeword as a full float32 search, up to float32 round
 that tie within it (a slack of 1e-5 of the scores' magnitude covers the rounding of both).
 Where the screen would not pay (few rows times codewords, or narrow rows) or leaves too much
 to rescore (codewords that all lie about as far from the rows, as random ones do), the full
-float32 search runs instead.
+float32 search runs instead (`full_search`, also k-means' assignment step): block by block of
+rows, so that each block's scores are still in cache when their argmin reads them.
 """
 
 from __future__ import annotations
@@ -108,8 +109,6 @@ class CodewordSearch:
 def full_search(x: Tensor, codewords: Tensor, sq_norms: Tensor) -> Tensor:
     """Index of the nearest of `codewords` (K, D) to each row of x (n, D) by the float32
     scores ||c||^2 - 2 x.c, BLOCK_ROWS rows at a time; `sq_norms` = ||c||^2 (K,)."""
-    if len(x) <= BLOCK_ROWS:
-        return _argmin_rows(torch.addmm(sq_norms, x, codewords.t(), alpha=-2.0))
     nearest = torch.empty(len(x), dtype=torch.long)
     for start in range(0, len(x), BLOCK_ROWS):
         block = torch.addmm(sq_norms, x[start : start + BLOCK_ROWS], codewords.t(), alpha=-2.0)
