@@ -28,6 +28,11 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 RATE_MBIT = 5.0
 
 
+def no_link_counters() -> dict[int, dict[str, float | None]]:
+    """Links.counters for links nothing shapes here: no bytes counted, no emulator."""
+    return {rank: {"sent_bytes": 0, "stalled_ms": None} for rank in (0, 1)}
+
+
 def experiment_of(**changes: Any) -> Any:
     return parse_experiment({
         "name": "secret",
@@ -107,7 +112,7 @@ def test_a_worker_without_the_run_secret_is_refused_in_the_handshake(
         }  # fmt: skip
         directory = backend.run_dir / "sessions" / "s"
         outcome = run_session(backend, experiment, trials, directory, WORKER_PORT, identity,
-                              LinkState(RATE_MBIT), files, lambda: {0: 0, 1: 0})  # fmt: skip
+                              LinkState(RATE_MBIT), files, no_link_counters)  # fmt: skip
     finally:
         backend.stop()
         remove_leftovers(backend.run_id)

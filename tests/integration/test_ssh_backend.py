@@ -62,6 +62,11 @@ Subsystem sftp internal-sftp
 """
 
 
+def no_link_counters() -> dict[int, dict[str, float | None]]:
+    """Links.counters for links nothing shapes here: no bytes counted, no emulator."""
+    return {rank: {"sent_bytes": 0, "stalled_ms": None} for rank in (0, 1)}
+
+
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=60)
 
@@ -435,7 +440,7 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     }  # fmt: skip
     directory = backend.run_dir / "sessions" / "s"
     outcome = run_session(backend, experiment, trials, directory, WORKER_PORT, identity,
-                          LinkState(RATE_MBIT), files, lambda: {0: 0, 1: 0})  # fmt: skip
+                          LinkState(RATE_MBIT), files, no_link_counters)  # fmt: skip
     assert outcome.ok, outcome.error
     assert {"session.json", "records.json", "spec.json"} <= {
         p.name for p in (directory / "rank1").iterdir()
