@@ -117,9 +117,9 @@ CONTEXT = _columns(
      "level; empty before its first estimate and for other methods"),
     ("link_sent_bytes", "Int64", "B", "bytes the device's link carried during the whole "
      "session (its trials, warm-ups, handshakes, TCP/IP headers and ACKs included)"),
-    ("link_stalled_ms", "float64", "ms", "serial emulator: how long the machine held up the "
-     "port of this device's uplink during the session (its stalls: frames more than 1 ms "
-     "late; the link loses up to that much time); empty on tbf links"),
+    ("link_stalled_ms", "float64", "ms", "serial emulator: how long the machine held it up "
+     "during this inference, its ports summed (stalls: frames that left more than 1 ms late; "
+     "a message behind one arrives up to that much later); empty on tbf links"),
     ("clock_offset_ms", "float64", "ms", "device 0's clock minus this device's, from the "
      "handshake; added to this device's marks"),
     ("clock_uncertainty_ms", "float64", "ms", "half the best round trip of that measurement"),

@@ -91,12 +91,14 @@ def trial_rows(
     identity: dict[int, dict[str, Any]],
     records: dict[int, DeviceRecords],
     replay: TraceReplay | None = None,
+    stalls: list[tuple[int, int]] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Rows of one trial: `identity` holds each rank's plan, link and session facts (every
     column that is not measured), `records` each rank's records of this trial's run only,
     `replay` the trace played during the session, if any (the rate in force at an inference's
     start is the step it had applied by then: the devices' clocks are the host's, except on
-    ssh boards, whose clocks are only as close to the host's as their NTP keeps them)."""
+    ssh boards, whose clocks are only as close to the host's as their NTP keeps them),
+    `stalls` the serial emulator's stalls (start ns, length ns) of every port, if it ran."""
     timeline = Timeline(records)
     ranks = sorted(records)
     trials, layers = [], []
@@ -133,6 +135,7 @@ def trial_rows(
                 **context,
                 **link,
                 "est_rate_mbit": record.est_rate_mbit,
+                "link_stalled_ms": stalled_ms(stalls, record.start_ns, record.end_ns),
                 **totals(by_inference[record.inference]),
                 **levels.get(record.inference, {}),
                 "repeat": record.inference,
@@ -144,6 +147,14 @@ def trial_rows(
                 "error": "",
             })  # fmt: skip
     return frame(trials, TRIAL_COLUMNS), frame(layers, LAYER_COLUMNS)
+
+
+def stalled_ms(stalls: list[tuple[int, int]] | None, start_ns: int, end_ns: int) -> float | None:
+    """How much of the stalls falls within [start_ns, end_ns]; None without a stall log."""
+    if stalls is None:
+        return None
+    overlap = sum(max(0, min(end_ns, s + n) - max(start_ns, s)) for s, n in stalls)
+    return overlap / 1e6
 
 
 SUMMED = ("wait_peer_ms", "wait_link_ms", "wait_wakeup_ms", "comm_ms", "send_ms", "wire_comm_ms",

@@ -30,7 +30,8 @@ Decisions:
   `time.time()` (both CLOCK_REALTIME) is replaced by `time.time()`, with one warning.
 - Stalls: a frame that leaves more than `STALL_S` late was held up by the machine (a VM's
   vCPU held by its host, kernel work), not by a wake-up; SCHED_FIFO cannot prevent those.
-  The counters keep the stalls and their length (`stalls`, `stalled_ms`): under load here,
+  The counters keep the stalls, their length and when each began (`stalls`, `stalled_ms`,
+  `stall_log`: [start s, ms] by time.time(), the last STALL_LOG of them): under load here,
   about one 5 ms stall per CPU every few seconds, once 12.6 ms. A TCP flow keeps only a
   millisecond or two of frames queued, so its link loses about a stall's length each time.
 - Waiting (`wait_until`): sleep, then optionally poll the last `spin_us` (at most
@@ -73,8 +74,9 @@ import struct
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.errors import ShapingError
@@ -102,6 +104,7 @@ DEFAULT_SPIN_US = 0.0
 SPIN_SHARE = 0.125
 # a frame this late was held up by the machine, not by a wake-up (those are 5-150 us late)
 STALL_S = 1e-3
+STALL_LOG = 10_000  # stalls kept with their times (a run sees one every few seconds at most)
 SWITCH_INTERVAL_S = 50e-6
 FIFO_PRIORITY = 10  # above every normal task, below the kernel's threaded interrupts (50)
 TIMESTAMP_SANITY_S = 60.0
@@ -250,8 +253,10 @@ class PortCounters:
     stalls: int = 0
     stalled_s: float = 0.0
     stalling: bool = False
+    stall_log: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=STALL_LOG))
 
-    def record(self, frame_bytes: int, queued_s: float, late_s: float) -> None:
+    def record(self, frame_bytes: int, queued_s: float, late_s: float, due_s: float) -> None:
+        """A frame sent `late_s` after `due_s`, its scheduled end (time.time())."""
         self.frames += 1
         self.bytes += frame_bytes
         self.queued_s_sum += queued_s
@@ -261,6 +266,7 @@ class PortCounters:
         if late_s > STALL_S and not self.stalling:
             self.stalls += 1
             self.stalled_s += late_s
+            self.stall_log.append((due_s, late_s))
         self.stalling = late_s > STALL_S
 
     def as_dict(self) -> dict[str, float]:
@@ -276,6 +282,7 @@ class PortCounters:
             "late_us_max": round(1e6 * self.late_s_max, 1),
             "stalls": self.stalls,
             "stalled_ms": round(1e3 * self.stalled_s, 3),
+            "stall_log": [[round(start, 6), round(1e3 * s, 3)] for start, s in self.stall_log],
         }
 
 
@@ -358,7 +365,7 @@ class Port:
             wait_until(end_s, self.spin_s)
             late_s = time.time() - end_s
             forward(self, frame)
-            self.counters.record(size, start_s - arrival_s, late_s)
+            self.counters.record(size, start_s - arrival_s, late_s, end_s)
 
     def stats(self) -> dict[str, float]:
         """The counters (drops read from the kernel), the rate and the queue's kernel memory."""

@@ -29,7 +29,7 @@ from devices.spec import MethodRun, RunSpec
 from testbed.backends.base import Backend, Device, ExecResult
 from testbed.bundles import RunFiles
 from testbed.errors import TestbedError
-from testbed.link.links import LinkState
+from testbed.link.links import LinkCounters, LinkState
 from testbed.link.replay import TraceReplay
 from testbed.plan import Trial
 from testbed.results import write_text
@@ -144,7 +144,7 @@ def run_session(
     identity: dict[str, dict[int, dict[str, Any]]],
     link: LinkState,
     files: RunFiles,
-    link_counters: Callable[[], dict[int, dict[str, float | None]]],
+    link_counters: Callable[[], dict[int, LinkCounters]],
     replay: TraceReplay | None = None,
 ) -> SessionOutcome:
     """Run `trials` in one session on the backend's devices; `identity[trial id][rank]` holds
@@ -177,7 +177,11 @@ def run_session(
         )
     for facts in identity.values():
         for rank, row in facts.items():
-            row.update(session_s=session_s, **_link_columns(before[rank], after[rank]))
+            sent = after[rank].sent_bytes - before[rank].sent_bytes
+            row.update(session_s=session_s, link_sent_bytes=sent)
+    # every port's stalls: a device waits for messages that cross its peers' ports
+    logs = [counters.stalls for counters in after.values()]
+    stalls = None if any(s is None for s in logs) else sorted(s for log in logs for s in log or [])
     failures = [r for r in results if not r.ok]
     error = (failures[0].tail(1) or f"exit status {failures[0].returncode}") if failures else ""
     records: dict[int, DeviceRecords] = {}
@@ -198,7 +202,7 @@ def run_session(
             outcome.rows[trial.trial_id] = (failed_rows(identity[trial.trial_id], str(problem)),
                                             pd.DataFrame())  # fmt: skip
             continue
-        outcome.rows[trial.trial_id] = trial_rows(identity[trial.trial_id], mine, replay)
+        outcome.rows[trial.trial_id] = trial_rows(identity[trial.trial_id], mine, replay, stalls)
     return outcome
 
 
@@ -213,12 +217,3 @@ def only_run(records: DeviceRecords, run: str) -> DeviceRecords:
         [r for r in records.blocks if r.run == run],
         [r for r in records.arrivals if r.run == run],
     )
-
-
-def _link_columns(before: dict[str, float | None], after: dict[str, float | None]) -> dict:
-    """A device's link counters over the session, as row columns."""
-    stalled = after["stalled_ms"]
-    return {
-        "link_sent_bytes": after["sent_bytes"] - before["sent_bytes"],
-        "link_stalled_ms": None if stalled is None else round(stalled - before["stalled_ms"], 3),
-    }

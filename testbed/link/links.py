@@ -205,15 +205,17 @@ class Links:
                       device.name, device.interface, up, down, caps)  # fmt: skip
             apply(device, plan(self.profile, up, peer_caps_mbit=caps, downlink_mbit=down))
 
-    def counters(self) -> dict[int, dict[str, float | None]]:
-        """Per rank, what its link has done so far: `sent_bytes` (its egress qdisc's counter)
-        and, on the serial emulator, `stalled_ms` (its port's stalls, else None)."""
+    def counters(self) -> dict[int, LinkCounters]:
+        """Per rank, what its link has done so far: bytes carried (its egress qdisc's counter)
+        and, on the serial emulator, its port's stalls (else None)."""
         serial = self.switch.stats() if self.switch is not None else {}
         return {
-            d.rank: {
-                "sent_bytes": qdisc_sent_bytes(self.backend.qdisc_stats(d)),
-                "stalled_ms": serial[d.rank]["stalled_ms"] if serial else None,
-            }
+            d.rank: LinkCounters(
+                qdisc_sent_bytes(self.backend.qdisc_stats(d)),
+                [(round(start * 1e9), round(ms * 1e6)) for start, ms in serial[d.rank]["stall_log"]]
+                if serial
+                else None,
+            )
             for d in self.backend.devices
         }
 
@@ -227,6 +229,15 @@ class Links:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class LinkCounters:
+    """A device's link so far: bytes carried, and the serial emulator's stalls of its port as
+    (start ns, length ns) by CLOCK_REALTIME (None on links the emulator does not clock)."""
+
+    sent_bytes: int
+    stalls: list[tuple[int, int]] | None = None
 
 
 def qdisc_sent_bytes(text: str) -> int:

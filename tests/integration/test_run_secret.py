@@ -17,7 +17,7 @@ import pytest
 from testbed.backends.base import DeviceSpec, write_secret
 from testbed.backends.local import LocalBackend, remove_leftovers
 from testbed.bundles import prepare_run_files
-from testbed.link.links import LinkState
+from testbed.link.links import LinkCounters, LinkState
 from testbed.plan import plan_trials
 from testbed.runner import Runner
 from testbed.schema import parse_experiment
@@ -28,9 +28,9 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 RATE_MBIT = 5.0
 
 
-def no_link_counters() -> dict[int, dict[str, float | None]]:
+def no_link_counters() -> dict[int, LinkCounters]:
     """Links.counters for links nothing shapes here: no bytes counted, no emulator."""
-    return {rank: {"sent_bytes": 0, "stalled_ms": None} for rank in (0, 1)}
+    return {rank: LinkCounters(0) for rank in (0, 1)}
 
 
 def experiment_of(**changes: Any) -> Any:

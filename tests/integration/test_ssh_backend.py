@@ -62,11 +62,6 @@ Subsystem sftp internal-sftp
 """
 
 
-def no_link_counters() -> dict[int, dict[str, float | None]]:
-    """Links.counters for links nothing shapes here: no bytes counted, no emulator."""
-    return {rank: {"sent_bytes": 0, "stalled_ms": None} for rank in (0, 1)}
-
-
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=60)
 
@@ -422,7 +417,7 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     handshake measures the skew, and comm, measured across the two clocks, stays what the
     link gives (the skew would otherwise add or remove seconds per message)."""
     from testbed.bundles import prepare_run_files
-    from testbed.link.links import LinkState
+    from testbed.link.links import LinkCounters, LinkState
     from testbed.plan import plan_trials
     from testbed.schema import parse_experiment
     from testbed.sessions import WORKER_PORT, run_session
@@ -440,7 +435,8 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     }  # fmt: skip
     directory = backend.run_dir / "sessions" / "s"
     outcome = run_session(backend, experiment, trials, directory, WORKER_PORT, identity,
-                          LinkState(RATE_MBIT), files, no_link_counters)  # fmt: skip
+                          LinkState(RATE_MBIT), files,
+                          lambda: {rank: LinkCounters(0) for rank in (0, 1)})  # fmt: skip
     assert outcome.ok, outcome.error
     assert {"session.json", "records.json", "spec.json"} <= {
         p.name for p in (directory / "rank1").iterdir()

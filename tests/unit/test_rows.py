@@ -9,7 +9,7 @@ import pytest
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
 from testbed.columns import LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, readme_tables
-from testbed.rows import trial_rows
+from testbed.rows import stalled_ms, trial_rows
 from testbed.wire import tcp_frame_bytes
 
 MS = 1_000_000  # ns
@@ -115,3 +115,13 @@ def test_a_block_without_messages_has_no_peer_or_link_wait():
     trials, layers = trial_rows({0: dict(facts), 1: dict(facts)}, records)
     assert (trials[["wait_peer_ms", "wait_link_ms", "wait_wakeup_ms"]] == 0).all().all()
     assert (layers["comm_ms"] == 0).all() and (layers["message_bytes"] == 0).all()
+
+
+def test_an_inference_counts_the_part_of_each_stall_within_it():
+    ms = 1_000_000
+    stalls = [(0, 5 * ms), (8 * ms, 4 * ms), (30 * ms, 2 * ms)]  # (start ns, length ns)
+    assert stalled_ms(stalls, 10 * ms, 20 * ms) == 2.0  # the second's last 2 ms
+    assert stalled_ms(stalls, 0, 40 * ms) == 11.0
+    assert stalled_ms(stalls, 13 * ms, 29 * ms) == 0.0
+    assert stalled_ms([], 0, 40 * ms) == 0.0
+    assert stalled_ms(None, 0, 40 * ms) is None  # tbf links: nothing to count

@@ -181,8 +181,8 @@ def test_downlink_and_pair_commands() -> None:
 
 def test_counters_keep_totals_means_and_maxima() -> None:
     counters = PortCounters()
-    counters.record(1514, queued_s=0.0, late_s=10e-6)
-    counters.record(66, queued_s=2e-3, late_s=30e-6)
+    counters.record(1514, queued_s=0.0, late_s=10e-6, due_s=100.0)
+    counters.record(66, queued_s=2e-3, late_s=30e-6, due_s=100.001)
     stats = counters.as_dict()
     assert (stats["frames"], stats["bytes"]) == (2, 1580)
     assert (stats["queued_us_mean"], stats["queued_us_max"]) == (1000.0, 2000.0)
@@ -309,8 +309,10 @@ def test_offloads_include_transmit_checksums() -> None:
 
 def test_a_run_of_late_frames_counts_as_one_stall_of_its_first_frames_lateness():
     counters = PortCounters()
-    for late_s in (0.0001, 0.004, 0.003, 0.0009, 0.0002, 0.0015, 0.0001):
-        counters.record(1514, 0.0, late_s)
+    lateness_s = (0.0001, 0.004, 0.003, 0.0009, 0.0002, 0.0015, 0.0001)
+    for frame, late_s in enumerate(lateness_s):
+        counters.record(1514, 0.0, late_s, due_s=100.0 + frame / 1000)
     stats = counters.as_dict()
     assert (stats["stalls"], stats["stalled_ms"]) == (2, 5.5)
+    assert stats["stall_log"] == [[100.001, 4.0], [100.005, 1.5]]  # when each began, its ms
     assert stats["late_us_max"] == 4000.0
