@@ -5,7 +5,8 @@ per-repetition ratios, the repetitions paired in time), in the figures' variant 
 a replayed trace the rows are the rates in force when the inferences started, with the mean
 codewords of the levels used. With an accuracy study's table (`report.level_accuracy`), a
 last column gives the mean over the group's rows (every device's every inference) of the
-study's top-1 at the level each used (`level_accuracy_pct`, testbed.level_accuracy).
+study's top-1 at the level each used (`level_accuracy_pct`, testbed.level_accuracy). A
+last line counts the inferences during which the serial emulator stalled, if any.
 
     P=2 vit-b16 (6 repetitions)   effective ms [95% CI]      comm ms   vs voltage
     1 Mbit/s  voltage             14,210 [14,102, 14,305]     13,402       1.00x
@@ -98,7 +99,21 @@ def answer_lines(results: Results) -> list[str]:
         table = results.config.get("report", {}).get("level_accuracy")
         lines += ["", f"{LEVEL_ACCURACY}: the accuracy study's top-1 at the level each inference "
                   f"used ({table}; the rows matched: level_accuracy.csv)"]  # fmt: skip
-    return lines
+    return lines + _stall_lines(ok)
+
+
+def _stall_lines(ok: pd.DataFrame) -> list[str]:
+    """A note when the serial emulator stalled during some inferences (link_stalled_ms)."""
+    if "link_stalled_ms" not in ok or not (ok["link_stalled_ms"].fillna(0) > 0).any():
+        return []
+    per = ok.groupby(["trial_id", "repeat"])["link_stalled_ms"].max()  # the devices' windows
+    hit = per[per > 0]
+    note = (
+        f"link stalls: the machine held the serial emulator up during {len(hit)} of {len(per)} "
+        f"inferences ({hit.sum():.1f} ms in all, at most {hit.max():.1f} ms in one; "
+        "link_stalled_ms): their communication may read longer than the link's"
+    )
+    return ["", note]
 
 
 def _extra_columns(ok: pd.DataFrame, keys: list[str], traced: bool) -> dict[str, pd.Series]:

@@ -143,3 +143,22 @@ def test_a_trace_run_with_a_level_table_answers_the_accuracy_of_the_levels_used(
     figure = make_figures(results)[-1]
     assert figure.name == "trace.png"
     assert Image.open(figure).size[1] > plain[1] * 1.15  # a fourth panel: accuracy over time
+
+
+def test_the_answer_counts_the_inferences_the_emulator_stalled_in(tmp_path):
+    from testbed.answer import answer_lines
+
+    results = trace_results(tmp_path)
+    trials = results.trials
+    trials["trial_id"] = trials["params"]
+    trials["link_stalled_ms"] = 0.0
+    assert not any(line.startswith("link stalls") for line in answer_lines(results))
+    # per trial, one inference seen by both devices (one stall, counted once), one by one
+    trials.loc[trials["repeat"] == 3, "link_stalled_ms"] = 5.0
+    trials.loc[(trials["repeat"] == 7) & (trials["rank"] == 1), "link_stalled_ms"] = 12.5
+    stalls = [line for line in answer_lines(results) if line.startswith("link stalls")]
+    assert stalls == [
+        "link stalls: the machine held the serial emulator up during 6 of 90 inferences "
+        "(52.5 ms in all, at most 12.5 ms in one; link_stalled_ms): their communication may "
+        "read longer than the link's"
+    ]
