@@ -269,7 +269,7 @@ class PortCounters:
             self.stall_log.append((due_s, late_s))
         self.stalling = late_s > STALL_S
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         frames = max(self.frames, 1)
         return {
             "frames": self.frames,
@@ -367,7 +367,7 @@ class Port:
             forward(self, frame)
             self.counters.record(size, start_s - arrival_s, late_s, end_s)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         """The counters (drops read from the kernel), the rate and the queue's kernel memory."""
         assert self.sock is not None
         _, dropped = PACKET_STATS.unpack(
