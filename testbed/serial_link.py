@@ -60,6 +60,7 @@ Protocol: `python -m testbed.serial_link serve PORT=RATE_BIT_S ...` prints `read
 port is open, then answers one line on stdout per command line on stdin: `rate PORT BIT_S` ->
 `ok`; `down PORT BIT_S` (0: unshaped) -> `ok`; `pair SRC DST BIT_S` (0: none) -> `ok`;
 `stats` -> JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
+`testbed.serial_protocol` parses the command line and the commands.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import socket
 import struct
@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.errors import ShapingError
+from testbed.serial_protocol import parse_command, parse_port, parse_port_cpus
 from testbed.wire import QUEUE_MS, departure_s, queue_frames, rcvbuf_request_bytes
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,6 @@ PACKET_STATS = struct.Struct("=II")  # tpacket_stats: packets, drops (reset when
 SO_MEMINFO = 55  # u32 array, SK_MEMINFO_RMEM_ALLOC first
 MEMINFO_BYTES = 36  # SK_MEMINFO_VARS (9) x u32
 
-IFNAME_MAX_CHARS = 15
 FRAME_BUFFER_BYTES = 65536
 DEFAULT_SPIN_US = 0.0
 SPIN_SHARE = 0.125
@@ -126,85 +126,6 @@ def kernel_timestamp_s(ancillary: Iterable[tuple[int, int, bytes]]) -> float | N
             continue
         return seconds + nanoseconds * 1e-9
     return None
-
-
-def parse_port(text: str) -> tuple[str, float]:
-    """`IFNAME=RATE_BIT_S` -> (interface, rate)."""
-    name, sep, rate_text = text.partition("=")
-    if not sep or not name or len(name) > IFNAME_MAX_CHARS or "/" in name:
-        raise ShapingError(f"port {text!r}: expected IFNAME=RATE_BIT_S (IFNAME <= 15 characters)")
-    return name, _rate(rate_text, f"port {text!r}")
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """'0', '0,2', '1-3' -> the CPU numbers (the format of taskset and Docker's cpuset)."""
-    cpus: set[int] = set()
-    try:
-        for part in text.split(","):
-            low, _, high = part.partition("-")
-            cpus.update(range(int(low), int(high or low) + 1))
-    except ValueError:
-        raise ShapingError(f"CPU list {text!r}: expected numbers and ranges like 0,2-3") from None
-    if not cpus:
-        raise ShapingError(f"CPU list {text!r} names no CPU")
-    return cpus
-
-
-def parse_port_cpus(text: str, ports: Sequence[str]) -> tuple[str, set[int]]:
-    """`PORT=CPULIST` -> (port, CPUs); the port must be one of `ports`."""
-    name, sep, cpus = text.partition("=")
-    if not sep or name not in ports:
-        raise ShapingError(f"--cpus {text!r}: expected PORT=CPULIST with PORT one of {ports}")
-    return name, parse_cpu_list(cpus)
-
-
-def _rate(text: str, where: str) -> float:
-    try:
-        rate_bit_s = float(text)
-    except ValueError:
-        raise ShapingError(f"{where}: rate {text!r} is not a number of bit/s") from None
-    if not math.isfinite(rate_bit_s) or rate_bit_s <= 0:
-        raise ShapingError(f"{where}: the rate must be a positive number of bit/s, got {text!r}")
-    return rate_bit_s
-
-
-@dataclass(frozen=True)
-class Command:
-    """One stdin command: `rate` or `down` (a port and a rate), `pair` (two ports and a
-    rate; `target` is the receiving port), or `stats`. A `down` or `pair` rate of None
-    removes it."""
-
-    name: str
-    port: str | None = None
-    rate_bit_s: float | None = None
-    target: str | None = None
-
-
-def parse_command(line: str, ports: Iterable[str]) -> Command:
-    """Parses `rate PORT BIT_S`, `down PORT BIT_S`, `pair SRC DST BIT_S` or `stats`; raises
-    ShapingError naming what is wrong."""
-    words, known = line.split(), list(ports)
-    if words == ["stats"]:
-        return Command("stats")
-    named = words[1:-1]
-    for port in named:
-        if port not in known:
-            raise ShapingError(f"{words[0]}: unknown port {port!r} (ports: {', '.join(known)})")
-    if len(words) == 3 and words[0] == "rate":
-        return Command("rate", words[1], _rate(words[2], f"rate {words[1]}"))
-    if len(words) == 3 and words[0] == "down":
-        return Command("down", words[1], _optional_rate(words[2], f"down {words[1]}"))
-    if len(words) == 4 and words[0] == "pair":
-        rate = _optional_rate(words[3], f"pair {words[1]} {words[2]}")
-        return Command("pair", words[1], rate, words[2])
-    raise ShapingError(
-        f"unknown command {line.strip()!r}: expected 'rate PORT BIT_S', 'down PORT BIT_S', "
-        "'pair SRC DST BIT_S' or 'stats'"
-    )
-
-
-def _optional_rate(text: str, where: str) -> float | None:
-    return None if text == "0" else _rate(text, where)
 
 
 # The program ---------------------------------------------------------------------------------

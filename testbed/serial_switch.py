@@ -55,7 +55,7 @@ from typing import IO, Any
 
 from testbed.backends.local import NO_LINK_LOCAL
 from testbed.errors import ShapingError
-from testbed.serial_link import IFNAME_MAX_CHARS
+from testbed.serial_protocol import IFNAME_MAX_CHARS
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,13 @@ from testbed.errors import ShapingError
 from testbed.serial_link import (
     SO_TIMESTAMPNS_NEW,
     SO_TIMESTAMPNS_OLD,
-    Command,
     PortCounters,
     Switch,
     kernel_timestamp_s,
     parse_args,
-    parse_command,
-    parse_cpu_list,
-    parse_port,
     wait_until,
 )
+from testbed.serial_protocol import Command, parse_command, parse_cpu_list, parse_port
 from testbed.serial_switch import SWITCH_SUFFIX, SerialSwitch, offload_argv
 from testbed.wire import (
     MIN_QUEUE_FRAMES,
