@@ -161,7 +161,7 @@ def run_session(
         path = spec.write(outs[device.rank] / "spec.json")
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
     before = link_counters()
-    started = time.monotonic()
+    started, started_ns = time.monotonic(), time.time_ns()
     deadline_s = experiment.timeout_s * len(trials)
     why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
     with replay or contextlib.nullcontext():
@@ -179,9 +179,7 @@ def run_session(
         for rank, row in facts.items():
             sent = after[rank].sent_bytes - before[rank].sent_bytes
             row.update(session_s=session_s, link_sent_bytes=sent)
-    # every port's stalls: a device waits for messages that cross its peers' ports
-    logs = [counters.stalls for counters in after.values()]
-    stalls = None if any(s is None for s in logs) else sorted(s for log in logs for s in log or [])
+    stalls = _session_stalls(after, started_ns)
     failures = [r for r in results if not r.ok]
     error = (failures[0].tail(1) or f"exit status {failures[0].returncode}") if failures else ""
     records: dict[int, DeviceRecords] = {}
@@ -217,3 +215,14 @@ def only_run(records: DeviceRecords, run: str) -> DeviceRecords:
         [r for r in records.blocks if r.run == run],
         [r for r in records.arrivals if r.run == run],
     )
+
+
+def _session_stalls(
+    counters: dict[int, LinkCounters], since_ns: int
+) -> list[tuple[int, int]] | None:
+    """Every port's stalls since `since_ns` (the log spans the switch's life), sorted: a device
+    waits for messages that cross its peers' ports. None where the links are not clocked."""
+    logs = [c.stalls for c in counters.values()]
+    if any(log is None for log in logs):
+        return None
+    return sorted(s for log in logs for s in log or [] if s[0] + s[1] >= since_ns)
