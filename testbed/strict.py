@@ -12,17 +12,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tracevq.fields import field_path, model_at
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
-
-
-def field_path(location: tuple[Any, ...]) -> str:
-    """('boards', 0, 'port') -> 'boards[0].port'."""
-    text = ""
-    for part in location:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
 
 
 def describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
@@ -35,7 +29,7 @@ def _line(problem: Any, root: type[BaseModel]) -> str:
     location = tuple(part for part in problem["loc"] if part != "function-after")
     path = field_path(location)
     if problem["type"] == "extra_forbidden":
-        owner = _model_at(root, location[:-1])
+        owner = model_at(root, location[:-1])
         known = list(owner.model_fields) if owner else []
         hint = difflib.get_close_matches(str(location[-1]), known, n=1)
         return f"{path}: unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
@@ -56,19 +50,3 @@ def _short_repr(value: Any) -> str | None:
         return None
     text = repr(value)
     return text if len(text) <= 60 else None
-
-
-def _model_at(root: type[BaseModel], location: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The model whose fields are at `location` below `root` (list items and optional
-    fields followed through their annotations), or None."""
-    model: type[BaseModel] | None = root
-    for part in location:
-        if model is None or isinstance(part, int):
-            continue
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        model = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
-    return model

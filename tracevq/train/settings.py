@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tracevq.config import known_model_name, model_config
 from tracevq.errors import ConfigError
+from tracevq.fields import field_path, model_at
 from tracevq.placement import PLACEMENTS
 
 TASKS = ("digits", "pairs", "glyphs", "cifar", "folder")
@@ -163,34 +164,16 @@ class Settings(Strict):
         return Path(self.output) / self.name
 
 
-def _path(location: tuple[Any, ...]) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in location).lstrip(".")
-
-
 def _describe(error: dict[str, Any]) -> str:
     location = tuple(error["loc"])
     if error["type"] == "extra_forbidden":
-        model = _section(location[:-1])
+        model = model_at(Settings, location[:-1])
         known = list(model.model_fields) if model is not None else []
         hint = difflib.get_close_matches(str(location[-1]), known, n=1)
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-        return f"{_path(location)}: unknown key{suggestion}"
+        return f"{field_path(location)}: unknown key{suggestion}"
     message = error["msg"].removeprefix("Value error, ")
-    return f"{_path(location)}: {message}" if location else message
-
-
-def _section(parent: tuple[Any, ...]) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Settings
-    for part in parent:
-        if model is None or isinstance(part, int):
-            continue
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        model = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
-    return model
+    return f"{field_path(location)}: {message}" if location else message
 
 
 def parse_settings(data: Any, source: str = "<settings>", **overrides: Any) -> Settings:
