@@ -156,7 +156,7 @@ def parse_inventory(data: Any, source: str = "<inventory>") -> Inventory:
     try:
         return Inventory.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"{source}: " + "; ".join(describe(error, Inventory))) from None
+        raise ConfigError(f"{source}: {describe(error, Inventory)}") from None
 
 
 def load_inventory(path: str | Path) -> Inventory:

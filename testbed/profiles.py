@@ -75,7 +75,7 @@ def parse_profile(data: dict[str, Any], source: str = "<link profile>") -> LinkP
     try:
         return LinkProfile.model_validate(data)
     except ValidationError as error:
-        problems = "; ".join(describe(error, LinkProfile))
+        problems = describe(error, LinkProfile)
         raise ConfigError(f"{source}: invalid link profile: {problems}") from None
 
 

@@ -431,7 +431,7 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> Experiment:
     try:
         return Experiment.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"{source}: " + "; ".join(describe(error, Experiment))) from None
+        raise ConfigError(f"{source}: " + describe(error, Experiment)) from None
 
 
 def load_experiment(path: str | Path) -> Experiment:

@@ -19,10 +19,10 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
-def describe(error: ValidationError, root: type[BaseModel]) -> list[str]:
-    """One line per problem: `field.path: message`, an unknown key with the nearest known
-    one, a wrong type with the value given (and a note when YAML read a number as text)."""
-    return [_line(problem, root) for problem in error.errors()]
+def describe(error: ValidationError, root: type[BaseModel]) -> str:
+    """The problems joined by "; ", each `field.path: message`: an unknown key with the nearest
+    known one, a wrong type with the value given (and a note when YAML read a number as text)."""
+    return "; ".join(_line(problem, root) for problem in error.errors())
 
 
 def _line(problem: Any, root: type[BaseModel]) -> str:
