@@ -57,11 +57,11 @@ lint: dev-venv
 	$(VENV)/bin/ruff format --check .
 
 image: venv
-	$(VENV_PY) -m testbed.image build $(IMAGE_ARGS)
+	$(VENV_PY) -m testbed.backends.docker.image build $(IMAGE_ARGS)
 
 # Stdlib only, so it works before the venv exists.
 docker-up:
-	$(PYTHON) -m testbed.dockerd up
+	$(PYTHON) -m testbed.backends.docker.engine up
 
 # ---------------------------------------------------------------------------
 # Experiments. RUN_ARGS go to testbed.run (e.g. RUN_ARGS='--backend local --out /tmp/r').

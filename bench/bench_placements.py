@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench.compute import bundle_for, compare, device0_flops, measured_input
-from testbed.stats import median_interval, paired_ratio_interval
+from testbed.results.stats import median_interval, paired_ratio_interval
 from tracevq.methods import make_method
 from tracevq.models import build_model
 from tracevq.partition import partition_ranges

@@ -1,7 +1,7 @@
 """`make bench`: the project's speed and measurement targets, measured side by side in one run.
 
 Every figure is a median over repetitions with its distribution-free 95% interval
-(testbed.stats); ratios between methods pair repetitions that ran next to each other in time
+(testbed.results.stats); ratios between methods pair repetitions that ran next to each other in time
 (methods are interleaved: in process round by round, on the testbed inference by inference).
 
 1. In process (one thread, device 0 of P = 2, methods alternating): Trace-b compute /
@@ -41,10 +41,10 @@ import torch
 
 from bench.bench_dedup import unique_fraction
 from bench.compute import bundle_for, compare
-from testbed.results import load
-from testbed.runner import Runner, new_run_id
-from testbed.schema import parse_experiment
-from testbed.stats import Interval, by_repetition, median_interval, paired_ratio_interval
+from testbed.experiment.schema import parse_experiment
+from testbed.results.stats import Interval, by_repetition, median_interval, paired_ratio_interval
+from testbed.results.store import load
+from testbed.sweep.runner import Runner, new_run_id
 from tracevq.models import build_model
 
 PATH_COST_MS = 0.3  # per message: what a real path adds to the wire time at most

@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from testbed.bundles import CACHE_DIR
+from testbed.sweep.bundles import BUNDLE_CACHE_DIR
 from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
 from tracevq.engine import DeviceRun
 from tracevq.methods import Method, make_method
@@ -124,7 +124,7 @@ def bundle_for(
     kinds = "" if families == ("trace-b",) else "-" + "+".join(families)
     fingerprint = model_fingerprint(model)[:16]
     name = f"bench-{model.config.name}-K{K}-c{calibration}{kinds}-{fingerprint}.pt"
-    path = CACHE_DIR / name
+    path = BUNDLE_CACHE_DIR / name
     if path.is_file():
         return Bundle.load(path)
     generator = torch.Generator().manual_seed(CALIBRATION_SEED)

@@ -4,9 +4,9 @@ Run as root from the repository root: `python -m bench.serial_link_check` (about
 `--help` for rates, sizes, counts, shapers). Two network namespaces, a sender `a` and a
 receiver `b`, joined by one of:
 
-- `tbf`: a veth pair, with `testbed.link.plan.plan` and `testbed.link.netlink.apply` (profile
+- `tbf`: a veth pair, with `testbed.kernel.shaping.plan` and `testbed.kernel.netlink.apply` (profile
   `ideal`, the project's two-frame bucket) on a's end, as the project shapes devices today;
-- `serial+tbf`: `testbed.serial_switch.SerialSwitch` (its default, backpressure on: tbf at the
+- `serial+tbf`: `testbed.link.serial.switch.SerialSwitch` (its default, backpressure on: tbf at the
   rate on each device's `sl0` in front of the emulator), both ports at the rate;
 - `serial`: the same switch without the tbf (the emulator alone).
 
@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.serial_link import kernel_timestamp_s
-from testbed.wire import FULL_FRAME_BYTES, TCP_MSS_BYTES, tcp_message_wire_s
+from testbed.link.serial.program import kernel_timestamp_s
+from testbed.link.wire import FULL_FRAME_BYTES, TCP_MSS_BYTES, tcp_message_wire_s
+from testbed.source import python_env
 
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
 SO_TIMESTAMPNS = 35
 PORT = 5301
 SUBNET = ipaddress.IPv4Network("10.214.9.0/24")
@@ -158,9 +158,9 @@ def _namespaces(prefix: str) -> Iterator[tuple[str, str]]:
 
 @contextlib.contextmanager
 def tbf_bed(prefix: str) -> Iterator[Bed]:
-    from testbed.link.netlink import apply
-    from testbed.link.plan import plan
-    from testbed.profiles import load_profile
+    from testbed.experiment.profiles import load_profile
+    from testbed.kernel.netlink import apply
+    from testbed.kernel.shaping import plan
 
     with _namespaces(prefix) as names:
         _ip("-n", names[0], "link", "add", "tbba", "type", "veth", "peer", "name", "tbbb",
@@ -178,7 +178,7 @@ def tbf_bed(prefix: str) -> Iterator[Bed]:
 
 @contextlib.contextmanager
 def serial_bed(prefix: str, args: argparse.Namespace, backpressure: bool) -> Iterator[Bed]:
-    from testbed.serial_switch import SerialSwitch
+    from testbed.link.serial.switch import SerialSwitch
 
     with _namespaces(prefix) as names:
         paths = [f"/var/run/netns/{name}" for name in names]
@@ -207,7 +207,7 @@ def _endpoint(netns: str, *args: object) -> list[str]:
 
 def _pair(bed: Bed, receiver: Sequence[object], sender: Sequence[object]) -> tuple[str, str]:
     """Runs a receiver in b and a sender in a; returns their stdout."""
-    env = dict(os.environ, PYTHONPATH=str(SOURCE_ROOT))
+    env = python_env()
     rx = subprocess.Popen(
         _endpoint(bed.names[1], *receiver), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=env,

@@ -3,7 +3,7 @@
 What a run leaves: containers and networks labelled `testbed.run=<run id>` (Docker, when an
 engine answers), and the local backend's and serial link's network namespaces, veths and
 bridges, named by the run's tag (`tb-<tag>-*`, as root). Whether the run is over is read from
-its lock (testbed.lock): its orchestrator's pid and that process's start time. Without
+its lock (testbed.sweep.lock): its orchestrator's pid and that process's start time. Without
 `--run`, the qdisc probe's throwaway namespaces (`tbprobe-<pid>-*`) whose process is gone go
 too.
 
@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 
 from testbed.errors import TestbedError
-from testbed.lock import Holder, read_locks, remove_lock
+from testbed.sweep.lock import Holder, read_locks, remove_lock
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class CleanReport:
 
 def find_leftovers() -> list[RunLeftovers]:
     """Every run that left something here, with its lock (locks without leftovers too)."""
-    from testbed.backends.docker import engine_available, leftovers_by_run
+    from testbed.backends.docker.backend import engine_available, leftovers_by_run
     from testbed.backends.local import leftovers_by_tag, run_tag
 
     locks = read_locks()
@@ -96,7 +96,7 @@ def why_keep(run: RunLeftovers, chosen: bool, everything: bool) -> str | None:
 
 def clean(run_id: str | None = None, everything: bool = False) -> CleanReport:
     """Removes the leftovers of dead runs (or of `run_id`; `everything`: regardless of locks)."""
-    from testbed.backends.docker import remove_by_label
+    from testbed.backends.docker.backend import remove_by_label
     from testbed.backends.local import remove_leftovers, run_tag
 
     report = CleanReport()
@@ -117,7 +117,7 @@ def clean(run_id: str | None = None, everything: bool = False) -> CleanReport:
             remove_lock(run.holder)
             report.removed.append(f"lock of run {run.holder.run_id} ({run.holder.describe()})")
     if run_id is None and os.geteuid() == 0:
-        from testbed.link.support import remove_stale_probes
+        from testbed.kernel.support import remove_stale_probes
 
         report.removed += remove_stale_probes()
     return report

@@ -20,9 +20,9 @@ from pathlib import Path
 import pandas as pd
 
 from testbed.errors import TestbedError
-from testbed.plan import PAPER_MEGABIT
-from testbed.results import Results, load, write_text
-from testbed.stats import by_repetition, paired_ratio_interval, summarize
+from testbed.results.stats import by_repetition, paired_ratio_interval, summarize
+from testbed.results.store import Results, load, write_text
+from testbed.sweep.plan import PAPER_MEGABIT
 from tracevq.config import model_config
 from tracevq.payload import payload_bits
 

@@ -15,12 +15,13 @@ import sys
 from pathlib import Path
 
 from testbed.errors import ConfigError, TestbedError
+from testbed.experiment.schema import load_experiment
 from testbed.report import build
-from testbed.results import write_text
-from testbed.runner import Runner, new_run_id
-from testbed.schema import load_experiment
+from testbed.results.store import write_text
+from testbed.source import EXPERIMENTS_DIR
+from testbed.sweep.runner import Runner, new_run_id
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments" / "reproduce"
+EXPERIMENTS = EXPERIMENTS_DIR / "reproduce"
 
 
 def run(name: str, out: Path, backend: str) -> tuple[Path, int]:

@@ -8,8 +8,8 @@ Exit status: 0 every trial ok, 1 some trials failed (all else still written) or 
 unexpected error (one line naming the log that holds its traceback), 2 bad input (one line:
 file, field, what is wrong; nothing is written), 130 interrupted. `-v` adds debug logging.
 
-Everything is validated before the run directory is made: the file (testbed.schema), then the
-host, backend and files it names (testbed.preflight), then `--out`.
+Everything is validated before the run directory is made: the file (testbed.experiment.schema), then
+the host, backend and files it names (testbed.sweep.preflight), then `--out`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from testbed import interrupts, voice
+from testbed import voice
 from testbed.errors import ConfigError, TestbedError
-from testbed.names import SLUG_RULE, is_slug
+from testbed.experiment.names import SLUG_RULE, is_slug
+from testbed.source import SOURCE_ROOT
+from testbed.sweep import interrupts
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 ERROR_LOG = "error.log"  # in the run directory: the traceback of an unexpected error
@@ -163,10 +165,10 @@ def new_run_dir(out: Path, experiment_name: str, run_id: str) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from testbed.plan import plan_rows, plan_trials
-    from testbed.preflight import check_experiment
-    from testbed.runner import Runner, new_run_id, prepare_run_dir
-    from testbed.schema import load_experiment
+    from testbed.experiment.schema import load_experiment
+    from testbed.sweep.plan import plan_rows, plan_trials
+    from testbed.sweep.preflight import check_experiment
+    from testbed.sweep.runner import Runner, new_run_id, prepare_run_dir
 
     if args.resume is not None:
         run_dir = args.resume.resolve()
@@ -216,8 +218,8 @@ def _grid(trials) -> str:
 
 def _report(outcome, run_dir: Path) -> None:
     """The answer table, where everything is, and the failures."""
-    from testbed.answer import answer_lines
-    from testbed.results import load
+    from testbed.results.answer import answer_lines
+    from testbed.results.store import load
 
     if (run_dir / "trials.parquet").is_file():
         for line in answer_lines(load(run_dir)):
@@ -229,7 +231,7 @@ def _report(outcome, run_dir: Path) -> None:
     figures = sorted((run_dir / "figures").glob("*.png"))
     if figures:
         print(f"figures in {run_dir / 'figures'}: {', '.join(f.name for f in figures)}")
-    notebook = Path(__file__).resolve().parents[1] / "results" / "analysis.ipynb"
+    notebook = SOURCE_ROOT / "results" / "analysis.ipynb"
     jupyter = Path(sys.executable).parent / "jupyter"
     print(
         f"notebook (tables and figures of this run, written to {run_dir / 'analysis.ipynb'}): "

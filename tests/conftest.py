@@ -86,8 +86,8 @@ def worker_image(docker_client: Any) -> str:
     Skipped (or failed, under TESTBED_REQUIRE_DOCKER=1) only when the local base cannot be made
     here (no debootstrap, not root); any other build failure is a test error.
     """
-    from testbed.base_image import default_base_problem
-    from testbed.image import build_image
+    from testbed.backends.docker.base_image import default_base_problem
+    from testbed.backends.docker.image import build_image
 
     problem = default_base_problem()
     require_or_skip(problem is None, problem or "", REQUIRE_DOCKER)

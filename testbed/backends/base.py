@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from testbed.link.plan import ShapingPlan
+    from testbed.kernel.shaping import ShapingPlan
 
 log = logging.getLogger(__name__)
 
@@ -192,25 +192,25 @@ class Backend(abc.ABC):
 
     def shape(self, device: Device, plan: ShapingPlan) -> None:
         """Shapes the device's egress as planned (replacing any earlier plan)."""
-        from testbed.link import netlink
+        from testbed.kernel import netlink
 
         netlink.apply(device.netns_path, device.interface, plan, self.qdisc_support())
 
     def change_rate(self, device: Device, plan: ShapingPlan) -> None:
         """Changes the rate of the device's shaped egress in place (`netlink.change`)."""
-        from testbed.link import netlink
+        from testbed.kernel import netlink
 
         netlink.change(device.netns_path, device.interface, plan)
 
     def qdisc_stats(self, device: Device) -> str:
         """`tc -s qdisc show` of the device's interface, as text."""
-        from testbed.link import netlink
+        from testbed.kernel import netlink
 
         return netlink.qdisc_stats(device.netns_path, device.interface)
 
     def qdisc_support(self) -> dict[str, bool]:
-        """Which qdiscs the devices' kernel can attach (see `testbed.link.support`)."""
-        from testbed.link.support import qdisc_support
+        """Which qdiscs the devices' kernel can attach (see `testbed.kernel.support`)."""
+        from testbed.kernel.support import qdisc_support
 
         return qdisc_support()
 

@@ -54,6 +54,7 @@ from testbed.backends.base import (
     write_secret,
 )
 from testbed.errors import DeviceError
+from testbed.source import python_env
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,11 @@ DEVICE_INTERFACE = "eth0"
 IFNAME_MAX_CHARS = 15
 MAX_DEVICES = 254  # hosts of one /24, the bridge takes no address
 SUBNET_RANGE = (ipaddress.IPv4Address("10.200.0.0"), ipaddress.IPv4Address("10.254.255.255"))
-SOURCE_ROOT = Path(__file__).resolve().parents[2]  # holds testbed/ and devices/
 KILL_WAIT_S = 5.0
 NO_LINK_LOCAL = {"attrs": [("AF_INET6", {"attrs": [("IFLA_INET6_ADDR_GEN_MODE", 1)]})]}  # none
 
 # the run's namespaces: its switch (sw), its devices (d<N>) and its serial link (sl, made by
-# testbed.serial_switch on either backend); its bridge, the bridge's ports (h<N>) and the
+# testbed.link.serial.switch on either backend); its bridge, the bridge's ports (h<N>) and the
 # serial link's ports (s<N>)
 NETNS_PATTERN = re.compile(r"^tb-(?P<tag>[0-9a-f]{8})-(?:sw|sl|d\d+)$")
 LINK_PATTERN = re.compile(r"^tb(?P<tag>[0-9a-f]{8})(?P<port>[hs]\d+)?$")
@@ -330,13 +330,6 @@ class LocalBackend(Backend):
             netns_path=str(NETNS_DIR / name),
         )
 
-    def _environment(self, device: Device) -> dict[str, str]:
-        env = dict(os.environ, OMP_NUM_THREADS=str(device.threads))
-        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if str(SOURCE_ROOT) not in paths:
-            env["PYTHONPATH"] = os.pathsep.join([str(SOURCE_ROOT), *paths])
-        return env
-
     def spawn(self, device: Device, argv: Sequence[str]) -> Process:
         if device.name not in self.namespaces:
             raise DeviceError(f"{device.name} is not a running device of run {self.run_id}")
@@ -347,7 +340,7 @@ class LocalBackend(Backend):
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=self._environment(device),
+            env=python_env(OMP_NUM_THREADS=str(device.threads)),
             start_new_session=True,
         )
         process = LocalProcess(popen, device.name)

@@ -1,18 +1,13 @@
-"""The links between devices: what shapes them, what measures them, what replays a trace.
+"""The links between a run's devices: what emulates them, what measures them, what replays a
+trace.
 
-One module per concept, as pyroute2 keeps one per qdisc:
-- `tbf`, `netem`, `htb`, `fifo`, `u32`, `ingress`, `ifb`: a qdisc kind's (or filter's, or
-  device's) parameters and `tc`/`ip` argv from rates or a profile (pure, no kernel).
-- `plan`: one interface's qdiscs for a profile at a rate, as `tc` argv and pyroute2 keywords:
-  a root tbf (and netem), or an htb with per-peer classes, and an ifb for a downlink.
+- `links`: `Links`, a run's links under one emulator, shaped at a trial's rates and probed.
+- `emulator`, `emulators`: the `Emulator` interface and the table of emulators (`tbf`, the
+  kernel's token bucket, in `token_bucket`; `serial`, the userspace serial link, in `serial/`).
 - `rates`: a trial's uplinks, downlinks and pair caps, and the transfers that probe them.
-- `support`: which qdiscs this kernel can attach (probed once in a throwaway namespace).
-- `netlink`: a plan applied, changed in place or cleared inside a device's namespace.
 - `probe`: the achieved rate between two devices, measured by the receiver.
-- `links`: `Links`, a run's links under one emulator (tbf or serial), shaped then probed.
-  (The serial emulator itself is `testbed.serial_switch` and `testbed.serial_link`.)
+- `wire`: the arithmetic of frames on a link (segments, frames, wire times, queues).
 - `traces`, `replay`: a rate over time, read or generated, and played on live links.
 
-Importing the package loads neither pyroute2 nor the backends: callers import the module
-they need.
+Importing the package loads nothing: callers import the module they need.
 """

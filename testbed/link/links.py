@@ -4,9 +4,9 @@
 devices. A trial's rates (`testbed.link.rates`: every device's uplink, optional downlinks
 and per-pair caps) are shaped by
 - `tbf`: each device's egress interface gets the kernel's token bucket at its uplink
-  (`testbed.link.plan`), or an htb with a class per capped peer; a device with a downlink
+  (`testbed.kernel.shaping`), or an htb with a class per capped peer; a device with a downlink
   gets an ifb that its received traffic is redirected to, with a tbf at the downlink.
-- `serial`: a `testbed.serial_switch.SerialSwitch` joins the devices through a userspace link
+- `serial`: a `testbed.link.serial.switch.SerialSwitch` joins the devices through a userspace link
   that clocks every frame out at the least of its sender's uplink, receiver's downlink and
   pair's rate; each device gets a second interface (`sl0`) on its own /24, and the devices'
   addresses become those, so the workers' and the probe's traffic crosses the emulator.
@@ -30,11 +30,11 @@ from typing import Any
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ConfigError, ShapingError
-from testbed.link.plan import ShapingPlan, plan
+from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.shaping import ShapingPlan, plan
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.rates import LinkRates, RateOverrides, probe_plan
-from testbed.profiles import LinkProfile
-from testbed.serial_switch import SerialSwitch
+from testbed.link.serial.switch import SerialSwitch
 
 log = logging.getLogger(__name__)
 

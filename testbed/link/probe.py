@@ -8,7 +8,7 @@ import json
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
-from testbed.wire import FULL_FRAME_BYTES, TCP_MSS_BYTES
+from testbed.link.wire import FULL_FRAME_BYTES, TCP_MSS_BYTES
 
 PROBE_PORT = 5201
 # links meter whole Ethernet frames; the probe counts TCP payload (a full frame of 1514 bytes

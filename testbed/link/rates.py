@@ -1,7 +1,7 @@
 """Who sends how fast to whom: every device's uplink and downlink and the per-pair caps of
 one trial, and which probe transfers check them (pure, no kernel).
 
-How an experiment's rates combine (`link` in the experiment file, `testbed.schema`):
+How an experiment's rates combine (`link` in the experiment file, `testbed.experiment.schema`):
 - `bandwidth_mbit` (swept) is every device's uplink; downlinks are unshaped.
 - `uplink_mbit` / `downlink_mbit` replace that for the devices they name (absolute Mbit/s,
   the same in every trial of the sweep: the sweep then varies the other devices).
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from testbed.schema import LinkSection
+    from testbed.experiment.schema import LinkSection
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from testbed.errors import ConfigError
+from testbed.source import PROFILES_DIR
 
 MAHIMAHI_PACKET_BYTES = 1500
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "netem_profiles"
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import testbed.backends.docker
+import testbed.backends.docker.backend
 from testbed.backends.local import remove_leftovers, run_tag
 from testbed.clean import clean
-from testbed.lock import lock_path, read_locks
+from testbed.sweep.lock import lock_path, read_locks
 
 pytestmark = pytest.mark.netns
 
@@ -32,7 +32,7 @@ import sys, time
 from pathlib import Path
 from testbed.backends.base import DeviceSpec
 from testbed.backends.local import LocalBackend
-from testbed.lock import RunLock
+from testbed.sweep.lock import RunLock
 
 run_id, run_dir = sys.argv[1], Path(sys.argv[2])
 with RunLock(run_id, run_dir), LocalBackend(run_id, run_dir) as backend:
@@ -52,7 +52,7 @@ def namespaces(run_id: str) -> list[str]:
 def two_runs(root: None, tmp_path: Path, monkeypatch) -> Iterator[dict[str, subprocess.Popen]]:
     """Two orchestrators, each holding its run's lock and namespaces, by run id."""
     monkeypatch.setenv("TESTBED_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setattr(testbed.backends.docker, "engine_available", lambda: False)
+    monkeypatch.setattr(testbed.backends.docker.backend, "engine_available", lambda: False)
     runs: dict[str, subprocess.Popen] = {}
     try:
         for role in ("live", "killed"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from devices.records import read_records
-from testbed.backends.docker import WORKER_UID
+from testbed.backends.docker.backend import WORKER_UID
 from tests.conftest import REQUIRE_DOCKER, require_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,9 +17,14 @@ from typing import Any
 import pytest
 
 from testbed.backends.base import DeviceSpec
-from testbed.backends.docker import DEVICE_SECRET_FILE, PIDS_LIMIT, WORKER_UID, DockerBackend
-from testbed.base_image import DEFAULT_BASE
-from testbed.image import WORKER_TAG
+from testbed.backends.docker.backend import (
+    DEVICE_SECRET_FILE,
+    PIDS_LIMIT,
+    WORKER_UID,
+    DockerBackend,
+)
+from testbed.backends.docker.base_image import DEFAULT_BASE
+from testbed.backends.docker.image import WORKER_TAG
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 

@@ -17,10 +17,10 @@ import pytest
 
 from testbed.backends.base import DeviceSpec
 from testbed.backends.local import LocalBackend, remove_leftovers
+from testbed.experiment.profiles import load_profile
 from testbed.link.links import Links, LinkState
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.rates import RateOverrides
-from testbed.profiles import load_profile
 
 pytestmark = pytest.mark.netns
 

@@ -12,11 +12,11 @@ import pytest
 
 from testbed.backends.base import DeviceSpec
 from testbed.backends.local import LocalBackend, remove_leftovers
+from testbed.experiment.profiles import load_profile
 from testbed.link.links import Links
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.replay import TraceReplay
 from testbed.link.traces import RateTrace
-from testbed.profiles import load_profile
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed.columns import TRIAL_NAMES
-from testbed.results import load
+from testbed.results.columns import TRIAL_NAMES
+from testbed.results.store import load
 from tracevq.payload import exchanges
 from tracevq.spec import method_spec
 

@@ -16,12 +16,12 @@ import pytest
 
 from testbed.backends.base import DeviceSpec, write_secret
 from testbed.backends.local import LocalBackend, remove_leftovers
-from testbed.bundles import prepare_run_files
+from testbed.experiment.schema import parse_experiment
 from testbed.link.links import LinkCounters, LinkState
-from testbed.plan import plan_trials
-from testbed.runner import Runner
-from testbed.schema import parse_experiment
-from testbed.sessions import WORKER_PORT, run_session
+from testbed.sweep.bundles import prepare_run_files
+from testbed.sweep.plan import plan_trials
+from testbed.sweep.runner import Runner
+from testbed.sweep.sessions import WORKER_PORT, run_session
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

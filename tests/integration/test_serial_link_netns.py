@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed.serial_switch import SerialSwitch
-from testbed.wire import FULL_FRAME_BYTES, tcp_message_wire_s
+from testbed.link.serial.switch import SerialSwitch
+from testbed.link.wire import FULL_FRAME_BYTES, tcp_message_wire_s
 
 pytestmark = pytest.mark.netns
 

@@ -32,10 +32,10 @@ from pathlib import Path
 import pytest
 
 from testbed.errors import ShapingError
-from testbed.link.netlink import apply, clear, qdisc_stats
-from testbed.link.plan import plan
-from testbed.link.support import qdisc_support
-from testbed.profiles import load_profile
+from testbed.experiment.profiles import load_profile
+from testbed.kernel.netlink import apply, clear, qdisc_stats
+from testbed.kernel.shaping import plan
+from testbed.kernel.support import qdisc_support
 
 pytestmark = pytest.mark.netns
 

@@ -33,10 +33,10 @@ import yaml
 
 from testbed.backends.base import DeviceSpec
 from testbed.backends.local import choose_subnet, host_networks
-from testbed.backends.ssh import SshBackend
-from testbed.backends.ssh_scripts import LAUNCHER
+from testbed.backends.ssh.backend import SshBackend
+from testbed.backends.ssh.scripts import LAUNCHER
 from testbed.errors import DeviceError
-from testbed.inventory import Inventory
+from testbed.experiment.inventory import Inventory
 
 pytestmark = pytest.mark.netns
 
@@ -340,9 +340,9 @@ def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends,
 
 @pytest.mark.slow
 def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
-    from testbed.link import plan as shaping
+    from testbed.experiment.profiles import load_profile
+    from testbed.kernel import shaping
     from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
-    from testbed.profiles import load_profile
 
     backend = backends(lab.inventory())
     devices = backend.start(DeviceSpec(count=2, cpus=1))
@@ -416,11 +416,11 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     than board 0's (as an unsynchronised board's may): the logits are the simulation's, the
     handshake measures the skew, and comm, measured across the two clocks, stays what the
     link gives (the skew would otherwise add or remove seconds per message)."""
-    from testbed.bundles import prepare_run_files
+    from testbed.experiment.schema import parse_experiment
     from testbed.link.links import LinkCounters, LinkState
-    from testbed.plan import plan_trials
-    from testbed.schema import parse_experiment
-    from testbed.sessions import WORKER_PORT, run_session
+    from testbed.sweep.bundles import prepare_run_files
+    from testbed.sweep.plan import plan_trials
+    from testbed.sweep.sessions import WORKER_PORT, run_session
 
     experiment = parse_experiment(small_experiment())
     trials = plan_trials(experiment)
@@ -513,9 +513,9 @@ def test_a_refusing_board_is_named_and_nothing_is_left(lab: Lab, backends, tmp_p
 
 @pytest.mark.slow
 def test_the_experiment_runs_on_the_boards_through_testbed_run(lab: Lab, tmp_path):
-    from testbed.plan import plan_trials
-    from testbed.results import load
-    from testbed.schema import load_experiment
+    from testbed.experiment.schema import load_experiment
+    from testbed.results.store import load
+    from testbed.sweep.plan import plan_trials
 
     path = tmp_path / "ssh-small.yaml"
     path.write_text(yaml.safe_dump(small_experiment(lab)))
@@ -557,10 +557,10 @@ CONTROLLER = """
 import json, sys, time
 from pathlib import Path
 from testbed.backends.base import DeviceSpec
-from testbed.backends.ssh import SshBackend
-from testbed.inventory import Inventory
-from testbed.link import plan as shaping
-from testbed.profiles import load_profile
+from testbed.backends.ssh.backend import SshBackend
+from testbed.experiment.inventory import Inventory
+from testbed.kernel import shaping
+from testbed.experiment.profiles import load_profile
 
 inventory = Inventory.model_validate(json.loads(sys.argv[1]))
 with SshBackend("interrupted", Path(sys.argv[2]), inventory) as backend:

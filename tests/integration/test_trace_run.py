@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from testbed.link.traces import load_trace
-from testbed.results import load
+from testbed.results.store import load
 from tests.integration.test_run import only_run_dir, run_cli
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

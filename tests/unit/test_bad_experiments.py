@@ -401,7 +401,7 @@ def test_usage_errors_are_one_line(capsys, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the netem probe needs root")
 def test_a_profile_needing_netem_on_a_kernel_without_it(capsys, tmp_path):
-    from testbed.link.support import qdisc_support
+    from testbed.kernel.support import qdisc_support
 
     if qdisc_support().get("netem"):
         pytest.skip("this kernel has sch_netem")
@@ -411,12 +411,12 @@ def test_a_profile_needing_netem_on_a_kernel_without_it(capsys, tmp_path):
 
 
 def test_an_unexpected_error_prints_one_line_naming_the_log(capsys, tmp_path, monkeypatch):
-    import testbed.plan
+    import testbed.sweep.plan
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug\nover two lines")
 
-    monkeypatch.setattr(testbed.plan, "plan_trials", broken)
+    monkeypatch.setattr(testbed.sweep.plan, "plan_trials", broken)
     status = main([str(ROOT / "experiments" / "smoke.yaml"), "--dry-run", "--out", str(tmp_path)])
     lines = capsys.readouterr().err.splitlines()
     assert status == 1 and len(lines) == 1, lines

@@ -2,9 +2,9 @@
 
 import os
 
-from testbed.bundles import prepare_bundles
-from testbed.plan import plan_trials
-from testbed.schema import load_experiment
+from testbed.experiment.schema import load_experiment
+from testbed.sweep.bundles import prepare_bundles
+from testbed.sweep.plan import plan_trials
 
 
 def test_a_cached_bundle_is_fitted_once_and_linked_into_every_run(tmp_path):

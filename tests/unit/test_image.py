@@ -7,16 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from testbed.base_image import (
+from testbed.backends.docker.base_image import (
     AptSource,
     choose_mirror,
     parse_deb822_sources,
     parse_one_line_sources,
     read_host_sources,
 )
+from testbed.backends.docker.wheelhouse import (
+    pip_download_args,
+    runtime_requirements,
+    wheel_platforms,
+)
 from testbed.errors import ImageError
-from testbed.image_steps import PROJECT_ROOT
-from testbed.wheelhouse import pip_download_args, runtime_requirements, wheel_platforms
+from testbed.source import SOURCE_ROOT
 
 ONE_LINE_SAMPLE = """\
 # deb http://commented.example/debian bookworm main
@@ -111,7 +115,7 @@ def test_wheelhouse_requirements_are_runtime_deps_and_build_backend(tmp_path: Pa
 
 
 def test_project_wheelhouse_holds_what_the_worker_imports() -> None:
-    requirements = runtime_requirements(PROJECT_ROOT / "pyproject.toml")
+    requirements = runtime_requirements(SOURCE_ROOT / "pyproject.toml")
     names = {re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0].lower() for r in requirements}
     assert "torch==2.13.0" in requirements  # pinned CPU build: never an unpinned torch
     assert {"torch", "numpy", "pyyaml", "pydantic", "safetensors", "tqdm"} <= names
@@ -135,7 +139,7 @@ def test_pip_download_targets_the_base_python(tmp_path: Path) -> None:
 
 
 def test_dockerfile_installs_offline_only() -> None:
-    dockerfile = (PROJECT_ROOT / "devices" / "Dockerfile").read_text()
+    dockerfile = (SOURCE_ROOT / "devices" / "Dockerfile").read_text()
     instructions = dockerfile.replace("\\\n", " ").splitlines()  # join continued lines
     pip_installs = [line for line in instructions if "pip install" in line]
     assert len(pip_installs) == 2

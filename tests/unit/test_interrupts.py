@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import os, signal, sys, time
-from testbed import interrupts
+from testbed.sweep import interrupts
 interrupts.install()
 def interrupted_during_fork():
     os.kill(os.getpid(), signal.SIGINT)

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from testbed.errors import ConfigError
-from testbed.inventory import load_inventory, parse_inventory
-from testbed.schema import parse_experiment
+from testbed.experiment.inventory import load_inventory, parse_inventory
+from testbed.experiment.schema import parse_experiment
 
 BOARD = {"address": "192.168.1.21", "user": "pi", "key_file": "/keys/id"}
 INVENTORY = {"known_hosts": "/keys/known_hosts", "boards": [BOARD]}

@@ -1,4 +1,4 @@
-"""Which rows of an accuracy study's table a run's rows match (testbed.level_accuracy), on
+"""Which rows of an accuracy study's table a run's rows match (testbed.results.level_accuracy), on
 synthetic tables in the two shapes the study writes: table7_levels.csv and results.csv."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from testbed.errors import ConfigError
-from testbed.level_accuracy import check_covered, load_level_accuracy
-from testbed.schema import parse_experiment
+from testbed.experiment.schema import parse_experiment
+from testbed.results.level_accuracy import check_covered, load_level_accuracy
 from tracevq.codec import level_sizes_for
 
 LEVELS_64 = level_sizes_for(64, 2)  # 2, 4, ..., 64

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 
 from testbed.errors import ShapingError
-from testbed.link.fifo import pfifo_argv
-from testbed.link.htb import HtbClass, htb_argv, htb_class_argv, htb_params, htb_root_argv
-from testbed.link.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
-from testbed.link.ingress import ingress_argv, ingress_clear_argv
-from testbed.link.plan import change_argvs, check_support, downlink_clear_argv, plan, tc_argv
+from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.fifo import pfifo_argv
+from testbed.kernel.htb import HtbClass, htb_argv, htb_class_argv, htb_params, htb_root_argv
+from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
+from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
+from testbed.kernel.shaping import change_argvs, check_support, downlink_clear_argv, plan, tc_argv
+from testbed.kernel.u32 import u32_destination_argv, u32_redirect_argv
 from testbed.link.rates import LinkRates, RateOverrides, probe_plan
-from testbed.link.u32 import u32_destination_argv, u32_redirect_argv
-from testbed.profiles import LinkProfile
 
 IDEAL = LinkProfile(name="ideal", rate_mbit=10)
 WIFI = LinkProfile(name="wifi", rate_mbit=20, delay_ms=4)

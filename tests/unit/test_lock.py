@@ -1,4 +1,5 @@
-"""The run lock (testbed.lock) and how testbed.clean judges a run by it, without privileges."""
+"""The run lock (testbed.sweep.lock) and how testbed.clean judges a run by it, without
+privileges."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from testbed.clean import RunLeftovers, why_keep
 from testbed.errors import TestbedError
-from testbed.lock import RUN_DIR_LOCK, Holder, RunLock, lock_path, read_locks
+from testbed.sweep.lock import RUN_DIR_LOCK, Holder, RunLock, lock_path, read_locks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,8 +90,8 @@ def test_clean_keeps_live_and_unlocked_runs_and_removes_dead_ones(tmp_path):
 HOLDER = """
 import sys, time
 from pathlib import Path
-from testbed import interrupts
-from testbed.lock import RunLock
+from testbed.sweep import interrupts
+from testbed.sweep.lock import RunLock
 interrupts.install()
 try:
     with RunLock(sys.argv[1], Path(sys.argv[2])):

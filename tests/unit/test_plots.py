@@ -1,9 +1,9 @@
 import numpy as np
 import pandas as pd
 
-from testbed.plots import make_figures
-from testbed.plots_common import interval_caption, styles, variant_order
-from testbed.results import Results
+from testbed.figures.common import interval_caption, styles, variant_order
+from testbed.figures.rates import make_figures
+from testbed.results.store import Results
 
 VARIANTS = [  # method, params, K, level_k, payload bits per layer (deliberately shuffled)
     ("trace-b", "K=64,level_k=4", 64, 4, 26),
@@ -107,7 +107,7 @@ def trace_results(tmp_path, accuracy: dict[int, float] | None = None) -> Results
 
 
 def test_a_trace_run_answers_per_rate_in_force_and_draws_its_timeline(tmp_path):
-    from testbed.answer import answer_lines
+    from testbed.results.answer import answer_lines
 
     results = trace_results(tmp_path)
     lines = answer_lines(results)
@@ -125,8 +125,8 @@ def test_a_trace_run_answers_per_rate_in_force_and_draws_its_timeline(tmp_path):
 def test_a_trace_run_with_a_level_table_answers_the_accuracy_of_the_levels_used(tmp_path):
     from PIL import Image
 
-    from testbed.answer import answer_lines
-    from testbed.plots_trace import traced
+    from testbed.figures.trace import traced
+    from testbed.results.answer import answer_lines
 
     plain = Image.open(make_figures(trace_results(tmp_path / "plain"))[-1]).size
     results = trace_results(tmp_path, accuracy={64: 90.0, 4: 70.0, 2: 60.0})
@@ -146,7 +146,7 @@ def test_a_trace_run_with_a_level_table_answers_the_accuracy_of_the_levels_used(
 
 
 def test_the_answer_counts_the_inferences_the_emulator_stalled_in(tmp_path):
-    from testbed.answer import answer_lines
+    from testbed.results.answer import answer_lines
 
     results = trace_results(tmp_path)
     trials = results.trials

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from testbed.errors import ConfigError
-from testbed.profiles import PROFILES_DIR, LinkProfile, available_profiles, load_profile
+from testbed.experiment.profiles import PROFILES_DIR, LinkProfile, available_profiles, load_profile
 
 SHIPPED = sorted(PROFILES_DIR.glob("*.yaml"))
 

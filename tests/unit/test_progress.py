@@ -2,8 +2,9 @@
 
 import pytest
 
-from testbed import progress, voice
-from testbed.progress import TrialProgress
+from testbed import voice
+from testbed.sweep import progress
+from testbed.sweep.progress import TrialProgress
 
 
 @pytest.mark.parametrize(

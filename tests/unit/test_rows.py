@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
-from testbed.columns import LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, readme_tables
-from testbed.rows import stalled_ms, trial_rows
-from testbed.wire import tcp_frame_bytes
+from testbed.link.wire import tcp_frame_bytes
+from testbed.results.columns import LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, readme_tables
+from testbed.results.rows import stalled_ms, trial_rows
 
 MS = 1_000_000  # ns
 README = Path(__file__).resolve().parents[2] / "results" / "README.md"

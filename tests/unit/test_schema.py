@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from testbed.errors import ConfigError
-from testbed.plan import plan_rows, plan_trials
-from testbed.schema import load_experiment, parse_experiment
+from testbed.experiment.schema import load_experiment, parse_experiment
+from testbed.sweep.plan import plan_rows, plan_trials
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "x", "methods": [{"name": "voltage"}]}
@@ -107,7 +107,8 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_planning_does_not_import_torch():
     code = (
-        "import sys; from testbed.schema import parse_experiment; from testbed.plan import *;"
+        "import sys; from testbed.experiment.schema import parse_experiment;"
+        "from testbed.sweep.plan import *;"
         "e = parse_experiment({'name': 'x', 'methods': [{'name': 'trace-b'}]});"
         "plan_rows(e, plan_trials(e)); assert 'torch' not in sys.modules, 'torch imported'"
     )

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from testbed.errors import ShapingError
-from testbed.serial_link import (
+from testbed.link.serial.program import (
     SO_TIMESTAMPNS_NEW,
     SO_TIMESTAMPNS_OLD,
     PortCounters,
@@ -22,9 +22,9 @@ from testbed.serial_link import (
     parse_args,
     wait_until,
 )
-from testbed.serial_protocol import Command, parse_command, parse_cpu_list, parse_port
-from testbed.serial_switch import SWITCH_SUFFIX, SerialSwitch, offload_argv
-from testbed.wire import (
+from testbed.link.serial.protocol import Command, parse_command, parse_cpu_list, parse_port
+from testbed.link.serial.switch import SWITCH_SUFFIX, SerialSwitch, offload_argv
+from testbed.link.wire import (
     MIN_QUEUE_FRAMES,
     TRUESIZE_BYTES,
     departure_s,
@@ -277,7 +277,7 @@ def test_serial_switch_names_and_addresses() -> None:
     argv = switch.emulator_argv()
     assert argv[:5] == ["ip", "netns", "exec", "tb-0123abcd-sl", sys.executable]
     ports = [f"tb0123abcds{rank}=2500000" for rank in (0, 1)]
-    assert argv[5:] == ["-m", "testbed.serial_link", "serve", *ports]
+    assert argv[5:] == ["-m", "testbed.link.serial.program", "serve", *ports]
     assert "--spin-us" in SerialSwitch("0123abcd", ["/x"], SUBNET, 1, spin_us=0).emulator_argv()
 
 

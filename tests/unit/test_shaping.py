@@ -6,8 +6,9 @@ import sys
 import pytest
 
 from testbed.errors import ShapingError
-from testbed.link.netem import netem_params
-from testbed.link.plan import (
+from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.netem import netem_params
+from testbed.kernel.shaping import (
     ShapingPlan,
     check_support,
     clear_argv,
@@ -17,8 +18,7 @@ from testbed.link.plan import (
     plan,
     tc_argv,
 )
-from testbed.link.tbf import TbfParams, tbf_params
-from testbed.profiles import LinkProfile
+from testbed.kernel.tbf import TbfParams, tbf_params
 
 NO_NETEM = {"tbf": True, "htb": True, "netem": False, "ingress": True}
 WITH_NETEM = {**NO_NETEM, "netem": True}
@@ -153,7 +153,10 @@ def test_plan_as_dict_is_plain_data() -> None:
 
 
 def test_importing_shaping_loads_neither_pyroute2_nor_torch() -> None:
-    code = "import sys, testbed.link.plan; print(sorted({'pyroute2', 'torch'} & set(sys.modules)))"
+    code = (
+        "import sys, testbed.kernel.shaping; "
+        "print(sorted({'pyroute2', 'torch'} & set(sys.modules)))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )

@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 
 from testbed.backends.base import DeviceSpec
-from testbed.backends.ssh import SshBackend
-from testbed.backends.ssh_checks import WORKER_MODULES, project_requirements
-from testbed.backends.ssh_files import code_is_current, source_archive, source_files, uploads_needed
-from testbed.backends.ssh_scripts import BATCH, CHECK, LAUNCHER
-from testbed.backends.ssh_session import host_key_advice, shell_line, with_sudo
-from testbed.backends.ssh_shaping import sudo_refused
+from testbed.backends.ssh.backend import SshBackend
+from testbed.backends.ssh.checks import WORKER_MODULES, project_requirements
+from testbed.backends.ssh.files import code_is_current, source_archive, source_files, uploads_needed
+from testbed.backends.ssh.scripts import BATCH, CHECK, LAUNCHER
+from testbed.backends.ssh.session import host_key_advice, shell_line, with_sudo
+from testbed.backends.ssh.shaping import sudo_refused
 from testbed.errors import ConfigError, DeviceError
-from testbed.inventory import parse_inventory
-from testbed.link import plan as shaping
-from testbed.profiles import LinkProfile
-from testbed.runner import make_backend
+from testbed.experiment.inventory import parse_inventory
+from testbed.experiment.profiles import LinkProfile
+from testbed.kernel import shaping
+from testbed.sweep.runner import make_backend
 
 INVENTORY = {
     "known_hosts": "/keys/known_hosts",

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed.stats import (
+from testbed.results.stats import (
     Interval,
     by_repetition,
     median_interval,

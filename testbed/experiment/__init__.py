@@ -1,0 +1,8 @@
+"""What the user writes, read and checked: the experiment file (`schema`), link profiles
+(`profiles`), the ssh backend's inventory of boards (`inventory`), and what they share: strict
+pydantic models with one-line errors (`strict`), the YAML reader (`yamlfile`) and the names
+that become path components (`names`).
+
+Nothing here knows where a run happens: what depends on the host, the backend or the
+emulator is checked by `testbed.sweep.preflight`.
+"""

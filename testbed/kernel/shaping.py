@@ -1,0 +1,221 @@
+"""A shaping plan: a profile and a rate become one interface's qdiscs (pure, no kernel).
+
+The link code follows pyroute2's own `sched_*` modules:
+
+- Parameter builders are pure functions, one module per qdisc kind (`testbed.kernel.tbf`,
+  `netem`, `htb`, `fifo`, `u32`, `ingress`, `ifb`), combined here: a plan is a root `tbf`
+  (the uplink) plus, only when the profile asks for delay, jitter or loss, a `netem` child
+  under it (tbf class 1:1). With per-peer caps the root is an `htb` instead, one class per
+  capped peer picked by `u32` on the destination. With a downlink rate the interface's
+  `ingress` qdisc redirects everything it receives to an `ifb`, whose root tbf is the
+  downlink. No root, no kernel, unit-tested.
+- The capability probe (`testbed.kernel.support.qdisc_support`) tries each qdisc once in a
+  throwaway namespace. A plan that needs netem on a kernel without `sch_netem` fails with a
+  message saying so: the impairment is never dropped silently.
+- Applying (`testbed.kernel.netlink`: `apply`, `change`, `clear`, `qdisc_stats`) is a thin
+  layer: pyroute2 inside the device's network namespace, `ethtool` and `tc` through `nsenter`
+  (argument lists, never a shell).
+
+Each device shapes what it sends (and, with a downlink rate, what it receives). Rates follow
+tc's convention (1 mbit = 10^6 bit/s) and count whole link-layer frames (Ethernet header
+included), so TCP payload goodput is about MSS / (MTU + 14) of the rate (1448 / 1514, 95.6 %,
+at MTU 1500 with TCP timestamps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from testbed.errors import ShapingError
+from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.htb import HtbParams, htb_argv, htb_change_argv, htb_params
+from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
+from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
+from testbed.kernel.netem import NetemParams, netem_argv, netem_keywords, netem_params
+from testbed.kernel.tbf import TbfParams, tbf_argv, tbf_keywords, tbf_params
+from testbed.kernel.u32 import u32_redirect_argv
+
+
+@dataclass(frozen=True)
+class ShapingPlan:
+    """What one interface gets: a root tbf and, if needed, a netem child; or, with per-peer
+    caps, a root htb (`htb`, whose uplink class replaces the tbf); and, with a downlink rate,
+    an ifb with a tbf at that rate (`downlink`)."""
+
+    profile_name: str
+    rate_mbit: float
+    tbf: TbfParams
+    netem: NetemParams | None = None
+    htb: HtbParams | None = None
+    downlink: TbfParams | None = None
+
+    @property
+    def needs_netem(self) -> bool:
+        return self.netem is not None
+
+    @property
+    def is_tbf_only(self) -> bool:
+        """A root tbf (and netem) alone: applied through pyroute2, as every plan once was."""
+        return self.htb is None and self.downlink is None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plain data, to be saved with the results."""
+        return asdict(self)
+
+
+def plan(
+    profile: LinkProfile,
+    rate_mbit: float | None = None,
+    support: Mapping[str, bool] | None = None,
+    peer_caps_mbit: Mapping[int, tuple[str, float]] | None = None,
+    downlink_mbit: float | None = None,
+) -> ShapingPlan:
+    """The shaping plan for a profile at a rate (the profile's own rate when None).
+
+    `peer_caps_mbit` ({peer rank: (its address, cap)}) caps what goes to those peers inside
+    the uplink (root htb); `downlink_mbit` shapes what the interface receives (ifb). When
+    `support` (as from `qdisc_support()`) is given, the plan is checked against it.
+    """
+    rate = rate_mbit if rate_mbit is not None else profile.rate_mbit
+    if rate is None:
+        raise ShapingError(f"profile '{profile.name}' has no rate_mbit and no rate was given")
+    tbf = tbf_params(
+        rate, queue_latency_ms=profile.queue_latency_ms, burst_bytes=profile.burst_bytes
+    )
+    netem = netem_params(profile, tbf)
+    htb = None
+    if peer_caps_mbit:
+        if netem is not None:
+            raise ShapingError(
+                f"profile '{profile.name}': delay, jitter or loss together with per-pair rates "
+                "(link.pair_mbit) is not supported; use a rate-only profile"
+            )
+        htb = htb_params(rate, peer_caps_mbit, profile.queue_latency_ms)
+    downlink = None
+    if downlink_mbit is not None:
+        downlink = tbf_params(
+            downlink_mbit,
+            queue_latency_ms=profile.queue_latency_ms,
+            burst_bytes=profile.burst_bytes,
+        )
+    shaping = ShapingPlan(profile.name, float(rate), tbf, netem, htb, downlink)
+    if support is not None:
+        check_support(shaping, support)
+    return shaping
+
+
+def check_support(shaping: ShapingPlan, support: Mapping[str, bool]) -> None:
+    """Raises ShapingError when the kernel lacks a qdisc the plan needs."""
+    if not support.get("tbf", False):
+        raise ShapingError("this kernel has no tbf qdisc (sch_tbf): links cannot be rate-limited")
+    if shaping.htb is not None and not support.get("htb", False):
+        raise ShapingError("this kernel has no htb qdisc (sch_htb): per-pair rates need it")
+    if shaping.downlink is not None and not support.get("ingress", False):
+        raise ShapingError("this kernel has no ingress qdisc (sch_ingress): downlink rates need it")
+    if shaping.needs_netem and not support.get("netem", False):
+        raise ShapingError(
+            f"profile '{shaping.profile_name}' needs delay/jitter/loss emulation (sch_netem), "
+            "which this kernel does not have; use a rate-only profile such as 'ideal'"
+        )
+
+
+def tc_argv(interface: str, shaping: ShapingPlan) -> list[list[str]]:
+    """The plan as `tc` commands, for hosts that cannot enter the namespace and for logs.
+
+    Such a host also runs `gso_argv` and `offload_argv` first, as `apply` does. The root is a
+    `replace`, so the commands work on an interface with the default qdisc. An
+    earlier plan's netem child survives a `replace` of the root tbf (tbf keeps a child that is
+    not a fifo): when changing a plan, run `clear_argv` first (it fails harmlessly when the
+    interface has no root qdisc of its own), and `downlink_clear_argv` before a plan with a
+    downlink.
+    """
+    if shaping.htb is not None:
+        commands = htb_argv(interface, shaping.htb)
+    else:
+        commands = [tbf_argv(interface, shaping.tbf)]
+    if shaping.netem is not None:
+        commands.append(netem_argv(interface, shaping.netem))
+    if shaping.downlink is not None:
+        commands += downlink_argv(interface, shaping.downlink)
+    return commands
+
+
+def downlink_argv(interface: str, downlink: TbfParams) -> list[list[str]]:
+    """An ifb, everything `interface` receives redirected to it, its root tbf the downlink."""
+    ifb = ifb_name(interface)
+    return [
+        ifb_add_argv(ifb),
+        ifb_up_argv(ifb),
+        ingress_argv(interface),
+        u32_redirect_argv(interface, ifb),
+        tbf_argv(ifb, downlink),
+    ]
+
+
+def downlink_clear_argv(interface: str) -> list[list[str]]:
+    """The ingress qdisc and the ifb removed (each fails harmlessly when absent)."""
+    return [ingress_clear_argv(interface), ifb_del_argv(ifb_name(interface))]
+
+
+def clear_argv(interface: str) -> list[str]:
+    """The `tc` command that removes the interface's root qdisc (and its children)."""
+    return ["tc", "qdisc", "del", "dev", interface, "root"]
+
+
+def offload_argv(interface: str) -> list[str]:
+    """The `ethtool` command that turns segmentation and receive offloads off (GSO/TSO/GRO)."""
+    return ["ethtool", "-K", interface, "gso", "off", "tso", "off", "gro", "off"]
+
+
+def gso_argv(interface: str) -> list[str]:
+    """The `ip` command that makes TCP hand the qdisc one MSS per packet (gso_max_segs 1).
+
+    `ethtool -K gso off` is not enough: recent kernels (6.18 here) let TCP build GSO
+    super-packets whatever the device's features, and segment them after the qdisc. tbf then
+    splits an oversized packet itself and, with its queue full, drops some of the segments
+    without telling TCP: real losses, SACK recovery and retransmission timeouts. Measured at
+    1-20 Mbit/s over 2 s bulk transfers: tens to thousands of retransmissions and rates off by
+    -14 % to +6 % (BBR, this host's default) without it; no retransmission and rates within
+    0.2 % (BBR and cubic) with it, as a full queue is then reported to TCP as local
+    congestion. Sockets read the limit when they connect: shape before devices connect.
+    """
+    return ["ip", "link", "set", "dev", interface, "gso_max_segs", "1"]
+
+
+def change_argv(interface: str, shaping: ShapingPlan) -> list[str]:
+    """`change` as a `tc` command: the root tbf's parameters, replaced in place."""
+    return _as_change(tbf_argv(interface, shaping.tbf))
+
+
+def change_argvs(interface: str, shaping: ShapingPlan) -> list[list[str]]:
+    """Every rate of an applied plan changed in place, as `tc ... change` commands: the root
+    tbf or the htb classes (with their queues), and the downlink's tbf on the ifb. The
+    plan's layout (its peers, whether it has a downlink) must be the applied one's."""
+    if shaping.htb is not None:
+        commands = htb_change_argv(interface, shaping.htb)
+    else:
+        commands = [change_argv(interface, shaping)]
+    if shaping.downlink is not None:
+        commands.append(_as_change(tbf_argv(ifb_name(interface), shaping.downlink)))
+    return commands
+
+
+def _as_change(replace_argv: list[str]) -> list[str]:
+    return [*replace_argv[:2], "change", *replace_argv[3:]]
+
+
+def netlink_requests(
+    interface: str, shaping: ShapingPlan
+) -> list[tuple[str, list[str], str, dict[str, Any]]]:
+    """The plan as pyroute2 `tc("add", kind, index, **keywords)` calls, in order.
+
+    Each entry is (what it does, the equivalent tc command, qdisc kind, keywords).
+    """
+    commands = tc_argv(interface, shaping)
+    requests = [("adding the tbf root qdisc", commands[0], "tbf", tbf_keywords(shaping.tbf))]
+    if shaping.netem is not None:
+        keywords = netem_keywords(shaping.netem)
+        requests.append(("adding the netem qdisc under tbf", commands[1], "netem", keywords))
+    return requests

@@ -1,0 +1,9 @@
+"""The serial emulator: a userspace link that clocks every frame out at its port's rate.
+
+- `program`: the emulator itself (`python -m testbed.link.serial.program serve ...`), stdlib
+  only, run as root in the run's switch namespace;
+- `protocol`: what it is told, on its command line and its stdin, parsed;
+- `switch`: `SerialSwitch`, which builds the namespace and veth pairs, starts the program and
+  talks to it;
+- `emulator`: the serial emulator as the emulator table sees it.
+"""

@@ -1,0 +1,448 @@
+"""A userspace serial link: a switch that clocks every frame out at its port's rate.
+
+A token bucket (tbf) lets a frame through at once while its bucket holds tokens, so after an
+idle gap a 200-byte message crosses a 1 Mbit/s link in 0.05 ms, where its wire time is 2.1 ms.
+A serial line clocks every bit out at the rate, and this kernel has no netem. This program
+(stdlib only) runs as root in a "switch" network namespace that holds one veth end, a *port*,
+per device; `testbed.link.serial.switch` builds the namespace and starts it.
+
+A port knows its rate, when its line is free again and its counters; the switch knows which
+source MAC was seen on which port. Nothing else is emulated: no delay, no loss but a full
+queue, no FCS, preamble or inter-frame gap.
+
+Decisions:
+
+- A port's rate applies to the frames its device sends (its uplink), as tbf on the device's
+  egress does; a clocked-out frame goes to the destination port at once. A port may also have
+  a downlink rate, and a pair of ports a rate of its own: a frame is then clocked out once, at
+  the least of its sender's uplink, its receiver's downlink and its pair's rate (one serial
+  line between the two; the receiver's port learned from earlier frames). A downlink is thus
+  not shared between senders: two devices sending to one at once each get its downlink rate
+  (the tbf emulator's ifb does share it). Broadcasts and frames to unlearned ports take the
+  uplink rate. Frames are counted as
+  AF_PACKET reads them, Ethernet header included, no FCS: the bytes tbf counts.
+- Schedule (`testbed.link.wire.departure_s`): start = max(kernel arrival time, scheduled
+  end of the port's previous frame), end = start + wire time; the frame is sent at `end`.
+  Arrivals are the kernel's receive timestamps (SO_TIMESTAMPNS_NEW, else SO_TIMESTAMPNS), and
+  the previous end is the *scheduled* one, so this program's time per frame never adds up:
+  bulk runs at the rate however late single frames leave (after a stall, frames leave back to
+  back until on schedule). A timestamp missing or more than `TIMESTAMP_SANITY_S` from
+  `time.time()` (both CLOCK_REALTIME) is replaced by `time.time()`, with one warning.
+- Stalls: a frame that leaves more than `STALL_S` late was held up by the machine (a VM's
+  vCPU held by its host, kernel work), not by a wake-up; SCHED_FIFO cannot prevent those.
+  The counters keep the stalls, their length and when each began (`stalls`, `stalled_ms`,
+  `stall_log`: [start s, ms] by time.time(), the last STALL_LOG of them): under load here,
+  about one 5 ms stall per CPU every few seconds, once 12.6 ms. A TCP flow keeps only a
+  millisecond or two of frames queued, so its link loses about a stall's length each time.
+- Waiting (`wait_until`): sleep, then optionally poll the last `spin_us` (at most
+  `SPIN_SHARE` of the wait), yielding the GIL between polls. Polling is off by default: the
+  devices are pinned to the host's cores and this SCHED_FIFO program runs on the same cores,
+  so every polled microsecond is taken from a device's compute. Measured (vit-tiny, 2
+  devices, 20 repetitions, 2-20 Mbit/s): polling 150 us per frame raised the devices'
+  compute from 4.7-5.2 ms to 5.8-6.3 ms per inference (tbf: 4.7-5.1 ms) and did not shorten
+  small messages (0.47 ms against 0.31 ms per inference at 20 Mbit/s); a plain sleep wakes
+  a median 5-16 us late after waits under 1 ms, 40-70 us after 2-12 ms idle.
+- Queue: frames wait, with their timestamps, in the packet socket's receive buffer while the
+  port's thread sleeps. Its size (`wire.queue_frames`) is tbf's, 50 ms at the rate
+  plus two frames, but at least `MIN_QUEUE_FRAMES` so that TCP's initial window fits; times
+  `TRUESIZE_BYTES`, the kernel memory a queued full frame costs (measured: 2280 B for a TCP
+  segment), it is set by SO_RCVBUFFORCE and resized with the rate. Frames the kernel drops
+  when it is full are the queue's drops (PACKET_STATISTICS); unlike tbf's, TCP sees them as
+  losses (see `testbed.link.serial.switch` for the tbf in front that avoids them).
+- Frames this program sends do not loop back to its sockets (PACKET_IGNORE_OUTGOING; where it
+  is missing, PACKET_OUTGOING frames are skipped).
+- Forwarding: source MAC -> port is learned; broadcast, multicast and unknown destinations are
+  flooded to every other port; a frame for the port it came from is dropped.
+- SCHED_FIFO when permitted (else a warning) and a 50 us GIL switch interval, so that one
+  port's thread does not hold up another's frame.
+
+Protocol: `python -m testbed.link.serial.program serve PORT=RATE_BIT_S ...` prints `ready` once
+every port is open, then answers one line on stdout per command line on stdin: `rate PORT BIT_S` ->
+`ok`; `down PORT BIT_S` (0: unshaped) -> `ok`; `pair SRC DST BIT_S` (0: none) -> `ok`; `stats` ->
+JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
+`testbed.link.serial.protocol` parses the command line and the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from testbed.errors import ShapingError
+from testbed.link.serial.protocol import parse_command, parse_port, parse_port_cpus
+from testbed.link.wire import QUEUE_MS, departure_s, queue_frames, rcvbuf_request_bytes
+
+log = logging.getLogger(__name__)
+
+# Kernel constants the socket module does not export (asm-generic values: x86-64, arm64).
+ETH_P_ALL = 0x0003
+SOL_PACKET = 263
+PACKET_STATISTICS = 6
+PACKET_IGNORE_OUTGOING = 23
+SO_RCVBUFFORCE = 33
+SO_TIMESTAMPNS_OLD = 35  # struct timespec of longs
+SO_TIMESTAMPNS_NEW = 64  # struct __kernel_timespec, two s64 on every architecture
+OLD_TIMESPEC = struct.Struct("@ll")
+NEW_TIMESPEC = struct.Struct("=qq")
+PACKET_STATS = struct.Struct("=II")  # tpacket_stats: packets, drops (reset when read)
+SO_MEMINFO = 55  # u32 array, SK_MEMINFO_RMEM_ALLOC first
+MEMINFO_BYTES = 36  # SK_MEMINFO_VARS (9) x u32
+
+FRAME_BUFFER_BYTES = 65536
+DEFAULT_SPIN_US = 0.0
+SPIN_SHARE = 0.125
+# a frame this late was held up by the machine, not by a wake-up (those are 5-150 us late)
+STALL_S = 1e-3
+STALL_LOG = 10_000  # stalls kept with their times (a run sees one every few seconds at most)
+SWITCH_INTERVAL_S = 50e-6
+FIFO_PRIORITY = 10  # above every normal task, below the kernel's threaded interrupts (50)
+TIMESTAMP_SANITY_S = 60.0
+
+
+# Pure functions -------------------------------------------------------------------------------
+
+
+def kernel_timestamp_s(ancillary: Iterable[tuple[int, int, bytes]]) -> float | None:
+    """The receive timestamp (CLOCK_REALTIME seconds) in a recvmsg's ancillary data, or None."""
+    for level, kind, data in ancillary:
+        if level != socket.SOL_SOCKET:
+            continue
+        if kind == SO_TIMESTAMPNS_NEW and len(data) >= NEW_TIMESPEC.size:
+            seconds, nanoseconds = NEW_TIMESPEC.unpack_from(data)
+        elif kind == SO_TIMESTAMPNS_OLD and len(data) >= OLD_TIMESPEC.size:
+            seconds, nanoseconds = OLD_TIMESPEC.unpack_from(data)
+        else:
+            continue
+        return seconds + nanoseconds * 1e-9
+    return None
+
+
+# The program ---------------------------------------------------------------------------------
+
+
+def wait_until(deadline_s: float, spin_s: float) -> None:
+    """Sleeps until shortly before the deadline (time.time() clock), then polls.
+
+    The poll covers the last `spin_s`, or `SPIN_SHARE` of the wait when that is shorter: a
+    short sleep wakes up on time, a long one (deeper CPU idle) is the one that wakes late.
+    """
+    wait_s = deadline_s - time.time()
+    rest_s = wait_s - min(spin_s, SPIN_SHARE * wait_s)
+    if rest_s > 0:
+        time.sleep(rest_s)
+    while time.time() < deadline_s:
+        time.sleep(0)  # lets another port's thread take the GIL
+
+
+def enable_timestamps(sock: socket.socket) -> int:
+    """Turns kernel receive timestamps on; returns the option that worked."""
+    for option in (SO_TIMESTAMPNS_NEW, SO_TIMESTAMPNS_OLD):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, 1)
+            return option
+        except OSError as error:
+            log.debug("setsockopt(SO_TIMESTAMPNS %d): %s", option, error)
+    raise ShapingError("the kernel refuses SO_TIMESTAMPNS on packet sockets")
+
+
+@dataclass
+class PortCounters:
+    """What a port has done: frames and bytes its device sent, drops, timing of its frames."""
+
+    frames: int = 0
+    bytes: int = 0
+    drops: int = 0  # the queue was full (PACKET_STATISTICS)
+    send_errors: int = 0
+    queued_s_sum: float = 0.0  # start - arrival: waiting behind earlier frames
+    queued_s_max: float = 0.0
+    late_s_sum: float = 0.0  # sent - scheduled end: this program's lateness
+    late_s_max: float = 0.0
+    # stalls: runs of frames each more than STALL_S late (the machine did not run this
+    # program: a VM's vCPU held by its host, kernel work); a stall's length is its first
+    # frame's lateness, the link's time lost at most (less where queued frames catch up)
+    stalls: int = 0
+    stalled_s: float = 0.0
+    stalling: bool = False
+    stall_log: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=STALL_LOG))
+
+    def record(self, frame_bytes: int, queued_s: float, late_s: float, due_s: float) -> None:
+        """A frame sent `late_s` after `due_s`, its scheduled end (time.time())."""
+        self.frames += 1
+        self.bytes += frame_bytes
+        self.queued_s_sum += queued_s
+        self.queued_s_max = max(self.queued_s_max, queued_s)
+        self.late_s_sum += late_s
+        self.late_s_max = max(self.late_s_max, late_s)
+        if late_s > STALL_S and not self.stalling:
+            self.stalls += 1
+            self.stalled_s += late_s
+            self.stall_log.append((due_s, late_s))
+        self.stalling = late_s > STALL_S
+
+    def as_dict(self) -> dict[str, Any]:
+        frames = max(self.frames, 1)
+        return {
+            "frames": self.frames,
+            "bytes": self.bytes,
+            "drops": self.drops,
+            "send_errors": self.send_errors,
+            "queued_us_mean": round(1e6 * self.queued_s_sum / frames, 1),
+            "queued_us_max": round(1e6 * self.queued_s_max, 1),
+            "late_us_mean": round(1e6 * self.late_s_sum / frames, 1),
+            "late_us_max": round(1e6 * self.late_s_max, 1),
+            "stalls": self.stalls,
+            "stalled_ms": round(1e3 * self.stalled_s, 3),
+            "stall_log": [[round(start, 6), round(1e3 * s, 3)] for start, s in self.stall_log],
+        }
+
+
+class Port:
+    """One veth end of the switch: its socket (the queue), rate, schedule and counters."""
+
+    def __init__(
+        self,
+        name: str,
+        rate_bit_s: float,
+        queue_ms: float,
+        spin_s: float,
+        cpus: set[int] | None = None,
+    ):
+        self.name, self.rate_bit_s, self.queue_ms, self.spin_s = name, rate_bit_s, queue_ms, spin_s
+        self.cpus = cpus  # where this port's thread runs: the CPUs of the device sending into it
+        self.down_bit_s: float | None = None  # what its device receives at most (None: any)
+        self.sock: socket.socket | None = None
+        self.free_at_s = 0.0
+        self.counters = PortCounters()
+        self._warned_clock = False
+
+    def open(self) -> None:
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)  # receives nothing until bound
+        try:
+            sock.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+        except OSError as error:
+            log.debug("%s: PACKET_IGNORE_OUTGOING unavailable (%s)", self.name, error)
+        enable_timestamps(sock)
+        sock.bind((self.name, ETH_P_ALL))
+        self.sock = sock
+        self.set_rate(self.rate_bit_s)
+
+    def set_rate(self, rate_bit_s: float) -> None:
+        """Applies to frames scheduled from now on; resizes the queue."""
+        assert self.sock is not None
+        self.rate_bit_s = rate_bit_s
+        frames = queue_frames(rate_bit_s, self.queue_ms)
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_request_bytes(frames))
+        log.debug("%s: rate %.0f bit/s, queue %d frames", self.name, rate_bit_s, frames)
+
+    def transmit(self, frame: bytes) -> None:
+        assert self.sock is not None
+        try:
+            self.sock.send(frame)
+        except OSError as error:
+            self.counters.send_errors += 1
+            log.debug("%s: send failed: %s", self.name, error)
+
+    def arrival_s(self, ancillary: list[tuple[int, int, bytes]]) -> float:
+        now_s = time.time()
+        stamp_s = kernel_timestamp_s(ancillary)
+        if stamp_s is not None and abs(stamp_s - now_s) < TIMESTAMP_SANITY_S:
+            return stamp_s
+        if not self._warned_clock:
+            log.warning(
+                "%s: kernel timestamp %s unusable, timing by time.time()", self.name, stamp_s
+            )
+            self._warned_clock = True
+        return now_s
+
+    def serve(self, forward: Any, frame_rate: Any = None) -> None:
+        """Reads, clocks out and forwards this port's frames, forever; `frame_rate(port,
+        frame)` gives a frame's rate (else the port's)."""
+        assert self.sock is not None
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
+        buffer = bytearray(FRAME_BUFFER_BYTES)
+        view = memoryview(buffer)
+        ancillary_bytes = socket.CMSG_SPACE(NEW_TIMESPEC.size)
+        while True:
+            size, ancillary, _, address = self.sock.recvmsg_into([buffer], ancillary_bytes)
+            if address[2] == socket.PACKET_OUTGOING:
+                continue
+            arrival_s = self.arrival_s(ancillary)
+            rate_bit_s = frame_rate(self, view) if frame_rate else self.rate_bit_s
+            start_s, end_s = departure_s(arrival_s, self.free_at_s, size, rate_bit_s)
+            self.free_at_s = end_s
+            frame = bytes(view[:size])
+            wait_until(end_s, self.spin_s)
+            late_s = time.time() - end_s
+            forward(self, frame)
+            self.counters.record(size, start_s - arrival_s, late_s, end_s)
+
+    def stats(self) -> dict[str, Any]:
+        """The counters (drops read from the kernel), the rate and the queue's kernel memory."""
+        assert self.sock is not None
+        _, dropped = PACKET_STATS.unpack(
+            self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, PACKET_STATS.size)
+        )
+        self.counters.drops += dropped
+        meminfo = self.sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, MEMINFO_BYTES)
+        (queue_bytes,) = struct.unpack_from("=I", meminfo)
+        return {
+            **self.counters.as_dict(),
+            "rate_bit_s": self.rate_bit_s,
+            "down_bit_s": self.down_bit_s,
+            "queue_bytes": queue_bytes,
+        }
+
+
+class Switch:
+    """The ports and the learned MAC table; forwards clocked-out frames."""
+
+    def __init__(self, ports: Sequence[Port]):
+        self.ports = {port.name: port for port in ports}
+        self.learned: dict[bytes, Port] = {}
+        self.pair_bit_s: dict[tuple[str, str], float] = {}  # (sending, receiving port)
+
+    def frame_rate(self, ingress: Port, frame: Any) -> float:
+        """The least of the sender's uplink, the receiver's downlink and their pair's rate;
+        the uplink alone for a broadcast or a receiver not learned yet."""
+        destination = bytes(frame[:6])
+        egress = None if destination[0] & 1 else self.learned.get(destination)
+        if egress is None or (egress.down_bit_s is None and not self.pair_bit_s):
+            return ingress.rate_bit_s
+        pair = self.pair_bit_s.get((ingress.name, egress.name))
+        limits = (ingress.rate_bit_s, egress.down_bit_s, pair)
+        return min(limit for limit in limits if limit is not None)
+
+    def forward(self, ingress: Port, frame: bytes) -> None:
+        destination, source = frame[:6], frame[6:12]
+        if self.learned.get(source) is not ingress:
+            self.learned[source] = ingress
+            log.debug("learned %s on %s", source.hex(":"), ingress.name)
+        egress = None if destination[0] & 1 else self.learned.get(destination)
+        if egress is ingress:
+            return
+        for port in [egress] if egress else self.ports.values():
+            if port is not ingress:
+                port.transmit(frame)
+
+    def start(self) -> None:
+        for port in self.ports.values():
+            port.open()
+        for port in self.ports.values():
+            threading.Thread(target=self._serve, args=(port,), name=port.name, daemon=True).start()
+
+    def _serve(self, port: Port) -> None:
+        try:
+            port.serve(self.forward, self.frame_rate)
+        except BaseException:
+            log.exception("port %s failed; the serial link stops", port.name)
+            sys.stderr.flush()
+            os._exit(3)  # a switch with a dead port must not look alive
+
+    def execute(self, line: str) -> str:
+        """Runs one stdin command; returns the answer line."""
+        try:
+            command = parse_command(line, self.ports)
+        except ShapingError as error:
+            return f"error {error}"
+        if command.name == "stats":
+            return json.dumps({name: port.stats() for name, port in self.ports.items()})
+        assert command.port is not None
+        if command.name == "down":
+            self.ports[command.port].down_bit_s = command.rate_bit_s
+            return "ok"
+        if command.name == "pair":
+            assert command.target is not None
+            key = (command.port, command.target)
+            if command.rate_bit_s is None:
+                self.pair_bit_s.pop(key, None)
+            else:
+                self.pair_bit_s[key] = command.rate_bit_s
+            return "ok"
+        assert command.rate_bit_s is not None
+        try:
+            self.ports[command.port].set_rate(command.rate_bit_s)
+        except OSError as error:
+            return f"error rate {command.port}: resizing the queue failed: {error}"
+        return "ok"
+
+
+def use_realtime_scheduling(priority: int = FIFO_PRIORITY) -> bool:
+    """SCHED_FIFO for this thread and the threads it starts; a warning when not permitted."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except (OSError, AttributeError) as error:
+        log.warning("no SCHED_FIFO (%s): frames may leave late when the CPUs are busy", error)
+        return False
+    return True
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.link.serial.program", description=__doc__
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the switch on the given ports")
+    serve.add_argument("ports", nargs="+", metavar="PORT=RATE_BIT_S")
+    serve.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US)
+    serve.add_argument("--queue-ms", type=float, default=QUEUE_MS)
+    serve.add_argument(
+        "--cpus", action="append", default=[], metavar="PORT=CPULIST",
+        help="run the port's thread on these CPUs (those of the device that sends into it)",
+    )  # fmt: skip
+    serve.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
+    args = parser.parse_args(argv)
+    try:
+        args.ports = [parse_port(text) for text in args.ports]
+    except ShapingError as error:
+        parser.error(str(error))
+    names = [name for name, _ in args.ports]
+    if len(set(names)) != len(names):
+        parser.error(f"a port is given twice: {names}")
+    if args.spin_us < 0 or args.queue_ms <= 0:
+        parser.error("--spin-us must be >= 0 and --queue-ms > 0")
+    try:
+        args.cpus = dict(parse_port_cpus(text, names) for text in args.cpus)
+    except ShapingError as error:
+        parser.error(str(error))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="serial_link %(levelname)s: %(message)s",
+    )
+    use_realtime_scheduling()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    ports = [
+        Port(name, rate, args.queue_ms, args.spin_us / 1e6, args.cpus.get(name))
+        for name, rate in args.ports
+    ]
+    switch = Switch(ports)
+    try:
+        switch.start()
+    except (OSError, ShapingError) as error:
+        log.error("cannot open the ports %s: %s", [port.name for port in ports], error)
+        return 1
+    print("ready", flush=True)
+    for line in iter(sys.stdin.readline, ""):
+        if line.strip():
+            print(switch.execute(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""What the serial link program (`testbed.link.serial.program`) is told: its ports on the command
+line (`IFNAME=RATE_BIT_S`, `PORT=CPULIST`) and its commands on stdin (`rate PORT BIT_S`, `down PORT
+BIT_S`, `pair SRC DST BIT_S`, `stats`), parsed and checked. Pure and stdlib only, like the program;
+every error is a ShapingError that names what is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from testbed.errors import ShapingError
+
+IFNAME_MAX_CHARS = 15
+
+
+def parse_port(text: str) -> tuple[str, float]:
+    """`IFNAME=RATE_BIT_S` -> (interface, rate)."""
+    name, sep, rate_text = text.partition("=")
+    if not sep or not name or len(name) > IFNAME_MAX_CHARS or "/" in name:
+        raise ShapingError(f"port {text!r}: expected IFNAME=RATE_BIT_S (IFNAME <= 15 characters)")
+    return name, _rate(rate_text, f"port {text!r}")
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """'0', '0,2', '1-3' -> the CPU numbers (the format of taskset and Docker's cpuset)."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ShapingError(f"CPU list {text!r}: expected numbers and ranges like 0,2-3") from None
+    if not cpus:
+        raise ShapingError(f"CPU list {text!r} names no CPU")
+    return cpus
+
+
+def parse_port_cpus(text: str, ports: Sequence[str]) -> tuple[str, set[int]]:
+    """`PORT=CPULIST` -> (port, CPUs); the port must be one of `ports`."""
+    name, sep, cpus = text.partition("=")
+    if not sep or name not in ports:
+        raise ShapingError(f"--cpus {text!r}: expected PORT=CPULIST with PORT one of {ports}")
+    return name, parse_cpu_list(cpus)
+
+
+def _rate(text: str, where: str) -> float:
+    try:
+        rate_bit_s = float(text)
+    except ValueError:
+        raise ShapingError(f"{where}: rate {text!r} is not a number of bit/s") from None
+    if not math.isfinite(rate_bit_s) or rate_bit_s <= 0:
+        raise ShapingError(f"{where}: the rate must be a positive number of bit/s, got {text!r}")
+    return rate_bit_s
+
+
+@dataclass(frozen=True)
+class Command:
+    """One stdin command: `rate` or `down` (a port and a rate), `pair` (two ports and a
+    rate; `target` is the receiving port), or `stats`. A `down` or `pair` rate of None
+    removes it."""
+
+    name: str
+    port: str | None = None
+    rate_bit_s: float | None = None
+    target: str | None = None
+
+
+def parse_command(line: str, ports: Iterable[str]) -> Command:
+    """Parses `rate PORT BIT_S`, `down PORT BIT_S`, `pair SRC DST BIT_S` or `stats`; raises
+    ShapingError naming what is wrong."""
+    words, known = line.split(), list(ports)
+    if words == ["stats"]:
+        return Command("stats")
+    named = words[1:-1]
+    for port in named:
+        if port not in known:
+            raise ShapingError(f"{words[0]}: unknown port {port!r} (ports: {', '.join(known)})")
+    if len(words) == 3 and words[0] == "rate":
+        return Command("rate", words[1], _rate(words[2], f"rate {words[1]}"))
+    if len(words) == 3 and words[0] == "down":
+        return Command("down", words[1], _optional_rate(words[2], f"down {words[1]}"))
+    if len(words) == 4 and words[0] == "pair":
+        rate = _optional_rate(words[3], f"pair {words[1]} {words[2]}")
+        return Command("pair", words[1], rate, words[2])
+    raise ShapingError(
+        f"unknown command {line.strip()!r}: expected 'rate PORT BIT_S', 'down PORT BIT_S', "
+        "'pair SRC DST BIT_S' or 'stats'"
+    )
+
+
+def _optional_rate(text: str, where: str) -> float | None:
+    return None if text == "0" else _rate(text, where)

@@ -1,0 +1,22 @@
+"""Result rows and what is made of them.
+
+- `columns`: every result column, its type, unit and meaning (results/README.md is made
+  from it); `facts`: what is known of a row before the workers measure it; `rows`: the one
+  assembler of rows (facts and the devices' records in, typed DataFrames out).
+- `store`: a run directory and its tables (`testbed.results.load(run_dir)`).
+- `stats`: medians with distribution-free intervals, paired ratios.
+- `variants`: the names and order of method variants that every table and figure shares.
+- `answer`: the table a run prints; `level_accuracy`: the accuracy study's top-1 of the
+  levels a run used.
+"""
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """`load` and `Results` from `store`, imported on first use (pandas is not light)."""
+    if name in ("load", "Results"):
+        from testbed.results import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module 'testbed.results' has no attribute {name!r}")

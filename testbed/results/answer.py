@@ -1,0 +1,127 @@
+"""The answer a run prints when it ends: per device count, every method variant at every
+rate with its effective latency (median over repetitions of the slowest device, 95% interval),
+its communication (median of the devices' mean) and its speedup over Voltage (median of the
+per-repetition ratios, the repetitions paired in time), in the figures' variant order. Over
+a replayed trace the rows are the rates in force when the inferences started, with the mean
+codewords of the levels used. With an accuracy study's table (`report.level_accuracy`), a
+last column gives the mean over the group's rows (every device's every inference) of the
+study's top-1 at the level each used (`level_accuracy_pct`, testbed.results.level_accuracy). A
+last line counts the inferences during which the serial emulator stalled, if any.
+
+    P=2 vit-b16 (6 repetitions)   effective ms [95% CI]      comm ms   vs voltage
+    1 Mbit/s  voltage             14,210 [14,102, 14,305]     13,402       1.00x
+              trace-b K=1024 ...
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from testbed.figures.common import ok_trials, variant_order
+from testbed.results import stats
+from testbed.results.store import Results
+
+BASELINE = "voltage"
+EXTRA_WIDTH = 13
+LEVEL_ACCURACY = "top-1 % used"
+
+
+def _ms(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.1f}"
+
+
+def _speedups(ok: pd.DataFrame, rate_column: str) -> dict[tuple, float]:
+    """Median over repetitions of Voltage's effective time over each variant's, per (devices,
+    rate, variant); empty where the run has no Voltage."""
+    slowest = stats.by_repetition(
+        ok, ["devices", rate_column, "variant"], ["effective_ms"], how="max"
+    )
+    gains = {}
+    for (devices, rate), part in slowest.groupby(["devices", rate_column]):
+        per = {v: p.set_index("repeat")["effective_ms"] for v, p in part.groupby("variant")}
+        if BASELINE not in per:
+            continue
+        for name, series in per.items():
+            gains[(devices, rate, name)] = stats.paired_ratio_interval(per[BASELINE], series).median
+    return gains
+
+
+def answer_lines(results: Results) -> list[str]:
+    ok = ok_trials(results)
+    if ok.empty:
+        return ["no trial succeeded: nothing to summarize"]
+    # over a replayed trace, the rate is the one in force when each inference started
+    traced = "trace" in ok and ok["trace"].fillna("").astype(str).str.len().any()
+    rate_column = "link_rate_mbit" if traced else "bandwidth_mbit"
+    keys = ["devices", rate_column, "variant"]
+    effective = stats.summarize(ok, keys, ["effective_ms"], "max").set_index(keys)
+    comm = stats.summarize(ok, keys, ["comm_ms"], "mean").set_index(keys)
+    extra = _extra_columns(ok, keys, traced)
+    gains = _speedups(ok, rate_column)
+    order = variant_order(ok)
+    width = max(len(v) for v in order) + 2
+    model = results.config["model"]["name"]
+    lines = []
+    for devices in sorted(ok["devices"].unique()):
+        at = effective.loc[devices]
+        n = int(at["n"].max())
+        title = f"P={devices} {model} ({n} repetitions)"
+        heads = "".join(f"{head:>{EXTRA_WIDTH}}" for head in extra)
+        lines += ["", f"{title:<{10 + width}}{'effective ms [95% CI]':>26}{'comm ms':>11}"
+                  f"{'vs ' + BASELINE:>13}{heads}"]  # fmt: skip
+        for rate in sorted(ok.loc[ok["devices"] == devices, rate_column].unique()):
+            first = True
+            for name in order:
+                if (rate, name) not in at.index:
+                    continue
+                cell = at.loc[(rate, name)]
+                interval = (
+                    f"{_ms(cell['effective_ms'])} [{_ms(cell['effective_ms_low'])}, "
+                    f"{_ms(cell['effective_ms_high'])}]"
+                )
+                gain = gains.get((devices, rate, name), math.nan)
+                cells = "".join(
+                    f"{_ms(means.get((devices, rate, name), math.nan)):>{EXTRA_WIDTH}}"
+                    for means in extra.values()
+                )
+                rate_text = f"{rate:g} Mbit/s" if first else ""
+                lines.append(
+                    f"{rate_text:<10}{name:<{width}}{interval:>26}"
+                    f"{_ms(comm.loc[(devices, rate, name), 'comm_ms']):>11}"
+                    f"{'-' if math.isnan(gain) else f'{gain:,.2f}x':>13}{cells}"
+                )
+                first = False
+    if LEVEL_ACCURACY in extra:
+        table = results.config.get("report", {}).get("level_accuracy")
+        lines += ["", f"{LEVEL_ACCURACY}: the accuracy study's top-1 at the level each inference "
+                  f"used ({table}; the rows matched: level_accuracy.csv)"]  # fmt: skip
+    return lines + _stall_lines(ok)
+
+
+def _stall_lines(ok: pd.DataFrame) -> list[str]:
+    """A note when the serial emulator stalled during some inferences (link_stalled_ms)."""
+    if "link_stalled_ms" not in ok or not (ok["link_stalled_ms"].fillna(0) > 0).any():
+        return []
+    per = ok.groupby(["trial_id", "repeat"])["link_stalled_ms"].max()  # the devices' windows
+    hit = per[per > 0]
+    note = (
+        f"link stalls: the machine held the serial emulator up during {len(hit)} of {len(per)} "
+        f"inferences ({hit.sum():.1f} ms in all, at most {hit.max():.1f} ms in one; "
+        "link_stalled_ms): their communication may read longer than the link's"
+    )
+    return ["", note]
+
+
+def _extra_columns(ok: pd.DataFrame, keys: list[str], traced: bool) -> dict[str, pd.Series]:
+    """Columns after the speedup, by heading: over a trace the mean codewords of the levels
+    used; with an accuracy study's table the mean accuracy of those levels."""
+    extra = {}
+    if traced:
+        extra["mean K used"] = ok.groupby(keys)["level_k"].mean()
+    if "level_accuracy_pct" in ok and ok["level_accuracy_pct"].notna().any():
+        extra[LEVEL_ACCURACY] = ok.groupby(keys)["level_accuracy_pct"].mean()
+    return extra

@@ -1,0 +1,235 @@
+"""The result rows of a trial: its plan, the link facts and the devices' records, joined.
+
+The only place that turns what the workers measured into the columns of `testbed.results.columns`:
+
+- clocks: device r's marks move onto device 0's clock by the offset its handshake with
+  device 0 measured (`SessionFacts.clock_offset_ns[0]`); within one host it is ~0.
+- comm: per message, from its departure on the sender (first byte offered to the kernel) to
+  the kernel's receive timestamp of its last byte at the slowest peer.
+- wait, split by cause at the receiver: until the last needed message had departed
+  (`wait_peer_ms`), until its last byte had reached this host (`wait_link_ms`), after that
+  (`wait_wakeup_ms`).
+- wire time: the message's bytes as the TCP segments and Ethernet frames the link carries.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
+from testbed.link.replay import TraceReplay
+from testbed.link.wire import tcp_frame_bytes, wire_time_s
+from testbed.results.columns import LAYER_COLUMNS, LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, Column
+
+TC_MEGABIT = 10**6
+
+
+@dataclass(frozen=True)
+class Departure:
+    departed_ns: int  # on device 0's clock
+    written_ns: int
+
+
+class Timeline:
+    """Every message of one run on device 0's clock: departures and arrivals."""
+
+    def __init__(self, records: dict[int, DeviceRecords]):
+        self.offset_ns = {
+            rank: 0 if rank == 0 else r.session.clock_offset_ns.get(0, 0)
+            for rank, r in records.items()
+        }
+        self.starts = {
+            (rank, r.inference): r.start_ns for rank, d in records.items() for r in d.inferences
+        }
+        self.departures: dict[tuple[int, int, int], Departure] = {}
+        self.arrivals: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+        for rank, device in records.items():
+            shift = self.offset_ns[rank]
+            for block in device.blocks:
+                if block.departed_ns is not None and block.written_ns is not None:
+                    key = (rank, block.inference, block.block)
+                    self.departures[key] = Departure(
+                        block.departed_ns + shift, block.written_ns + shift
+                    )
+            for arrival in device.arrivals:
+                key = (arrival.peer, arrival.inference, arrival.block)
+                self.arrivals[key].append(arrival_ns(arrival) + shift)
+
+    def comm_ms(self, sender: int, inference: int, block: int) -> float | None:
+        key = (sender, inference, block)
+        departure, arrivals = self.departures.get(key), self.arrivals.get(key)
+        if departure is None or not arrivals:
+            return None
+        return (max(arrivals) - departure.departed_ns) / 1e6
+
+    def wait_split_ms(self, receiver: int, block: BlockRecord, peers: list[int]) -> tuple:
+        """(peer, link, wake-up) parts of a block's wait on `receiver`."""
+        if block.wait_start_ns is None or block.wait_end_ns is None or not peers:
+            return 0.0, 0.0, 0.0
+        shift = self.offset_ns[receiver]
+        start, end = block.wait_start_ns + shift, block.wait_end_ns + shift
+        keys = [(peer, block.inference, block.block) for peer in peers]
+        if not any(k in self.departures and self.arrivals.get(k) for k in keys):
+            # no message for this block (a Trace placement of case A has none at block 0)
+            return 0.0, 0.0, (end - start) / 1e6
+        departed = max(self.departures[k].departed_ns for k in keys if k in self.departures)
+        arrived = max(max(self.arrivals[k]) for k in keys if self.arrivals.get(k))
+        peer_ns = min(max(departed - start, 0), end - start)
+        link_ns = min(max(arrived - max(start, departed), 0), end - start - peer_ns)
+        return peer_ns / 1e6, link_ns / 1e6, (end - start - peer_ns - link_ns) / 1e6
+
+
+def arrival_ns(arrival: ArrivalRecord) -> int:
+    return arrival.kernel_ns if arrival.kernel_ns is not None else arrival.read_ns
+
+
+def trial_rows(
+    identity: dict[int, dict[str, Any]],
+    records: dict[int, DeviceRecords],
+    replay: TraceReplay | None = None,
+    stalls: list[tuple[int, int]] | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Rows of one trial: `identity` holds each rank's plan, link and session facts (every
+    column that is not measured), `records` each rank's records of this trial's run only,
+    `replay` the trace played during the session, if any (the rate in force at an inference's
+    start is the step it had applied by then: the devices' clocks are the host's, except on
+    ssh boards, whose clocks are only as close to the host's as their NTP keeps them),
+    `stalls` the serial emulator's stalls (start ns, length ns) of every port, if it ran."""
+    timeline = Timeline(records)
+    ranks = sorted(records)
+    trials, layers = [], []
+    for rank in ranks:
+        device, facts = records[rank], identity[rank]
+        peers = [p for p in ranks if p != rank]
+        context = {
+            **facts,
+            "rank": rank,
+            "clock_offset_ms": timeline.offset_ns[rank] / 1e6,
+            "clock_uncertainty_ms": (
+                0.0 if rank == 0 else device.session.clock_uncertainty_ns.get(0, 0) / 1e6
+            ),
+            "kernel_timestamps": device.session.kernel_timestamps,
+        }
+        by_inference: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        levels = {
+            r.inference: {"level_k": r.level_k, "r_bits": r.r_bits}
+            for r in device.inferences
+            if r.level_k is not None  # Trace: the level in use, also under level_k=auto
+        }
+        for block in device.blocks:
+            row = layer_row(timeline, rank, block, peers, context)
+            row.update(levels.get(block.inference, {}))
+            by_inference[block.inference].append(row)
+            layers.append(row)
+        for record in device.inferences:
+            if replay is None:
+                link = {"link_rate_mbit": facts.get("bandwidth_mbit")}
+            else:
+                link = {"link_rate_mbit": replay.rate_at_ns(record.start_ns),
+                        "trace_s": (record.start_ns - replay.start_ns) / 1e9}  # fmt: skip
+            trials.append({
+                **context,
+                **link,
+                "est_rate_mbit": record.est_rate_mbit,
+                "link_stalled_ms": stalled_ms(stalls, record.start_ns, record.end_ns),
+                **totals(by_inference[record.inference]),
+                **levels.get(record.inference, {}),
+                "repeat": record.inference,
+                "effective_ms": record.effective_ms,
+                "compute_ms": record.compute_ms,
+                "wait_ms": record.wait_ms,
+                "correct": record.correct,
+                "status": "ok",
+                "error": "",
+            })  # fmt: skip
+    return frame(trials, TRIAL_COLUMNS), frame(layers, LAYER_COLUMNS)
+
+
+def stalled_ms(stalls: list[tuple[int, int]] | None, start_ns: int, end_ns: int) -> float | None:
+    """How much of the stalls falls within [start_ns, end_ns]; None without a stall log."""
+    if stalls is None:
+        return None
+    overlap = sum(max(0, min(end_ns, s + n) - max(start_ns, s)) for s, n in stalls)
+    return overlap / 1e6
+
+
+SUMMED = ("wait_peer_ms", "wait_link_ms", "wait_wakeup_ms", "comm_ms", "send_ms", "wire_comm_ms",
+          "payload_bits", "message_bytes", "frame_bytes", "received_bytes")  # fmt: skip
+
+
+def totals(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-inference sums of the per-block columns (a missing comm counts as missing)."""
+    out: dict[str, Any] = {}
+    for name in SUMMED:
+        values = [b[name] for b in blocks]
+        out[name] = None if any(v is None for v in values) else sum(values)
+    return out
+
+
+def layer_row(
+    timeline: Timeline, rank: int, block: BlockRecord, peers: list[int], context: dict[str, Any]
+) -> dict[str, Any]:
+    copies = len(peers)
+    sent = block.message_bytes > 0
+    wait_peer, wait_link, wait_wakeup = timeline.wait_split_ms(rank, block, peers)
+    frames = tcp_frame_bytes(block.message_bytes) * copies
+    shift = timeline.offset_ns[rank]
+    comm = timeline.comm_ms(rank, block.inference, block.block) if sent and copies else None
+    origin = timeline.starts[(rank, block.inference)]
+
+    def mark(ns: int | None) -> float | None:
+        return None if ns is None else (ns - origin) / 1e6
+
+    arrivals = timeline.arrivals.get((rank, block.inference, block.block))
+    return {
+        **context,
+        "repeat": block.inference,
+        "block": block.block,
+        "compute_ms": block.compute_ms,
+        "wait_ms": block.wait_ms,
+        "wait_peer_ms": wait_peer,
+        "wait_link_ms": wait_link,
+        "wait_wakeup_ms": wait_wakeup,
+        "comm_ms": comm if sent and copies else 0.0,
+        "send_ms": (block.written_ns - block.departed_ns) / 1e6 if sent and copies else 0.0,
+        "wire_comm_ms": 1000 * wire_time_s(frames, _uplink_mbit(context) * TC_MEGABIT),
+        "payload_bits": block.payload_bits,
+        "message_bytes": block.message_bytes * copies,
+        "frame_bytes": frames,
+        "received_bytes": block.received_bytes,
+        "block_start_ms": mark(block.start_ns),
+        "departed_ms": mark(block.departed_ns),
+        "written_ms": mark(block.written_ns),
+        "arrived_ms": mark(max(arrivals) - shift) if arrivals else None,
+        "wait_start_ms": mark(block.wait_start_ns),
+        "wait_end_ms": mark(block.wait_end_ns),
+        "ffn_start_ms": mark(block.ffn_start_ns),
+        "ffn_end_ms": mark(block.ffn_end_ns),
+        "unique_remote_keys": block.unique_remote_keys,
+    }
+
+
+def _uplink_mbit(context: dict[str, Any]) -> float:
+    """The device's shaped uplink (the swept bandwidth where the identity has none)."""
+    return context.get("uplink_mbit") or context["bandwidth_mbit"]
+
+
+def failed_rows(identity: dict[int, dict[str, Any]], error: str) -> pd.DataFrame:
+    rows = [
+        {**facts, "repeat": -1, "status": "failed", "error": error} for facts in identity.values()
+    ]
+    return frame(rows, TRIAL_COLUMNS)
+
+
+def frame(rows: list[dict[str, Any]], columns: list[Column]) -> pd.DataFrame:
+    """Rows as a DataFrame of exactly `columns`, typed (other known columns are dropped: a
+    layer row carries its trial's facts); a key that is no column at all is a bug."""
+    names = [c.name for c in columns]
+    unknown = sorted({key for row in rows for key in row} - set(TRIAL_NAMES) - set(LAYER_NAMES))
+    assert not unknown, f"rows carry keys that are no column: {unknown}"
+    table = pd.DataFrame(rows, columns=names)
+    return table.astype({c.name: c.dtype for c in columns})

@@ -1,0 +1,129 @@
+"""The trial plan: an experiment expanded into trials, each with its analytic payload.
+
+Order: device count (devices start once per count), then bandwidth (the link is reshaped
+between bandwidths, not restarted), then method. A trial is one worker session on P devices
+running `warmup` + `repeats` inferences of one method at one bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from testbed.errors import ConfigError
+from testbed.experiment.schema import DEFAULT_RATE_MBIT, Experiment, LinkSection
+from testbed.link.traces import RateTrace, load_trace
+from tracevq.codec import index_bits
+from tracevq.config import model_config
+from tracevq.payload import exchanges, payload_bits
+from tracevq.spec import method_spec
+
+PAPER_MEGABIT = 2**20  # the paper's Tables IV and Fig. 6 divide by 2^20 bit/s per "Mbit/s"
+TC_MEGABIT = 10**6  # tc's `mbit`, what the testbed shapes
+
+
+@dataclass(frozen=True)
+class Trial:
+    experiment: str
+    devices: int
+    bandwidth_mbit: float
+    method: str
+    params: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def method_params(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    @property
+    def spec(self):
+        return method_spec(self.method, **self.method_params)
+
+    @property
+    def trial_id(self) -> str:
+        parts = [f"p{self.devices}", self.method]
+        parts += [f"{key}{_short(value)}" for key, value in self.params]
+        parts.append(f"{_short(self.bandwidth_mbit)}mbit")
+        return "-".join(parts).replace("_", "")
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def link_rates(link: LinkSection) -> list[float]:
+    """The trials' rates: the swept ones, or a trace's time-weighted mean."""
+    if link.trace is not None:
+        return [round(link_trace(link).mean_mbit(), 3)]
+    return link.bandwidth_mbit or [DEFAULT_RATE_MBIT]
+
+
+def link_trace(link: LinkSection) -> RateTrace:
+    """The experiment's trace as played (stretched). Raises ConfigError naming link.trace."""
+    assert link.trace is not None
+    try:
+        return load_trace(link.trace).stretched(link.trace_stretch)
+    except ConfigError as error:
+        raise ConfigError(f"link.trace: {error}") from None
+
+
+def plan_trials(experiment: Experiment) -> list[Trial]:
+    trials = []
+    for count in experiment.devices.count:
+        for rate in link_rates(experiment.link):
+            for variant in experiment.method_variants():
+                params = tuple((k, v) for k, v in variant.items() if k != "name")
+                trials.append(Trial(experiment.name, count, rate, variant["name"], params))
+    return trials
+
+
+def analytic_comm_ms(
+    bits_per_layer: int, messages: int, devices: int, rate_mbit: float, megabit: int = TC_MEGABIT
+) -> float:
+    """Time the device's egress link needs for its `messages` messages of one inference (one
+    per layer, or one fewer for Trace's exact-embedding placements).
+
+    Over a TCP mesh a device's one link carries a copy of each message for each of its
+    P - 1 peers; the paper's Table II counts one copy (equal for P = 2).
+    """
+    copies = max(devices - 1, 0)
+    return 1000.0 * bits_per_layer * messages * copies / (rate_mbit * megabit)
+
+
+def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[dict[str, Any]]:
+    """One row per trial and rank: the identifying columns and the analytic payload."""
+    config = model_config(experiment.model.name)
+    rows = []
+    for trial in trials:
+        spec = trial.spec
+        bits = payload_bits(
+            config, trial.method, trial.devices, experiment.batch, **trial.method_params
+        )
+        messages = exchanges(spec, config.depth)  # Trace's "A" placements: no block-0 message
+        for rank, rank_bits in enumerate(bits):
+            rows.append(
+                {
+                    "trial_id": trial.trial_id,
+                    "experiment": experiment.name,
+                    "model": config.name,
+                    "method": trial.method,
+                    "devices": trial.devices,
+                    "rank": rank,
+                    "bandwidth_mbit": trial.bandwidth_mbit,
+                    "K": spec.K if spec.uses_codebooks else None,
+                    "level_k": spec.resolved_level_k if spec.is_trace else None,
+                    "r_bits": index_bits(spec.resolved_level_k) if spec.is_trace else None,
+                    "params": ",".join(f"{k}={_short(v)}" for k, v in trial.params),
+                    "payload_bits_per_layer": rank_bits,
+                    "analytic_comm_ms": analytic_comm_ms(
+                        rank_bits, messages, trial.devices, trial.bandwidth_mbit
+                    ),
+                    "analytic_comm_ms_paper": analytic_comm_ms(
+                        rank_bits, messages, trial.devices, trial.bandwidth_mbit, PAPER_MEGABIT
+                    ),
+                }
+            )
+    return rows

@@ -1,0 +1,230 @@
+"""Checks of a loaded experiment against where it will run: the backend chosen, this host's
+CPUs and kernel, and the files it names. Made by `testbed.run` (dry runs included) and by
+`Runner` before anything is written or started; the schema has already checked what the file
+alone decides.
+
+Each problem is a one-line `ConfigError`: `FILE: field: what is wrong; what would be right`.
+Relative paths are taken from the working directory, as the run later reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from testbed.errors import ConfigError, ShapingError
+from testbed.experiment.profiles import LinkProfile, load_profile
+from testbed.experiment.schema import FITTED_BRANCHING, Experiment, variant_spec
+from testbed.link.links import emulator_for
+from testbed.results.level_accuracy import check_covered, load_level_accuracy
+from testbed.sweep.plan import link_trace
+from tracevq.codec import level_sizes_for
+
+if TYPE_CHECKING:
+    from tracevq.bundle import Bundle
+
+log = logging.getLogger(__name__)
+
+
+def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkProfile:
+    """Raises ConfigError naming `source` and the field; returns the link profile."""
+    _check_backend(experiment, backend, source)
+    _check_files(experiment, source)
+    bundle = _check_bundle(experiment, source)
+    _check_level_accuracy(experiment, bundle, source)
+    _check_cpus(experiment, backend, source)
+    emulator = _emulator(experiment, backend, source)
+    _check_board_rates(experiment, backend, source)
+    profile = _profile(experiment, source)
+    _check_impairments(experiment, profile, emulator, backend, source)
+    return profile
+
+
+def _check_backend(experiment: Experiment, backend: str, source: str) -> None:
+    if backend != "ssh":
+        return
+    inventory = experiment.inventory
+    if inventory is None:
+        raise ConfigError(
+            f"{source}: inventory: backend 'ssh' needs an inventory of boards (a file's path "
+            "or inline; see experiments/ssh-smoke.yaml)"
+        )
+    most = max(experiment.devices.count)
+    if most > len(inventory.boards):
+        raise ConfigError(
+            f"{source}: devices.count: {most} devices, but the inventory has "
+            f"{len(inventory.boards)} boards (one device per board)"
+        )
+    if not inventory.accept_new_host_keys and not Path(inventory.known_hosts).is_file():
+        raise ConfigError(
+            f"{source}: inventory.known_hosts: file not found: {inventory.known_hosts}; record "
+            "the boards' host keys (`ssh-keyscan -p PORT ADDRESS >> FILE`), or say "
+            "accept_new_host_keys: true for a first connection"
+        )
+    for index, board in enumerate(inventory.boards[:most]):
+        if board.key_file is not None and not Path(board.key_file).is_file():
+            raise ConfigError(
+                f"{source}: inventory.boards[{index}].key_file: file not found: "
+                f"{board.key_file} (leave key_file out to use ssh-agent and ~/.ssh/id_*)"
+            )
+
+
+def _check_files(experiment: Experiment, source: str) -> None:
+    named = {
+        "model.checkpoint": experiment.model.checkpoint,
+        "bundle.path": experiment.bundle.path,
+        "evaluation.inputs": experiment.evaluation.inputs if experiment.evaluation else None,
+        "report.level_accuracy": experiment.report.level_accuracy,
+    }
+    for field, name in named.items():
+        if name is None:
+            continue
+        path = Path(name).expanduser()
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        if not path.exists():
+            raise ConfigError(f"{source}: {field}: file not found: {name}{where}")
+        if not path.is_file():
+            raise ConfigError(f"{source}: {field}: not a regular file: {name}{where}")
+        if not os.access(path, os.R_OK):
+            raise ConfigError(f"{source}: {field}: not readable: {name}")
+    if experiment.link.trace is not None:
+        try:
+            link_trace(experiment.link)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {error}") from None
+
+
+def _check_bundle(experiment: Experiment, source: str) -> Bundle | None:
+    """A given bundle (bundle.path) has every codebook family, K and tree level the methods
+    ask for: otherwise the workers would refuse it only once the devices run. Returns it."""
+    if experiment.bundle.path is None:
+        return None
+    from tracevq.bundle import Bundle
+
+    bundle = Bundle.load(experiment.bundle.path)  # ConfigError: unreadable, wrong format
+    for variant in experiment.method_variants():
+        spec = variant_spec(variant)
+        if not spec.uses_codebooks:
+            continue
+        where = f"{source}: bundle.path: {experiment.bundle.path}"
+        if spec.name not in bundle.trees:
+            have = ", ".join(bundle.trees) or "none"
+            raise ConfigError(f"{where} has no {spec.name} codebooks (it has: {have})")
+        sizes = bundle.trees[spec.name][0].level_sizes
+        if spec.K != sizes[-1]:
+            raise ConfigError(f"{where}: {spec.name} K={spec.K}, its codebooks have {sizes[-1]}")
+        if not spec.is_trace:
+            continue
+        for field, size in (("level_k", spec.resolved_level_k), ("level_min_k", spec.level_min_k)):
+            if size is not None and size not in sizes:
+                raise ConfigError(
+                    f"{where}: {spec.name} {field}={size} is not a level of its codebook tree "
+                    f"(levels: {', '.join(map(str, sizes))})"
+                )
+    return bundle
+
+
+def _check_level_accuracy(experiment: Experiment, bundle: Bundle | None, source: str) -> None:
+    """The table of report.level_accuracy reads, and has a row for every level the Trace
+    methods may use (their trees' levels: the given bundle's, else the fitted tree's)."""
+    if experiment.report.level_accuracy is None:
+        return
+    metric = None if bundle is None else bundle.meta.get("metric")
+    if metric is not None and metric != experiment.bundle.metric:
+        raise ConfigError(
+            f"{source}: bundle.metric: the trees of {experiment.bundle.path} are built by "
+            f"{metric}, the rows of report.level_accuracy are taken for {experiment.bundle.metric}"
+            f"; say bundle: {{metric: {metric}}}"
+        )
+
+    def level_sizes(method: str, K: int) -> list[int]:
+        if bundle is None:
+            return level_sizes_for(K, FITTED_BRANCHING)
+        return list(bundle.trees[method][0].level_sizes)
+
+    try:
+        table = load_level_accuracy(experiment)
+        assert table is not None
+        check_covered(table, experiment, level_sizes)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def host_cpus() -> int:
+    return os.cpu_count() or 1
+
+
+def _check_cpus(experiment: Experiment, backend: str, source: str) -> None:
+    """A device may not ask for more CPUs than the host has, unless the file says so; devices
+    that together ask for more are allowed and recorded as `oversubscribed`, as before. Boards
+    (ssh) have cores of their own."""
+    devices = experiment.devices
+    if backend == "ssh" or devices.oversubscribe or devices.cpus <= host_cpus():
+        return
+    raise ConfigError(
+        f"{source}: devices.cpus: {devices.cpus:g} CPUs per device, but this host has "
+        f"{host_cpus()}; at most {host_cpus()}, or say devices: {{oversubscribe: true}}"
+    )
+
+
+def _emulator(experiment: Experiment, backend: str, source: str) -> str:
+    try:
+        return emulator_for(experiment.link.emulator, backend)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def _check_board_rates(experiment: Experiment, backend: str, source: str) -> None:
+    """Boards over ssh shape their uplinks (tbf); downlinks and pair caps are not done there."""
+    if backend != "ssh":
+        return
+    for field in ("downlink_mbit", "pair_mbit"):
+        if getattr(experiment.link, field):
+            raise ConfigError(
+                f"{source}: link.{field}: boards over ssh are shaped on their uplinks only "
+                "(link.uplink_mbit); downlink and per-pair rates need the docker or local "
+                "backend"
+            )
+
+
+def _profile(experiment: Experiment, source: str) -> LinkProfile:
+    try:
+        return load_profile(experiment.link.profile)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: link.profile: {error}") from None
+
+
+def _check_impairments(
+    experiment: Experiment, profile: LinkProfile, emulator: str, backend: str, source: str
+) -> None:
+    """Delay, jitter and loss need netem under tbf; the serial emulator adds none of them."""
+    if not profile.needs_netem:
+        return
+    if experiment.link.pair_mbit:
+        raise ConfigError(
+            f"{source}: link.pair_mbit: per-pair rates with profile '{profile.name}' (delay, "
+            "jitter or loss) are not supported; use a rate-only profile such as 'ideal'"
+        )
+    if emulator == "serial":
+        raise ConfigError(
+            f"{source}: link.profile: '{profile.name}' asks for delay, jitter or loss, which "
+            "the serial emulator does not add; use a rate-only profile such as 'ideal', or "
+            "link: {emulator: tbf}"
+        )
+    if backend == "ssh" or os.geteuid() != 0:
+        return  # the boards' kernels, or no probe without root: checked when shaping
+    from testbed.kernel.support import qdisc_support
+
+    try:
+        support = qdisc_support()
+    except ShapingError as error:
+        log.debug("cannot probe qdiscs before the run: %s", error)
+        return
+    if not support.get("netem", False):
+        raise ConfigError(
+            f"{source}: link.profile: '{profile.name}' needs delay/jitter/loss emulation "
+            "(sch_netem), which this kernel does not have; use a rate-only profile such as "
+            "'ideal'"
+        )

@@ -1,0 +1,287 @@
+"""Executes an experiment: devices started once per device count, links reshaped per bandwidth, one
+worker session per device count and bandwidth that runs all of its trials interleaved
+(testbed.sweep.sessions); every trial's rows written to disk as soon as its session ends.
+
+A session that fails (a worker crashes, times out or refuses its peer) records its trials
+with the error and the workers' logs, and the sweep goes on. Whatever happens, the backend
+removes what it created (containers, networks, namespaces, qdiscs) on the way out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from testbed import voice
+from testbed.backends.base import Backend, DeviceSpec
+from testbed.experiment.inventory import Inventory
+from testbed.experiment.schema import Experiment
+from testbed.figures.rates import make_figures
+from testbed.link.links import Links, LinkState, emulator_for
+from testbed.link.rates import rate_overrides
+from testbed.link.replay import TraceReplay
+from testbed.results.level_accuracy import load_level_accuracy
+from testbed.results.store import (
+    combine,
+    finished_trials,
+    load,
+    save_trial,
+    write_frame,
+    write_text,
+)
+from testbed.sweep import environment, interrupts
+from testbed.sweep.bundles import RunFiles, prepare_run_files
+from testbed.sweep.lock import RunLock
+from testbed.sweep.plan import Trial, link_trace, plan_rows, plan_trials
+from testbed.sweep.preflight import check_experiment
+from testbed.sweep.progress import TrialProgress
+from testbed.sweep.sessions import WORKER_PORT, run_session, session_id
+
+PlanRows = dict[tuple[str, int], dict[str, Any]]
+
+
+def _probed(link: LinkState, count: int) -> str:
+    """What the probe measured: 'probed 1.00, 0.99 Mbit/s' (frames, as the shaper meters)."""
+    if count < 2:
+        return "no probe (one device)"
+    rates = [link.wire_mbit(rank) for rank in range(count)]
+    shown = ", ".join("-" if r is None else f"{r:.3f}" for r in rates)
+    flagged = [rank for rank in range(count) if link.flagged(rank)]
+    warning = f" (device {', '.join(map(str, flagged))} more than 5% off!)" if flagged else ""
+    return f"probed {shown} Mbit/s{warning}"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def make_backend(
+    name: str, run_id: str, run_dir: Path, inventory: Inventory | None = None
+) -> Backend:
+    """The backend by name; `auto` takes Docker when an engine answers, else local. `ssh`
+    runs on the inventory's boards."""
+    if name == "ssh":
+        from testbed.backends.ssh.backend import SshBackend
+
+        return SshBackend(run_id, run_dir, inventory)
+    from testbed.backends.docker.backend import DockerBackend, engine_available
+
+    if name == "docker" or (name == "auto" and engine_available()):
+        return DockerBackend(run_id, run_dir)
+    from testbed.backends.local import LocalBackend
+
+    return LocalBackend(run_id, run_dir)
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def prepare_run_dir(
+    experiment: Experiment,
+    run_dir: Path,
+    trials: list[Trial],
+    rows: list[dict[str, Any]] | None = None,
+) -> PlanRows:
+    """Write the resolved experiment and the plan; the plan's rows by (trial id, rank)."""
+    rows = plan_rows(experiment, trials) if rows is None else rows
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = experiment.model_dump(mode="json")
+    write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    write_frame(pd.DataFrame(rows), run_dir / "plan.csv")
+    return {(row["trial_id"], row["rank"]): row for row in rows}
+
+
+class Runner:
+    def __init__(self, experiment: Experiment, run_dir: Path, backend: str, run_id: str):
+        self.experiment, self.run_dir = experiment, Path(run_dir)
+        self.backend_name, self.run_id = backend, run_id
+        self.trials = plan_trials(experiment)
+        # everything is checked before any device starts (testbed.run did it already)
+        self.profile = check_experiment(experiment, backend, f"experiment {experiment.name}")
+        self.emulator = emulator_for(experiment.link.emulator, backend)
+        link = experiment.link
+        self.trace = None if link.trace is None else link_trace(link)
+        self.level_accuracy = load_level_accuracy(experiment)  # None without report.level_accuracy
+        self.sessions = 0  # sessions started: each gets its own worker port
+
+    def run(self, resume: bool = False) -> RunOutcome:
+        """Runs every trial (those without results, when resuming) holding the run's lock."""
+        with RunLock(self.run_id, self.run_dir):
+            return self._run(resume)
+
+    def _run(self, resume: bool) -> RunOutcome:
+        plan = prepare_run_dir(self.experiment, self.run_dir, self.trials)
+        if self.level_accuracy is not None:
+            write_frame(self.level_accuracy.frame(), self.run_dir / "level_accuracy.csv")
+        done = finished_trials(self.run_dir) if resume else set()
+        outcome = RunOutcome(self.run_dir, skipped=len(done & {t.trial_id for t in self.trials}))
+        files = prepare_run_files(self.experiment, self.trials, self.run_dir)
+        todo = [t for t in self.trials if t.trial_id not in done]
+        progress = TrialProgress(self.experiment.name, self._link_times(todo, plan, files))
+        try:
+            for count, group in itertools.groupby(todo, key=lambda t: t.devices):
+                self._run_count(count, list(group), plan, files, outcome, progress)
+        finally:
+            progress.close()
+            if (self.run_dir / "trials").is_dir():
+                combine(self.run_dir)
+        with voice.phase("figures", f"drawing into {self.run_dir / 'figures'}") as step:
+            written = make_figures(load(self.run_dir))
+            step.outcome = f"{len(written)} written"
+        return outcome
+
+    def _link_times(
+        self, trials: list[Trial], plan: PlanRows, files: RunFiles
+    ) -> dict[tuple[int, float], tuple[int, float]]:
+        """Per session (device count, rate): its trials and its analytic link time (s)."""
+        inferences = self.experiment.warmup + (files.batches or self.experiment.repeats)
+        sessions: dict[tuple[int, float], tuple[int, float]] = {}
+        for trial in trials:
+            key = (trial.devices, trial.bandwidth_mbit)
+            slowest = max(plan[(trial.trial_id, r)]["analytic_comm_ms"] for r in range(key[0]))
+            count, link_s = sessions.get(key, (0, 0.0))
+            sessions[key] = (count + 1, link_s + inferences * slowest / 1000)
+        return sessions
+
+    def _run_count(
+        self,
+        count: int,
+        trials: list[Trial],
+        plan: PlanRows,
+        files: RunFiles,
+        outcome: RunOutcome,
+        progress: TrialProgress,
+    ) -> None:
+        devices = self.experiment.devices
+        inventory = self.experiment.inventory
+        with make_backend(self.backend_name, self.run_id, self.run_dir, inventory) as backend:
+            doing = (
+                f"starting {count} {backend.name} devices "
+                f"({devices.cpus:g} CPU, {devices.memory_mb} MB each)"
+            )
+            backend.prepare()
+            with voice.phase(f"devices P={count}", doing):
+                backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
+            overrides = rate_overrides(self.experiment.link)
+            with Links(backend, self.profile, self.emulator, self.run_id, overrides) as links:
+                self._write_environment(backend, count)
+                for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
+                    group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
+                    if self.trace is not None:
+                        what = f"P={count} trace {self.trace.name} (mean {rate:g} Mbit/s)"
+                    interrupts.check()
+                    progress.start((count, rate), what)
+                    # a trace's link is shaped and probed at its first step
+                    shaped = rate if self.trace is None else self.trace.rates_mbit[0]
+                    link = links.shape(shaped, self.experiment.link.probe_s)
+                    self._save_link(link, count)
+                    voice.say(f"{what}: {self.emulator} link, {_probed(link, count)}")
+                    ok = self._run_session(links, group, plan, files, link, outcome)
+                    progress.finish((count, rate), what, "ok" if ok else "FAILED")
+                    interrupts.check()
+
+    def _run_session(
+        self,
+        links: Links,
+        trials: list[Trial],
+        plan: PlanRows,
+        files: RunFiles,
+        link: LinkState,
+        outcome: RunOutcome,
+    ) -> bool:
+        name = session_id(trials[0].devices, trials[0].bandwidth_mbit)
+        directory = self.run_dir / "sessions" / name
+        if directory.exists():  # a resumed run: keep the earlier session's files
+            name += f"-{secrets.token_hex(2)}"
+            directory = directory.with_name(name)
+        backend = links.backend
+        identity = {t.trial_id: self._identity(backend, t, plan, link, name) for t in trials}
+        port = WORKER_PORT + self.sessions % 1000
+        self.sessions += 1
+        replay = None if self.trace is None else TraceReplay(links.set_rate, self.trace)
+        result = run_session(
+            backend, self.experiment, trials, directory, port, identity, link, files,
+            links.counters, replay,
+        )  # fmt: skip
+        if replay is not None:
+            self._save_replay(replay, name)
+        for trial in trials:
+            trial_rows, layer_rows = result.rows[trial.trial_id]
+            if self.level_accuracy is not None:
+                trial_rows = self.level_accuracy.annotate(trial_rows)
+            save_trial(self.run_dir, trial.trial_id, trial_rows, layer_rows)
+            if result.ok:
+                outcome.ok += 1
+            else:
+                outcome.failed += 1
+                outcome.failures.append(f"{trial.trial_id}: {result.error}")
+        if not result.ok:
+            voice.say(f"session {name} failed: {result.error}")
+        combine(self.run_dir)
+        return result.ok
+
+    def _identity(
+        self, backend: Backend, trial: Trial, plan: PlanRows, link: LinkState, session: str
+    ) -> dict[int, dict[str, Any]]:
+        """Per rank, every column of the trial's rows that the workers do not measure."""
+        facts = {
+            "run_id": self.run_id, "session_id": session, "backend": backend.name,
+            "emulator": self.emulator, "batch": self.experiment.batch,
+            "cpus": self.experiment.devices.cpus, "threads": backend.devices[0].threads,
+            "oversubscribed": backend.oversubscribed,
+            "trace": "" if self.trace is None else self.trace.name,
+        }  # fmt: skip
+        peers = trial.devices > 1
+        return {
+            rank: {
+                **plan[(trial.trial_id, rank)],
+                **facts,
+                "uplink_mbit": link.uplink_mbit.get(rank, link.rate_mbit),
+                "downlink_mbit": link.downlink_mbit.get(rank),
+                "measured_mbit": link.measured_mbit.get(rank),
+                "measured_wire_mbit": link.wire_mbit(rank),
+                "downlink_measured_mbit": link.downlink_measured_mbit.get(rank),
+                "downlink_measured_wire_mbit": link.downlink_wire_mbit(rank),
+                "rate_flagged": link.flagged(rank) if peers else False,
+            }
+            for rank in range(trial.devices)
+        }
+
+    def _write_environment(self, backend: Backend, count: int) -> None:
+        """environment.json: the host's facts, and per device count its devices' facts."""
+        path = self.run_dir / "environment.json"
+        facts = json.loads(path.read_text()) if path.is_file() else {}
+        if not facts:
+            facts = environment.collect(backend.name, {"qdisc_support": backend.qdisc_support()})
+        cpus = backend.cpu_plan
+        facts.setdefault("by_devices", {})[str(count)] = {
+            "cpusets": cpus.cpusets if cpus else None,
+            "oversubscribed": backend.oversubscribed,
+            "devices": [d.__dict__ for d in backend.devices],
+        }
+        write_text(path, json.dumps(facts, indent=2, default=str))
+
+    def _save_replay(self, replay: TraceReplay, session: str) -> None:
+        """What the replay applied and when (CLOCK_REALTIME ns), beside the session's files."""
+        steps = {"trace": replay.trace.name, "start_ns": replay.start_ns,
+                 "asked_ns": replay.asked_ns, "applied_ns": replay.applied_ns,
+                 "applied_mbit": replay.applied_mbit}  # fmt: skip
+        write_text(self.run_dir / "sessions" / session / "replay.json", json.dumps(steps))
+
+    def _save_link(self, link: LinkState, count: int) -> None:
+        path = self.run_dir / "links" / f"p{count}-{link.rate_mbit:g}mbit.json"
+        write_text(path, json.dumps(link.__dict__, indent=2, default=str))

@@ -1,0 +1,228 @@
+"""One worker session per device count and bandwidth: the trials of that group, interleaved.
+
+The testbed writes a `devices.spec.RunSpec` file per device (each trial is one of the spec's
+runs; the spec names the backend's run secret file, never the secret: see
+`testbed.backends.base`), starts `python -m devices.worker SPEC` on every device, and reads
+back what each wrote (`devices.records`). Within the session the workers run one inference of
+each trial in turn, so a slow minute of the shared host falls on every method alike and the
+model is loaded once. A worker that fails fails every trial of its session (their rows say
+why and the workers' logs are kept); the sweep goes on with the next session.
+
+    <run dir>/sessions/<session id>/rank<r>/   spec.json, session.json, records.json, logits/
+    <run dir>/sessions/<session id>/rank<r>.log
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from devices.records import DeviceRecords, read_records
+from devices.spec import MethodRun, RunSpec
+from testbed.backends.base import Backend, Device, ExecResult
+from testbed.errors import TestbedError
+from testbed.experiment.schema import Experiment
+from testbed.link.links import LinkCounters, LinkState
+from testbed.link.replay import TraceReplay
+from testbed.results.rows import failed_rows, trial_rows
+from testbed.results.store import write_text
+from testbed.sweep.bundles import RunFiles
+from testbed.sweep.plan import Trial
+
+log = logging.getLogger(__name__)
+
+WORKER_PORT = 7100
+CONNECT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class SessionOutcome:
+    """Rows of every trial of the session, by trial id."""
+
+    rows: dict[str, tuple[pd.DataFrame, pd.DataFrame]] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def session_id(count: int, rate_mbit: float) -> str:
+    return f"p{count}-{rate_mbit:g}mbit"
+
+
+def device_spec(
+    backend: Backend,
+    experiment: Experiment,
+    trials: list[Trial],
+    device: Device,
+    peers: list[str],
+    out: Path,
+    files: RunFiles,
+    link: LinkState,
+) -> RunSpec:
+    """What `device` runs: every trial of the session, paths as the device sees them."""
+
+    def seen(path: Path | None) -> Path | None:
+        return None if path is None else Path(backend.device_path(path))
+
+    runs = [
+        MethodRun(
+            id=trial.trial_id,
+            method=trial.method,
+            params=trial.method_params,
+            bundle=seen(files.bundle_for(trial)),
+            inferences=files.batches or experiment.repeats,
+        )
+        for trial in trials
+    ]
+    return RunSpec(
+        rank=device.rank,
+        peers=peers,
+        model=experiment.model.name,
+        checkpoint=seen(files.checkpoint),
+        model_seed=experiment.model.seed,
+        runs=runs,
+        batch=experiment.batch,
+        warmup=experiment.warmup,
+        threads=device.threads,
+        inputs=seen(files.inputs),
+        out=Path(backend.output_path(device, out)),
+        connect_timeout_s=CONNECT_TIMEOUT_S,
+        recv_timeout_s=experiment.timeout_s,
+        rate_mbit=link.measured_mbit.get(device.rank, link.rate_mbit),
+        clock_skew_s=backend.clock_skews_s.get(device.rank, 0.0),
+        secret_file=backend.secret_files.get(device.rank),
+    )
+
+
+def run_workers(
+    backend: Backend, argvs: list[list[str]], timeout_s: float, why: str = "timeout_s"
+) -> list[ExecResult]:
+    """Start every worker, wait for all; a failure or the deadline (`why` explains it in the
+    error) kills the rest."""
+    processes = [
+        backend.spawn(device, argv) for device, argv in zip(backend.devices, argvs, strict=True)
+    ]
+    deadline = time.monotonic() + timeout_s
+    results: list[ExecResult | None] = [None] * len(processes)
+    try:
+        for rank, process in enumerate(processes):
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                results[rank] = process.wait(remaining)
+            except TimeoutError:
+                results[rank] = ExecResult(
+                    -1, "", f"worker {rank}: no result within {timeout_s:g} s ({why})"
+                )
+                break
+    finally:
+        for process in processes:
+            process.kill()
+    for rank, process in enumerate(processes):
+        if results[rank] is None:
+            try:
+                results[rank] = process.wait(5)
+            except TimeoutError:
+                results[rank] = ExecResult(-1, "", f"worker {rank}: killed")
+    return [r for r in results if r is not None]
+
+
+def run_session(
+    backend: Backend,
+    experiment: Experiment,
+    trials: list[Trial],
+    directory: Path,
+    port: int,
+    identity: dict[str, dict[int, dict[str, Any]]],
+    link: LinkState,
+    files: RunFiles,
+    link_counters: Callable[[], dict[int, LinkCounters]],
+    replay: TraceReplay | None = None,
+) -> SessionOutcome:
+    """Run `trials` in one session on the backend's devices; `identity[trial id][rank]` holds
+    every column of a row that is not measured (plan, link and run facts); `link_counters()`
+    reads each device's link counters (Links.counters), before and after the session;
+    `replay`, a trace to play on the links while the workers run (from their start to their end)."""
+    peers = [f"{d.address}:{port}" for d in backend.devices]
+    outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
+    argvs = []
+    for device in backend.devices:
+        outs[device.rank].mkdir(parents=True, exist_ok=True)
+        spec = device_spec(backend, experiment, trials, device, peers, outs[device.rank], files,
+                           link)  # fmt: skip
+        path = spec.write(outs[device.rank] / "spec.json")
+        argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
+    before = link_counters()
+    started, started_ns = time.monotonic(), time.time_ns()
+    deadline_s = experiment.timeout_s * len(trials)
+    why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
+    with replay or contextlib.nullcontext():
+        results = run_workers(backend, argvs, deadline_s, why)
+    session_s = round(time.monotonic() - started, 3)
+    after = link_counters()
+    for device in backend.devices:
+        backend.collect(device, outs[device.rank])
+    for rank, result in enumerate(results):
+        write_text(
+            directory / f"rank{rank}.log",
+            f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}",
+        )
+    for facts in identity.values():
+        for rank, row in facts.items():
+            sent = after[rank].sent_bytes - before[rank].sent_bytes
+            row.update(session_s=session_s, link_sent_bytes=sent)
+    stalls = _session_stalls(after, started_ns)
+    failures = [r for r in results if not r.ok]
+    error = (failures[0].tail(1) or f"exit status {failures[0].returncode}") if failures else ""
+    records: dict[int, DeviceRecords] = {}
+    if not error:
+        try:
+            records = {rank: read_records(out) for rank, out in outs.items()}
+        except (OSError, ValueError, TypeError, KeyError) as problem:
+            error = f"the workers' records cannot be read: {problem}"
+    outcome = SessionOutcome(error=error)
+    for trial in trials:
+        if error:
+            outcome.rows[trial.trial_id] = (failed_rows(identity[trial.trial_id], error),
+                                            pd.DataFrame())  # fmt: skip
+            continue
+        try:
+            mine = {rank: only_run(device, trial.trial_id) for rank, device in records.items()}
+        except TestbedError as problem:
+            outcome.rows[trial.trial_id] = (failed_rows(identity[trial.trial_id], str(problem)),
+                                            pd.DataFrame())  # fmt: skip
+            continue
+        outcome.rows[trial.trial_id] = trial_rows(identity[trial.trial_id], mine, replay, stalls)
+    return outcome
+
+
+def only_run(records: DeviceRecords, run: str) -> DeviceRecords:
+    """A device's records of one run of its session."""
+    inferences = [r for r in records.inferences if r.run == run]
+    if not inferences:
+        raise TestbedError(f"device {records.session.rank} recorded nothing of run {run}")
+    return DeviceRecords(
+        records.session,
+        inferences,
+        [r for r in records.blocks if r.run == run],
+        [r for r in records.arrivals if r.run == run],
+    )
+
+
+def _session_stalls(
+    counters: dict[int, LinkCounters], since_ns: int
+) -> list[tuple[int, int]] | None:
+    """Every port's stalls since `since_ns` (the log spans the switch's life), sorted: a device
+    waits for messages that cross its peers' ports. None where the links are not clocked."""
+    logs = [c.stalls for c in counters.values()]
+    if any(log is None for log in logs):
+        return None
+    return sorted(s for log in logs for s in log or [] if s[0] + s[1] >= since_ns)
