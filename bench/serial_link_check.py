@@ -39,11 +39,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.link.serial.program import kernel_timestamp_s
+from devices.clock import ANCILLARY_BYTES, SO_TIMESTAMPNS_OLD, kernel_timestamp_ns
 from testbed.link.wire import FULL_FRAME_BYTES, TCP_MSS_BYTES, tcp_message_wire_s
 from testbed.source import python_env
 
-SO_TIMESTAMPNS = 35
 PORT = 5301
 SUBNET = ipaddress.IPv4Network("10.214.9.0/24")
 CLOCK_TICKS_S = os.sysconf("SC_CLK_TCK")
@@ -52,9 +51,14 @@ CLOCK_TICKS_S = os.sysconf("SC_CLK_TCK")
 # Endpoints (run inside the namespaces) ---------------------------------------------------------
 
 
+def kernel_timestamp_s(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    stamp_ns = kernel_timestamp_ns(ancillary)
+    return None if stamp_ns is None else stamp_ns / 1e9
+
+
 def _server(address: str) -> socket.socket:
     server = socket.create_server((address, PORT))
-    server.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # inherited by the connection
+    server.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS_OLD, 1)  # inherited by the connection
     server.settimeout(30)
     print("ready", flush=True)
     return server
@@ -68,7 +72,7 @@ def receive_messages(address: str, size: int, count: int) -> None:
     for _ in range(count):
         got, stamp = 0, None
         while got < size:
-            n, ancillary, _, _ = conn.recvmsg_into([buffer[got:]], socket.CMSG_SPACE(16))
+            n, ancillary, _, _ = conn.recvmsg_into([buffer[got:]], ANCILLARY_BYTES)
             if not n:
                 raise SystemExit(f"connection closed after {len(arrivals)} messages")
             got, stamp = got + n, kernel_timestamp_s(ancillary) or stamp
@@ -95,7 +99,7 @@ def receive_bulk(address: str) -> None:
     conn, _ = _server(address).accept()
     buffer, total, samples = bytearray(1 << 16), 0, []
     while True:
-        n, ancillary, _, _ = conn.recvmsg_into([buffer], socket.CMSG_SPACE(16))
+        n, ancillary, _, _ = conn.recvmsg_into([buffer], ANCILLARY_BYTES)
         if not n:
             break
         total += n

@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Iterable
 
 SO_TIMESTAMPNS_NEW = 64  # struct __kernel_timespec (two 64-bit fields) on every ABI; Linux 5.1+
 SO_TIMESTAMPNS_OLD = 35  # struct timespec of the ABI (asm-generic value: x86-64, arm, arm64)
@@ -33,12 +34,20 @@ class Clock:
 
     def kernel_ns(self, ancillary: list[tuple[int, int, bytes]]) -> int | None:
         """The receive timestamp in a `recvmsg` call's ancillary data, on this clock."""
-        for level, kind, data in ancillary:
-            layout = TIMESPECS.get(kind)
-            if level == socket.SOL_SOCKET and layout is not None and len(data) >= layout.size:
-                seconds, nanoseconds = layout.unpack_from(data)
-                return seconds * 1_000_000_000 + nanoseconds + self.skew_ns
-        return None
+        stamp_ns = kernel_timestamp_ns(ancillary)
+        return None if stamp_ns is None else stamp_ns + self.skew_ns
+
+
+def kernel_timestamp_ns(ancillary: Iterable[tuple[int, int, bytes]]) -> int | None:
+    """The kernel's receive timestamp (CLOCK_REALTIME ns) in a `recvmsg` call's ancillary
+    data, either layout; None when it holds none. The one parser of these timestamps: the
+    serial emulator and the benchmarks read theirs here too."""
+    for level, kind, data in ancillary:
+        layout = TIMESPECS.get(kind)
+        if level == socket.SOL_SOCKET and layout is not None and len(data) >= layout.size:
+            seconds, nanoseconds = layout.unpack_from(data)
+            return seconds * 1_000_000_000 + nanoseconds
+    return None
 
 
 def enable_rx_timestamps(sock: socket.socket) -> bool:

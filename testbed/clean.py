@@ -56,7 +56,7 @@ class CleanReport:
 def find_leftovers() -> list[RunLeftovers]:
     """Every run that left something here, with its lock (locks without leftovers too)."""
     from testbed.backends.docker.backend import engine_available, leftovers_by_run
-    from testbed.backends.local import leftovers_by_tag, run_tag
+    from testbed.kernel.netns import leftovers_by_tag, run_tag
 
     locks = read_locks()
     runs: dict[str, RunLeftovers] = {}
@@ -97,7 +97,7 @@ def why_keep(run: RunLeftovers, chosen: bool, everything: bool) -> str | None:
 def clean(run_id: str | None = None, everything: bool = False) -> CleanReport:
     """Removes the leftovers of dead runs (or of `run_id`; `everything`: regardless of locks)."""
     from testbed.backends.docker.backend import remove_by_label
-    from testbed.backends.local import remove_leftovers, run_tag
+    from testbed.kernel.netns import remove_leftovers, run_tag
 
     report = CleanReport()
     for run in find_leftovers():

@@ -27,21 +27,17 @@ them all.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import ipaddress
 import logging
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from testbed.backends.base import (
     SECRET_FILE_NAME,
@@ -54,28 +50,24 @@ from testbed.backends.base import (
     write_secret,
 )
 from testbed.errors import DeviceError
+from testbed.kernel.addresses import choose_subnet, host_networks
+from testbed.kernel.interfaces import check_ifname, link_up
+from testbed.kernel.netns import (
+    NETNS_DIR,
+    create_netns,
+    netlink_step,
+    netns_path,
+    remove_namespaces,
+    run_tag,
+)
 from testbed.source import python_env
 
 log = logging.getLogger(__name__)
 
-NETNS_DIR = Path("/var/run/netns")
 DEVICE_INTERFACE = "eth0"
-IFNAME_MAX_CHARS = 15
 MAX_DEVICES = 254  # hosts of one /24, the bridge takes no address
-SUBNET_RANGE = (ipaddress.IPv4Address("10.200.0.0"), ipaddress.IPv4Address("10.254.255.255"))
 KILL_WAIT_S = 5.0
-NO_LINK_LOCAL = {"attrs": [("AF_INET6", {"attrs": [("IFLA_INET6_ADDR_GEN_MODE", 1)]})]}  # none
-
-# the run's namespaces: its switch (sw), its devices (d<N>) and its serial link (sl, made by
-# testbed.link.serial.switch on either backend); its bridge, the bridge's ports (h<N>) and the
-# serial link's ports (s<N>)
-NETNS_PATTERN = re.compile(r"^tb-(?P<tag>[0-9a-f]{8})-(?:sw|sl|d\d+)$")
-LINK_PATTERN = re.compile(r"^tb(?P<tag>[0-9a-f]{8})(?P<port>[hs]\d+)?$")
-
-
-def run_tag(run_id: str) -> str:
-    """8 hex digits naming everything of a run, whatever characters the run id holds."""
-    return hashlib.sha1(run_id.encode()).hexdigest()[:8]
+WHO = "local backend"
 
 
 @dataclass(frozen=True)
@@ -101,31 +93,7 @@ class RunNames:
 
     def port(self, rank: int) -> str:
         """The bridge's end of the veth pair of device `rank`."""
-        name = f"tb{self.tag}h{rank}"
-        if len(name) > IFNAME_MAX_CHARS:
-            raise ValueError(f"rank {rank} makes the interface name {name!r} too long")
-        return name
-
-
-def choose_subnet(run_id: str, used: Iterable[ipaddress.IPv4Network]) -> ipaddress.IPv4Network:
-    """The run's /24 in 10.200-10.254: starts where the run id's hash points, skips clashes.
-
-    Networks of prefix length 0 (default routes) are ignored: they overlap everything.
-    """
-    first, last = int(SUBNET_RANGE[0]) >> 8, int(SUBNET_RANGE[1]) >> 8  # numbers of the /24s
-    blocked: set[int] = set()
-    for network in used:
-        if network.prefixlen > 0:
-            low = max(int(network.network_address) >> 8, first)
-            high = min(int(network.broadcast_address) >> 8, last)
-            blocked.update(range(low, high + 1))
-    count = last - first + 1
-    start = int(hashlib.sha1(run_id.encode()).hexdigest(), 16) % count
-    for step in range(count):
-        number = first + (start + step) % count
-        if number not in blocked:
-            return ipaddress.IPv4Network((number << 8, 24))
-    raise DeviceError(f"no /24 in {SUBNET_RANGE[0]}-{SUBNET_RANGE[1]} is free of the host's routes")
+        return check_ifname(f"tb{self.tag}h{rank}", f"rank {rank}")
 
 
 def device_command(
@@ -148,48 +116,6 @@ def root_problem() -> str | None:
     if shutil.which("ip") is None:
         return "needs iproute2's `ip` (apt-get install iproute2)"
     return None
-
-
-@contextlib.contextmanager
-def _netlink(action: str) -> Iterator[None]:
-    """Logs a netlink action at DEBUG and turns its failure into a DeviceError naming it."""
-    from pyroute2 import NetlinkError
-
-    log.debug("netlink: %s", action)
-    try:
-        yield
-    except (OSError, NetlinkError) as error:
-        raise DeviceError(f"local backend: {action} failed: {error}") from error
-
-
-def host_networks() -> list[ipaddress.IPv4Network]:
-    """IPv4 networks the host namespace routes or holds addresses in (all tables)."""
-    from pyroute2 import IPRoute
-
-    networks = []
-    with _netlink("read the host's routes and addresses"), IPRoute() as ipr:
-        for route in ipr.get_routes(family=socket.AF_INET):
-            destination = route.get("dst") or "0.0.0.0"
-            networks.append(ipaddress.ip_network(f"{destination}/{route['dst_len']}", False))
-        for address in ipr.get_addr(family=socket.AF_INET):
-            networks.append(
-                ipaddress.ip_network(f"{address.get('address')}/{address['prefixlen']}", False)
-            )
-    return networks
-
-
-def _link_up(ipr: Any, where: str, ifname: str, **settings: Any) -> None:
-    """Sets a link up (with `settings`, e.g. master) and without an IPv6 link-local address.
-
-    Without link-local addresses the run's network carries only the experiment's traffic (no
-    duplicate address detection, router or multicast listener messages), as in Docker's
-    containers, where IPv6 is off.
-    """
-    with _netlink(f"{where}: {ifname}: no IPv6 link-local"):
-        index = ipr.link_lookup(ifname=ifname)[0]
-        ipr.link("set", index=index, IFLA_AF_SPEC=NO_LINK_LOCAL)
-    with _netlink(f"{where}: {ifname}: up {settings or ''}"):
-        ipr.link("set", index=index, state="up", **settings)
 
 
 class LocalProcess(Process):
@@ -245,7 +171,7 @@ class LocalBackend(Backend):
         log.debug("run %s: namespaces tb-%s-*", self.run_id, self.names.tag)
         try:
             self._deliver_secret(spec.count)
-            self.subnet = choose_subnet(self.run_id, host_networks())
+            self.subnet = choose_subnet(self.run_id, host_networks(WHO))
             self._create_switch()
             self.devices = [self._create_device(rank, spec) for rank in range(spec.count)]
         except BaseException:  # also Ctrl-C: leave nothing behind
@@ -280,10 +206,7 @@ class LocalBackend(Backend):
         self.secret_files = {rank: str(path) for rank in range(count)}
 
     def _create_namespace(self, name: str) -> None:
-        from pyroute2 import netns
-
-        with _netlink(f"create namespace {name}"):
-            netns.create(name)
+        create_netns(name, WHO, DeviceError)
         self.namespaces.append(name)
 
     def _create_switch(self) -> None:
@@ -292,9 +215,9 @@ class LocalBackend(Backend):
         switch, bridge = self.names.switch_netns, self.names.bridge
         self._create_namespace(switch)
         with NetNS(switch, flags=0) as ipr:
-            with _netlink(f"{switch}: add bridge {bridge}"):
+            with netlink_step(f"{switch}: add bridge {bridge}", WHO, DeviceError):
                 ipr.link("add", ifname=bridge, kind="bridge")
-            _link_up(ipr, switch, bridge)
+            link_up(ipr, switch, bridge, WHO, DeviceError)
 
     def _create_device(self, rank: int, spec: DeviceSpec) -> Device:
         from pyroute2 import NetNS
@@ -307,18 +230,24 @@ class LocalBackend(Backend):
         # The peer is created inside the device's namespace already named eth0: one netlink
         # message instead of create, move and rename, and no interface with a temporary name.
         with NetNS(switch, flags=0) as ipr:
-            with _netlink(f"{switch}: add veth {port} <-> {name}:{DEVICE_INTERFACE}"):
+            with netlink_step(
+                f"{switch}: add veth {port} <-> {name}:{DEVICE_INTERFACE}", WHO, DeviceError
+            ):
                 peer = {"ifname": DEVICE_INTERFACE, "net_ns_fd": name}
                 ipr.link("add", ifname=port, kind="veth", peer=peer)
             bridge = ipr.link_lookup(ifname=self.names.bridge)[0]
-            _link_up(ipr, switch, port, master=bridge)
+            link_up(ipr, switch, port, WHO, DeviceError, master=bridge)
         with NetNS(name, flags=0) as ipr:
-            with _netlink(f"{name}: set lo up"):
+            with netlink_step(f"{name}: set lo up", WHO, DeviceError):
                 ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
             eth0 = ipr.link_lookup(ifname=DEVICE_INTERFACE)[0]
-            with _netlink(f"{name}: add {address}/{self.subnet.prefixlen} to {DEVICE_INTERFACE}"):
+            with netlink_step(
+                f"{name}: add {address}/{self.subnet.prefixlen} to {DEVICE_INTERFACE}",
+                WHO,
+                DeviceError,
+            ):
                 ipr.addr("add", index=eth0, address=str(address), prefixlen=self.subnet.prefixlen)
-            _link_up(ipr, name, DEVICE_INTERFACE)
+            link_up(ipr, name, DEVICE_INTERFACE, WHO, DeviceError)
         return Device(
             rank=rank,
             name=name,
@@ -327,7 +256,7 @@ class LocalBackend(Backend):
             cpus=spec.cpus,
             threads=self.cpu_plan.threads,
             cpuset=self.cpu_plan.cpusets[rank],
-            netns_path=str(NETNS_DIR / name),
+            netns_path=netns_path(name),
         )
 
     def spawn(self, device: Device, argv: Sequence[str]) -> Process:
@@ -362,104 +291,3 @@ class LocalBackend(Backend):
             log.debug("rm -r %s", self.private_dir)
             shutil.rmtree(self.private_dir, ignore_errors=True)
             self.private_dir, self.secret_files = None, {}
-
-
-def _pids_in(netns_path: Path) -> list[int]:
-    """Processes whose network namespace is the one mounted at `netns_path`."""
-    try:
-        target = netns_path.stat()
-    except OSError:
-        return []
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            ns = (entry / "ns" / "net").stat()
-            if (ns.st_dev, ns.st_ino) == (target.st_dev, target.st_ino):
-                pids.append(int(entry.name))
-    return pids
-
-
-def _delete_links(netns_name: str | None, tag: str | None) -> list[str]:
-    """Deletes the run's veths (with their peers) and bridges in a namespace (None: the host's)."""
-    from pyroute2 import IPRoute, NetlinkError, NetNS
-
-    removed = []
-    try:
-        with NetNS(netns_name, flags=0) if netns_name else IPRoute() as ipr:
-            ours = []
-            for link in ipr.get_links():
-                match = LINK_PATTERN.match(link.get("ifname") or "")
-                if match and tag in (None, match["tag"]):
-                    ours.append((match["port"] is None, link.get("ifname"), link["index"]))
-            # ports first: deleting a port's veth also deletes the device's eth0, its peer
-            for _, ifname, index in sorted(ours):
-                log.debug("netlink: %s: delete link %s", netns_name or "host", ifname)
-                with contextlib.suppress(NetlinkError):
-                    ipr.link("del", index=index)
-                    removed.append(f"link {ifname}")
-    except FileNotFoundError:
-        pass  # the namespace is already gone
-    return removed
-
-
-def remove_namespaces(names: Sequence[str]) -> list[str]:
-    """Kills what runs in the namespaces, deletes their links, unmounts them; returns what went."""
-    from pyroute2 import netns
-
-    removed = []
-    for name in names:
-        for pid in _pids_in(NETNS_DIR / name):
-            log.debug("kill -KILL %d (left in %s)", pid, name)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                removed.append(f"process {pid}")
-    for name in names:
-        match = NETNS_PATTERN.match(name)
-        if match and name.endswith(("-sw", "-sl")):
-            removed += _delete_links(name, match["tag"])
-    for name in reversed(names):  # devices before the switch
-        log.debug("netlink: remove namespace %s", name)
-        try:
-            netns.remove(name)
-            removed.append(f"namespace {name}")
-        except FileNotFoundError:
-            pass
-        except OSError as error:
-            log.warning("removing namespace %s: %s", name, error)
-    return removed
-
-
-def leftovers_by_tag() -> dict[str, list[str]]:
-    """What runs left on this host, by run tag: their namespaces, and their links in the
-    host's namespace."""
-    from pyroute2 import IPRoute, netns
-
-    found: dict[str, list[str]] = {}
-    for name in sorted(netns.listnetns(str(NETNS_DIR))):
-        if match := NETNS_PATTERN.match(name):
-            found.setdefault(match["tag"], []).append(f"namespace {name}")
-    with IPRoute() as ipr:
-        for link in ipr.get_links():
-            ifname = link.get("ifname") or ""
-            if match := LINK_PATTERN.match(ifname):
-                found.setdefault(match["tag"], []).append(f"link {ifname}")
-    return found
-
-
-def remove_leftovers(run_id: str | None = None, tag: str | None = None) -> list[str]:
-    """Removes the namespaces, bridges and veths that a run (by id or tag), or every run, left
-    behind. Returns what was removed (processes still running in those namespaces are killed).
-    """
-    from pyroute2 import netns
-
-    tag = tag or (run_tag(run_id) if run_id else None)
-    names = []
-    for name in sorted(netns.listnetns(str(NETNS_DIR))):
-        match = NETNS_PATTERN.match(name)
-        if match and tag in (None, match["tag"]):
-            names.append(name)
-    switches = [name for name in names if name.endswith(("-sw", "-sl"))]
-    removed = remove_namespaces(switches + [name for name in names if name not in switches])
-    return removed + _delete_links(None, tag)

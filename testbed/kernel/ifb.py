@@ -4,7 +4,7 @@ uplink (a tbf at the downlink rate). One per shaped device, inside its namespace
 
 from __future__ import annotations
 
-IFNAME_MAX_CHARS = 15
+from testbed.kernel.interfaces import IFNAME_MAX_CHARS
 
 
 def ifb_name(interface: str) -> str:

@@ -16,12 +16,14 @@ import contextlib
 import errno
 import logging
 import shutil
-import subprocess
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from testbed.errors import ShapingError
 from testbed.kernel.ifb import ifb_name
+from testbed.kernel.interfaces import offload_argv
+from testbed.kernel.netns import in_netns
+from testbed.kernel.processes import run_checked
 from testbed.kernel.shaping import (
     ShapingPlan,
     change_argv,
@@ -31,7 +33,6 @@ from testbed.kernel.shaping import (
     downlink_clear_argv,
     gso_argv,
     netlink_requests,
-    offload_argv,
     tc_argv,
 )
 from testbed.kernel.support import ROOT, qdisc_support
@@ -138,18 +139,9 @@ def _clear_downlink(netns_path: str | None, interface: str) -> None:
 
 def _run_tc(
     netns_path: str | None, argv: list[str], where: str, doing: str, quiet: bool = False
-) -> None:
+) -> str:
     """One `tc` or `ip` command in the namespace; ShapingError with its stderr on failure."""
-    full = _in_netns(netns_path, argv)
-    log.debug("%s: %s", where, " ".join(argv))
-    try:
-        result = subprocess.run(full, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise ShapingError(f"{where}: {doing}: `{' '.join(argv)}` failed: {error}") from None
-    if result.returncode != 0:
-        if not quiet:
-            log.debug("%s: failed: %s", where, result.stderr.strip())
-        raise ShapingError(f"{where}: {doing}: `{' '.join(argv)}` failed: {result.stderr.strip()}")
+    return run_checked(in_netns(netns_path, argv), where, doing, quiet=quiet)
 
 
 def qdisc_stats(netns_path: str | None, interface: str) -> str:
@@ -163,44 +155,30 @@ def qdisc_stats(netns_path: str | None, interface: str) -> str:
 
 
 def _show_qdiscs(netns_path: str | None, interface: str, quiet: bool = False) -> str:
-    where = _where(netns_path, interface)
-    argv = _in_netns(netns_path, ["tc", "-s", "qdisc", "show", "dev", interface])
-    if not quiet:
-        log.debug("%s: %s", where, " ".join(argv))
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise ShapingError(f"{where}: reading qdisc statistics failed: {error}") from None
-    if result.returncode != 0:
-        raise ShapingError(f"{where}: reading qdisc statistics failed: {result.stderr.strip()}")
-    return result.stdout
+    argv = ["tc", "-s", "qdisc", "show", "dev", interface]
+    return _run_tc(
+        netns_path, argv, _where(netns_path, interface), "reading qdisc statistics", quiet
+    )
 
 
 def set_offloads(netns_path: str | None, interface: str) -> bool:
     """Turns GSO/TSO/GRO off; a missing or failing ethtool is a warning. True when done."""
     where = _where(netns_path, interface)
-    argv = _in_netns(netns_path, offload_argv(interface))
+    argv = in_netns(netns_path, offload_argv(interface))
     missing = [tool for tool in (argv[0], "ethtool") if shutil.which(tool) is None]
     if missing:
         log.warning("%s: offloads left on: %s not installed", where, " and ".join(missing))
         return False
-    log.debug("%s: %s", where, " ".join(argv))
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        log.warning("%s: turning offloads off failed: %s", where, error)
+        run_checked(argv, where, "turning offloads off")
+    except ShapingError as error:
+        log.warning("%s", error)
         return False
-    if result.returncode != 0:
-        log.warning("%s: turning offloads off failed: %s", where, result.stderr.strip())
-    return result.returncode == 0
+    return True
 
 
 def _where(netns_path: str | None, interface: str) -> str:
     return f"interface {interface} in netns {netns_path or '(host)'}"
-
-
-def _in_netns(netns_path: str | None, argv: list[str]) -> list[str]:
-    return argv if netns_path is None else ["nsenter", f"--net={netns_path}", *argv]
 
 
 @contextlib.contextmanager

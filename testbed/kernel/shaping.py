@@ -164,11 +164,6 @@ def clear_argv(interface: str) -> list[str]:
     return ["tc", "qdisc", "del", "dev", interface, "root"]
 
 
-def offload_argv(interface: str) -> list[str]:
-    """The `ethtool` command that turns segmentation and receive offloads off (GSO/TSO/GRO)."""
-    return ["ethtool", "-K", interface, "gso", "off", "tso", "off", "gro", "off"]
-
-
 def gso_argv(interface: str) -> list[str]:
     """The `ip` command that makes TCP hand the qdisc one MSS per packet (gso_max_segs 1).
 

@@ -12,8 +12,9 @@ import logging
 import os
 from typing import Any
 
-from testbed.backends.docker.engine import pid_alive
 from testbed.errors import ShapingError
+from testbed.kernel.netns import NETNS_DIR
+from testbed.kernel.processes import pid_alive
 from testbed.kernel.tbf import TBF_HANDLE
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,6 @@ log = logging.getLogger(__name__)
 ROOT = 0xFFFFFFFF
 PROBED_QDISCS = ("tbf", "htb", "netem", "ingress")
 PROBE_PREFIX = "tbprobe-"  # + the probing process's pid + 6 hex digits
-NETNS_DIR = "/run/netns"
 
 
 def qdisc_support() -> dict[str, bool]:

@@ -118,7 +118,8 @@ class Links:
             self.switch = self._start_switch(run_id)
 
     def _start_switch(self, run_id: str) -> SerialSwitch:
-        from testbed.backends.local import choose_subnet, host_networks, run_tag
+        from testbed.kernel.addresses import choose_subnet, host_networks
+        from testbed.kernel.netns import run_tag
 
         backend = self.backend
         missing = [d.name for d in backend.devices if d.netns_path is None]

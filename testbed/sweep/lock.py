@@ -28,6 +28,7 @@ from types import TracebackType
 
 from testbed.errors import ConfigError, TestbedError
 from testbed.experiment.names import SLUG_RULE, is_slug
+from testbed.kernel.processes import boot_id, process_start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +43,6 @@ def state_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/run/trace-testbed")
     return Path(tempfile.gettempdir()) / f"trace-testbed-{os.getuid()}"
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When the process started (clock ticks since boot), or None when there is no such pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces and parentheses: fields follow the last ')'
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 @dataclass(frozen=True)

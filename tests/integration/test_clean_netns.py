@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import testbed.backends.docker.backend
-from testbed.backends.local import remove_leftovers, run_tag
 from testbed.clean import clean
+from testbed.kernel.netns import remove_leftovers, run_tag
 from testbed.sweep.lock import lock_path, read_locks
 
 pytestmark = pytest.mark.netns

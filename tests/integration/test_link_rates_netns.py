@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from testbed.backends.base import DeviceSpec
-from testbed.backends.local import LocalBackend, remove_leftovers
+from testbed.backends.local import LocalBackend
 from testbed.experiment.profiles import load_profile
+from testbed.kernel.netns import remove_leftovers
 from testbed.link.links import Links, LinkState
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.rates import RateOverrides

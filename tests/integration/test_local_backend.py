@@ -21,8 +21,9 @@ import pytest
 from pyroute2 import NetNS
 
 from testbed.backends.base import Device, DeviceSpec
-from testbed.backends.local import LocalBackend, remove_leftovers, run_tag
+from testbed.backends.local import LocalBackend
 from testbed.errors import DeviceError
+from testbed.kernel.netns import remove_leftovers, run_tag
 
 pytestmark = pytest.mark.netns
 

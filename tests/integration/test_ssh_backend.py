@@ -32,11 +32,11 @@ import pytest
 import yaml
 
 from testbed.backends.base import DeviceSpec
-from testbed.backends.local import choose_subnet, host_networks
 from testbed.backends.ssh.backend import SshBackend
 from testbed.backends.ssh.scripts import LAUNCHER
 from testbed.errors import DeviceError
 from testbed.experiment.inventory import Inventory
+from testbed.kernel.addresses import choose_subnet, host_networks
 
 pytestmark = pytest.mark.netns
 

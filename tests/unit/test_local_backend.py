@@ -17,19 +17,11 @@ import pytest
 
 from testbed.backends import local
 from testbed.backends.base import DeviceSpec
-from testbed.backends.local import (
-    IFNAME_MAX_CHARS,
-    LINK_PATTERN,
-    MAX_DEVICES,
-    NETNS_PATTERN,
-    LocalBackend,
-    LocalProcess,
-    RunNames,
-    choose_subnet,
-    device_command,
-    run_tag,
-)
+from testbed.backends.local import MAX_DEVICES, LocalBackend, LocalProcess, RunNames, device_command
 from testbed.errors import DeviceError
+from testbed.kernel.addresses import choose_subnet
+from testbed.kernel.interfaces import IFNAME_MAX_CHARS
+from testbed.kernel.netns import LINK_PATTERN, NETNS_PATTERN, run_tag
 
 RUN_IDS = [uuid.uuid4().hex for _ in range(200)] + ["2024-05-01T12:00:00 sweep/α", "x", ""]
 ALL_CANDIDATES = ipaddress.IPv4Network("10.192.0.0/10")  # holds 10.200.0.0 ... 10.254.255.0

@@ -12,18 +12,18 @@ import time
 
 import pytest
 
+from devices.clock import SO_TIMESTAMPNS_NEW, SO_TIMESTAMPNS_OLD, kernel_timestamp_ns
 from testbed.errors import ShapingError
+from testbed.kernel.interfaces import offload_argv
+from testbed.kernel.netns import in_netns
 from testbed.link.serial.program import (
-    SO_TIMESTAMPNS_NEW,
-    SO_TIMESTAMPNS_OLD,
     PortCounters,
     Switch,
-    kernel_timestamp_s,
     parse_args,
     wait_until,
 )
 from testbed.link.serial.protocol import Command, parse_command, parse_cpu_list, parse_port
-from testbed.link.serial.switch import SWITCH_SUFFIX, SerialSwitch, offload_argv
+from testbed.link.serial.switch import SWITCH_SUFFIX, SerialSwitch
 from testbed.link.wire import (
     MIN_QUEUE_FRAMES,
     TRUESIZE_BYTES,
@@ -103,10 +103,10 @@ def test_kernel_timestamps_of_both_layouts() -> None:
     new = (socket.SOL_SOCKET, SO_TIMESTAMPNS_NEW, struct.pack("=qq", 1_700_000_000, 250_000_000))
     old = (socket.SOL_SOCKET, SO_TIMESTAMPNS_OLD, struct.pack("@ll", 1_700_000_001, 5))
     other = (socket.IPPROTO_IP, SO_TIMESTAMPNS_NEW, struct.pack("=qq", 1, 1))
-    assert kernel_timestamp_s([new]) == pytest.approx(1_700_000_000.25)
-    assert kernel_timestamp_s([other, old]) == pytest.approx(1_700_000_001.000000005)
-    assert kernel_timestamp_s([other]) is None
-    assert kernel_timestamp_s([]) is None
+    assert kernel_timestamp_ns([new]) == 1_700_000_000_250_000_000
+    assert kernel_timestamp_ns([other, old]) == 1_700_000_001_000_000_005
+    assert kernel_timestamp_ns([other]) is None
+    assert kernel_timestamp_ns([]) is None
 
 
 def test_wait_until_returns_at_or_after_the_deadline() -> None:
@@ -299,7 +299,7 @@ def test_serial_switch_refuses_bad_input() -> None:
 
 
 def test_offloads_include_transmit_checksums() -> None:
-    argv = offload_argv("/proc/7/ns/net", "sl0")
+    argv = in_netns("/proc/7/ns/net", offload_argv("sl0", checksums=True))
     assert argv[:4] == ["nsenter", "--net=/proc/7/ns/net", "ethtool", "-K"]
     assert " ".join(argv[4:]) == "sl0 gso off tso off gro off tx off"
 

@@ -7,6 +7,7 @@ import pytest
 
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.netem import netem_params
 from testbed.kernel.shaping import (
     ShapingPlan,
@@ -14,7 +15,6 @@ from testbed.kernel.shaping import (
     clear_argv,
     gso_argv,
     netlink_requests,
-    offload_argv,
     plan,
     tc_argv,
 )

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from testbed.errors import TestbedError
+from testbed.kernel.processes import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +38,6 @@ def engine_answers(timeout_s: float = 15.0) -> bool:
     except (FileNotFoundError, subprocess.TimeoutExpired):
         return False
     return proc.returncode == 0 and bool(proc.stdout.strip())
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_stale_pidfile(pidfile: Path) -> None:

@@ -64,13 +64,13 @@ from testbed.backends.ssh.session import (
 from testbed.backends.ssh.shaping import probe_qdiscs, read_link_settings, run_as_root, unshape
 from testbed.errors import ConfigError, DeviceError, ShapingError, TestbedError
 from testbed.experiment.inventory import Inventory
+from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.shaping import (
     ShapingPlan,
     change_argv,
     check_support,
     clear_argv,
     gso_argv,
-    offload_argv,
     tc_argv,
 )
 from testbed.kernel.support import PROBED_QDISCS

@@ -75,10 +75,11 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from devices.clock import ANCILLARY_BYTES, enable_rx_timestamps, kernel_timestamp_ns
 from testbed.errors import ShapingError
 from testbed.link.serial.protocol import parse_command, parse_port, parse_port_cpus
 from testbed.link.wire import QUEUE_MS, departure_s, queue_frames, rcvbuf_request_bytes
@@ -91,10 +92,6 @@ SOL_PACKET = 263
 PACKET_STATISTICS = 6
 PACKET_IGNORE_OUTGOING = 23
 SO_RCVBUFFORCE = 33
-SO_TIMESTAMPNS_OLD = 35  # struct timespec of longs
-SO_TIMESTAMPNS_NEW = 64  # struct __kernel_timespec, two s64 on every architecture
-OLD_TIMESPEC = struct.Struct("@ll")
-NEW_TIMESPEC = struct.Struct("=qq")
 PACKET_STATS = struct.Struct("=II")  # tpacket_stats: packets, drops (reset when read)
 SO_MEMINFO = 55  # u32 array, SK_MEMINFO_RMEM_ALLOC first
 MEMINFO_BYTES = 36  # SK_MEMINFO_VARS (9) x u32
@@ -108,24 +105,6 @@ STALL_LOG = 10_000  # stalls kept with their times (a run sees one every few sec
 SWITCH_INTERVAL_S = 50e-6
 FIFO_PRIORITY = 10  # above every normal task, below the kernel's threaded interrupts (50)
 TIMESTAMP_SANITY_S = 60.0
-
-
-# Pure functions -------------------------------------------------------------------------------
-
-
-def kernel_timestamp_s(ancillary: Iterable[tuple[int, int, bytes]]) -> float | None:
-    """The receive timestamp (CLOCK_REALTIME seconds) in a recvmsg's ancillary data, or None."""
-    for level, kind, data in ancillary:
-        if level != socket.SOL_SOCKET:
-            continue
-        if kind == SO_TIMESTAMPNS_NEW and len(data) >= NEW_TIMESPEC.size:
-            seconds, nanoseconds = NEW_TIMESPEC.unpack_from(data)
-        elif kind == SO_TIMESTAMPNS_OLD and len(data) >= OLD_TIMESPEC.size:
-            seconds, nanoseconds = OLD_TIMESPEC.unpack_from(data)
-        else:
-            continue
-        return seconds + nanoseconds * 1e-9
-    return None
 
 
 # The program ---------------------------------------------------------------------------------
@@ -145,15 +124,10 @@ def wait_until(deadline_s: float, spin_s: float) -> None:
         time.sleep(0)  # lets another port's thread take the GIL
 
 
-def enable_timestamps(sock: socket.socket) -> int:
-    """Turns kernel receive timestamps on; returns the option that worked."""
-    for option in (SO_TIMESTAMPNS_NEW, SO_TIMESTAMPNS_OLD):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, option, 1)
-            return option
-        except OSError as error:
-            log.debug("setsockopt(SO_TIMESTAMPNS %d): %s", option, error)
-    raise ShapingError("the kernel refuses SO_TIMESTAMPNS on packet sockets")
+def enable_timestamps(sock: socket.socket) -> None:
+    """Turns kernel receive timestamps on (SO_TIMESTAMPNS_NEW, else SO_TIMESTAMPNS)."""
+    if not enable_rx_timestamps(sock):
+        raise ShapingError("the kernel refuses SO_TIMESTAMPNS on packet sockets")
 
 
 @dataclass
@@ -255,7 +229,8 @@ class Port:
 
     def arrival_s(self, ancillary: list[tuple[int, int, bytes]]) -> float:
         now_s = time.time()
-        stamp_s = kernel_timestamp_s(ancillary)
+        stamp_ns = kernel_timestamp_ns(ancillary)
+        stamp_s = None if stamp_ns is None else stamp_ns / 1e9
         if stamp_s is not None and abs(stamp_s - now_s) < TIMESTAMP_SANITY_S:
             return stamp_s
         if not self._warned_clock:
@@ -273,7 +248,7 @@ class Port:
             os.sched_setaffinity(0, self.cpus)  # this thread only
         buffer = bytearray(FRAME_BUFFER_BYTES)
         view = memoryview(buffer)
-        ancillary_bytes = socket.CMSG_SPACE(NEW_TIMESPEC.size)
+        ancillary_bytes = ANCILLARY_BYTES
         while True:
             size, ancillary, _, address = self.sock.recvmsg_into([buffer], ancillary_bytes)
             if address[2] == socket.PACKET_OUTGOING:

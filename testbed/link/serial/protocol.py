@@ -11,8 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from testbed.errors import ShapingError
-
-IFNAME_MAX_CHARS = 15
+from testbed.kernel.interfaces import IFNAME_MAX_CHARS
 
 
 def parse_port(text: str) -> tuple[str, float]:

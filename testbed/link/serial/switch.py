@@ -48,32 +48,34 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from testbed.backends.local import NO_LINK_LOCAL
 from testbed.errors import ShapingError
-from testbed.link.serial.protocol import IFNAME_MAX_CHARS
+from testbed.kernel.interfaces import check_ifname, link_up, offload_argv
+from testbed.kernel.netns import (
+    create_netns,
+    in_netns,
+    iproute,
+    netlink_step,
+    netns_path,
+    open_netns,
+)
+from testbed.kernel.processes import run_checked
 from testbed.source import python_env
 
 log = logging.getLogger(__name__)
 
 SWITCH_SUFFIX = "sl"  # the namespace tb-<tag>-sl, next to the local backend's -sw and -d<N>
 DEVICE_INTERFACE = "sl0"
-NETNS_DIR = Path("/var/run/netns")
+WHO = "serial switch"
 BIT_PER_MBIT = 1_000_000
 READY_TIMEOUT_S = 15.0
 ANSWER_TIMEOUT_S = 5.0
 EXIT_WAIT_S = 3.0
 TAG_PATTERN = re.compile(r"^[0-9a-f]{8}$")
-
-
-def offload_argv(netns_path: str, interface: str) -> list[str]:
-    """Offloads off (checksums too) on an interface inside a namespace, as an argument list."""
-    features = ["gso", "off", "tso", "off", "gro", "off", "tx", "off"]
-    return ["nsenter", f"--net={netns_path}", "ethtool", "-K", interface, *features]
 
 
 class SerialSwitch:
@@ -127,14 +129,11 @@ class SerialSwitch:
 
     @property
     def netns_path(self) -> str:
-        return str(NETNS_DIR / self.netns)
+        return netns_path(self.netns)
 
     def port(self, rank: int) -> str:
         """The switch's end of device `rank`'s veth pair."""
-        name = f"tb{self.tag}s{rank}"
-        if len(name) > IFNAME_MAX_CHARS:
-            raise ShapingError(f"serial switch: rank {rank} makes {name!r} too long")
-        return name
+        return check_ifname(f"tb{self.tag}s{rank}", f"serial switch: rank {rank}", ShapingError)
 
     def address(self, rank: int) -> str:
         """Device `rank`'s IPv4 address on `sl0`."""
@@ -163,37 +162,43 @@ class SerialSwitch:
         return self
 
     def _create_namespace(self) -> None:
-        from pyroute2 import netns
-
-        with _netlink(f"create namespace {self.netns}"):
-            netns.create(self.netns)
+        create_netns(self.netns, WHO, ShapingError)
         self._created_netns = True
-        with _iproute(self.netns_path) as ipr, _netlink(f"{self.netns}: set lo up"):
+        with (
+            iproute(self.netns_path, WHO, ShapingError) as ipr,
+            netlink_step(f"{self.netns}: set lo up", WHO, ShapingError),
+        ):
             ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
 
     def _connect(self, rank: int) -> None:
         """One veth pair: the port here, `sl0` created inside the device's namespace."""
         port, device = self.port(rank), self.device_netns[rank]
         where = f"{self.netns}: veth {port} <-> {device}:{DEVICE_INTERFACE}"
-        device_fd = _open_netns(device, where)
+        device_fd = open_netns(device, where, ShapingError)
         try:
-            with _iproute(self.netns_path) as ipr, _netlink(f"add {where}"):
+            with (
+                iproute(self.netns_path, WHO, ShapingError) as ipr,
+                netlink_step(f"add {where}", WHO, ShapingError),
+            ):
                 peer = {"ifname": DEVICE_INTERFACE, "net_ns_fd": device_fd}
                 ipr.link("add", ifname=port, kind="veth", peer=peer)
         finally:
             os.close(device_fd)
-        with _iproute(self.netns_path) as ipr:
-            _link_up(ipr, self.netns, port)
-        with _iproute(device) as ipr:
+        with iproute(self.netns_path, WHO, ShapingError) as ipr:
+            link_up(ipr, self.netns, port, WHO, ShapingError)
+        with iproute(device, WHO, ShapingError) as ipr:
             index = ipr.link_lookup(ifname=DEVICE_INTERFACE)[0]
             address, prefix = self.address(rank), self.subnet.prefixlen
-            with _netlink(f"{device}: {DEVICE_INTERFACE}: address {address}/{prefix}"):
+            with netlink_step(
+                f"{device}: {DEVICE_INTERFACE}: address {address}/{prefix}", WHO, ShapingError
+            ):
                 ipr.addr("add", index=index, address=address, prefixlen=prefix)
-            with _netlink(f"{device}: {DEVICE_INTERFACE}: gso_max_segs 1"):
+            with netlink_step(f"{device}: {DEVICE_INTERFACE}: gso_max_segs 1", WHO, ShapingError):
                 ipr.link("set", index=index, gso_max_segs=1)
-            _link_up(ipr, device, DEVICE_INTERFACE)
-        _run(offload_argv(self.netns_path, port), where)
-        _run(offload_argv(device, DEVICE_INTERFACE), where)
+            link_up(ipr, device, DEVICE_INTERFACE, WHO, ShapingError)
+        for netns, interface in ((self.netns_path, port), (device, DEVICE_INTERFACE)):
+            argv = in_netns(netns, offload_argv(interface, checksums=True))
+            run_checked(argv, where, "offloads off")
 
     def emulator_argv(self) -> list[str]:
         """The command that runs the emulator in the switch namespace."""
@@ -388,10 +393,12 @@ class SerialSwitch:
     def _delete_ports(self) -> None:
         """Deletes the switch ends; each takes its device's `sl0` with it."""
         try:
-            with _iproute(self.netns_path) as ipr:
+            with iproute(self.netns_path, WHO, ShapingError) as ipr:
                 for rank in self.ranks:
                     for index in ipr.link_lookup(ifname=self.port(rank)):
-                        with _netlink(f"{self.netns}: delete {self.port(rank)}"):
+                        with netlink_step(
+                            f"{self.netns}: delete {self.port(rank)}", WHO, ShapingError
+                        ):
                             ipr.link("del", index=index)
         except ShapingError as error:
             log.warning("%s", error)
@@ -409,57 +416,6 @@ class SerialSwitch:
 
 
 # Helpers --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _netlink(action: str) -> Iterator[None]:
-    """Logs a netlink action at DEBUG and turns its failure into a ShapingError naming it."""
-    from pyroute2 import NetlinkError
-
-    log.debug("netlink: %s", action)
-    try:
-        yield
-    except (OSError, NetlinkError) as error:
-        raise ShapingError(f"serial switch: {action} failed: {error}") from error
-
-
-@contextlib.contextmanager
-def _iproute(netns_path: str) -> Iterator[Any]:
-    """An IPRoute inside an existing namespace (never creating one)."""
-    from pyroute2 import IPRoute
-
-    with _netlink(f"enter namespace {netns_path}"):
-        ipr = IPRoute(netns=netns_path, flags=0)
-    try:
-        yield ipr
-    finally:
-        ipr.close()
-
-
-def _open_netns(netns_path: str, where: str) -> int:
-    try:
-        return os.open(netns_path, os.O_RDONLY)
-    except OSError as error:
-        raise ShapingError(f"{where}: cannot open the device's namespace: {error}") from None
-
-
-def _link_up(ipr: Any, where: str, ifname: str) -> None:
-    """Sets a link up without an IPv6 link-local address (no DAD, router or MLD frames)."""
-    index = ipr.link_lookup(ifname=ifname)[0]
-    with _netlink(f"{where}: {ifname}: no IPv6 link-local"):
-        ipr.link("set", index=index, IFLA_AF_SPEC=NO_LINK_LOCAL)
-    with _netlink(f"{where}: {ifname}: up"):
-        ipr.link("set", index=index, state="up")
-
-
-def _run(argv: list[str], where: str) -> None:
-    log.debug("%s: %s", where, " ".join(argv))
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise ShapingError(f"{where}: {' '.join(argv)} failed: {error}") from None
-    if result.returncode != 0:
-        raise ShapingError(f"{where}: {' '.join(argv)} failed: {result.stderr.strip()}")
 
 
 def _pump(stream: IO[str], put: Any, end: Any = None) -> None:
