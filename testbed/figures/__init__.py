@@ -1,1 +1,35 @@
-"""The figures of a run directory, as PNG files readable without the code (see `make_figures`)."""
+"""The figures of a run directory, as PNG files readable without the code.
+
+Every figure lists the method variants in one order and draws each in one colour and marker
+(`common`); measured values are medians over repetitions with 95% intervals of the median, and
+every figure states n.
+
+- `latency`: latency.png (where a device's time goes, per rate: the paper's Fig. 5 kind) and
+  compression.png (payload bits against Voltage's: Fig. 7);
+- `rates`: effective_vs_bandwidth.png, comm_vs_bandwidth.png (Fig. 6) and
+  measured_vs_analytic.png;
+- `trace`: trace.png, for a run over a replayed bandwidth trace.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from testbed.figures.latency import compression, latency_breakdown
+from testbed.figures.rates import comm_vs_bandwidth, effective_vs_bandwidth, measured_vs_analytic
+from testbed.figures.trace import trace_timeline
+from testbed.results.store import Results
+
+
+def make_figures(results: Results) -> list[Path]:
+    """Every figure of the run into its figures/ directory; returns the files written."""
+    directory = results.run_dir / "figures"
+    made = [
+        latency_breakdown(results, directory / "latency.png"),
+        effective_vs_bandwidth(results, directory / "effective_vs_bandwidth.png"),
+        comm_vs_bandwidth(results, directory / "comm_vs_bandwidth.png"),
+        measured_vs_analytic(results, directory / "measured_vs_analytic.png"),
+        compression(results, directory / "compression.png"),
+        trace_timeline(results, directory / "trace.png"),
+    ]
+    return [p for p in made if p is not None]

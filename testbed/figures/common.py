@@ -23,9 +23,8 @@ from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator  # noqa: E402
 
 from testbed.results import stats  # noqa: E402
-from testbed.results.store import Results  # noqa: E402
+from testbed.results.variants import variant, variant_order  # noqa: E402
 
-METHOD_ORDER = ("single", "voltage", "prism", "astra", "trace-nb", "trace-b")
 METHOD_COLOURS = {
     "single": "#555555",
     "voltage": "#d62728",
@@ -47,40 +46,6 @@ class Style:
     offset: float  # factor on the x position (log axes): coinciding variants stay apart
 
 
-def variant(frame: pd.DataFrame) -> pd.Series:
-    """A readable name per method variant: 'trace-b K=1024 level_k=32'."""
-    params = frame["params"].astype("string").fillna("").str.replace(",", " ")
-    return (frame["method"].astype(str) + " " + params).str.strip()
-
-
-def variant_order(frame: pd.DataFrame) -> list[str]:
-    """The variants of `frame` in the order of every figure: by method (voltage, prism,
-    astra, trace-nb, trace-b, then others by name), within one by decreasing tree level
-    (level_k, else K), then by name."""
-    level = _numbers(frame, "level_k")
-    level = level.fillna(_numbers(frame, "K"))
-    table = pd.DataFrame(
-        {
-            "variant": variant(frame),
-            "method_rank": frame["method"].map(_method_rank),
-            "method": frame["method"].astype(str),
-            "minus_level": -level.fillna(np.inf),
-        }
-    ).drop_duplicates("variant")
-    table = table.sort_values(["method_rank", "method", "minus_level", "variant"])
-    return list(table["variant"])
-
-
-def _numbers(frame: pd.DataFrame, column: str) -> pd.Series:
-    if column not in frame:
-        return pd.Series(np.nan, index=frame.index)
-    return pd.to_numeric(frame[column], errors="coerce").astype(float)
-
-
-def _method_rank(method: str) -> int:
-    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
-
-
 def styles(frame: pd.DataFrame) -> dict[str, Style]:
     """A colour (one hue per method, lighter for coarser variants), a marker and an x offset
     per variant of `frame`, in `variant_order`."""
@@ -97,14 +62,6 @@ def styles(frame: pd.DataFrame) -> dict[str, Style]:
         offset = 10 ** (OFFSET_DECADES * (index - (len(order) - 1) / 2))
         result[name] = Style(colour, MARKERS[index % len(MARKERS)], offset)  # type: ignore[arg-type]
     return result
-
-
-def ok_trials(results: Results) -> pd.DataFrame:
-    """The successful trial rows with a `variant` column."""
-    trials = results.trials
-    ok = trials[trials["status"] == "ok"].copy()
-    ok["variant"] = variant(ok)
-    return ok
 
 
 def intervals(ok: pd.DataFrame, values: list[str], how: stats.Aggregate = "mean") -> pd.DataFrame:

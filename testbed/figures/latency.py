@@ -18,17 +18,9 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from testbed.figures.common import (
-    interval_caption,
-    intervals,
-    ok_trials,
-    save,
-    styles,
-    variant,
-    variant_order,
-    yerr,
-)
+from testbed.figures.common import interval_caption, intervals, save, styles, yerr
 from testbed.results.store import Results
+from testbed.results.variants import ok_trials, variant, variant_order
 
 PARTS = [
     ("compute_ms", "compute", "#2f5d8a"),

@@ -1,4 +1,4 @@
-"""Figures of a run, as PNG files readable without the code.
+"""Figures against the link rate, one panel per device count.
 
 Measured values are medians over repetitions with distribution-free 95% intervals of the median as
 error bars (`testbed.results.stats`; every figure states n). Per repetition the devices are
@@ -9,9 +9,7 @@ it).
 - comm_vs_bandwidth.png: measured communication against the link rate, log-log, with each
   variant's wire time (dashed) and the paper's analytic time (dotted) (Fig. 6 kind);
 - measured_vs_analytic.png: measured communication against the wire time and against the
-  analytic time, coloured by rate, with the line y = x;
-- latency.png and compression.png: see `testbed.figures.latency` (Figs. 5 and 7 kinds);
-- trace.png, for a run over a replayed bandwidth trace: see `testbed.figures.trace`.
+  analytic time, coloured by rate, with the line y = x.
 """
 
 from __future__ import annotations
@@ -27,22 +25,16 @@ from matplotlib.lines import Line2D
 from testbed.figures.common import (
     interval_caption,
     intervals,
-    ok_trials,
     panels,
     plain_log,
     rate_axis,
     save,
     styles,
-    variant,
-    variant_order,
     yerr,
 )
-from testbed.figures.latency import compression, latency_breakdown
-from testbed.figures.trace import trace_timeline
 from testbed.results.stats import Aggregate
 from testbed.results.store import Results
-
-__all__ = ["make_figures", "variant"]
+from testbed.results.variants import ok_trials, variant_order
 
 REFERENCE_LINES = [
     Line2D([], [], color="grey", linestyle=style, label=label)
@@ -178,17 +170,3 @@ def _identity_line(ax: Axes, table: pd.DataFrame, column: str) -> None:
     ax.text(high, high, "y = x ", ha="right", va="bottom", fontsize=8, color="grey")
     ax.set_xlim(low, high)
     ax.grid(True, which="major", alpha=0.3)
-
-
-def make_figures(results: Results) -> list[Path]:
-    """Every figure of the run into its figures/ directory; returns the files written."""
-    directory = results.run_dir / "figures"
-    made = [
-        latency_breakdown(results, directory / "latency.png"),
-        effective_vs_bandwidth(results, directory / "effective_vs_bandwidth.png"),
-        comm_vs_bandwidth(results, directory / "comm_vs_bandwidth.png"),
-        measured_vs_analytic(results, directory / "measured_vs_analytic.png"),
-        compression(results, directory / "compression.png"),
-        trace_timeline(results, directory / "trace.png"),
-    ]
-    return [p for p in made if p is not None]

@@ -16,8 +16,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.axes import Axes
 
-from testbed.figures.common import Style, ok_trials, plain_log, save, styles, variant_order
+from testbed.figures.common import Style, plain_log, save, styles
 from testbed.results.store import Results
+from testbed.results.variants import ok_trials, variant_order
 
 LEVEL_ACCURACY = "level_accuracy_pct"
 

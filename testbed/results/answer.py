@@ -19,9 +19,9 @@ import math
 
 import pandas as pd
 
-from testbed.figures.common import ok_trials, variant_order
 from testbed.results import stats
 from testbed.results.store import Results
+from testbed.results.variants import ok_trials, variant_order
 
 BASELINE = "voltage"
 EXTRA_WIDTH = 13

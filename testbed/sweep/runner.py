@@ -24,7 +24,7 @@ from testbed import voice
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.experiment.inventory import Inventory
 from testbed.experiment.schema import Experiment
-from testbed.figures.rates import make_figures
+from testbed.figures import make_figures
 from testbed.link.links import Links, LinkState, emulator_for
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay

@@ -1,9 +1,10 @@
 import numpy as np
 import pandas as pd
 
-from testbed.figures.common import interval_caption, styles, variant_order
-from testbed.figures.rates import make_figures
+from testbed.figures import make_figures
+from testbed.figures.common import interval_caption, styles
 from testbed.results.store import Results
+from testbed.results.variants import variant_order
 
 VARIANTS = [  # method, params, K, level_k, payload bits per layer (deliberately shuffled)
     ("trace-b", "K=64,level_k=4", 64, 4, 26),

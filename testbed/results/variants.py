@@ -1,0 +1,56 @@
+"""The names and order of method variants, shared by the printed answer, the report and every
+figure: a variant is a method with its parameters ('trace-b K=1024 level_k=32'), and variants
+go in one order (`variant_order`: voltage, prism, astra, trace-nb, trace-b, each by decreasing
+tree level), so that a variant has the same place in every table and figure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from testbed.results.store import Results
+
+METHOD_ORDER = ("single", "voltage", "prism", "astra", "trace-nb", "trace-b")
+
+
+def variant(frame: pd.DataFrame) -> pd.Series:
+    """A readable name per method variant: 'trace-b K=1024 level_k=32'."""
+    params = frame["params"].astype("string").fillna("").str.replace(",", " ")
+    return (frame["method"].astype(str) + " " + params).str.strip()
+
+
+def variant_order(frame: pd.DataFrame) -> list[str]:
+    """The variants of `frame` in the order of every figure: by method (voltage, prism,
+    astra, trace-nb, trace-b, then others by name), within one by decreasing tree level
+    (level_k, else K), then by name."""
+    level = _numbers(frame, "level_k")
+    level = level.fillna(_numbers(frame, "K"))
+    table = pd.DataFrame(
+        {
+            "variant": variant(frame),
+            "method_rank": frame["method"].map(_method_rank),
+            "method": frame["method"].astype(str),
+            "minus_level": -level.fillna(np.inf),
+        }
+    ).drop_duplicates("variant")
+    table = table.sort_values(["method_rank", "method", "minus_level", "variant"])
+    return list(table["variant"])
+
+
+def _numbers(frame: pd.DataFrame, column: str) -> pd.Series:
+    if column not in frame:
+        return pd.Series(np.nan, index=frame.index)
+    return pd.to_numeric(frame[column], errors="coerce").astype(float)
+
+
+def _method_rank(method: str) -> int:
+    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+
+
+def ok_trials(results: Results) -> pd.DataFrame:
+    """The successful trial rows with a `variant` column."""
+    trials = results.trials
+    ok = trials[trials["status"] == "ok"].copy()
+    ok["variant"] = variant(ok)
+    return ok
