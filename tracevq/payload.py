@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
-from tracevq.codec import HEADER_BYTES, index_bits
 from tracevq.config import ModelConfig, model_config
 from tracevq.errors import ConfigError
+from tracevq.method_table import METHODS
 from tracevq.partition import partition_sizes
 from tracevq.spec import MethodSpec, method_spec
-
-HEADER_BITS = 8 * HEADER_BYTES
-ASTRA_WORD_BITS = 16
 
 
 def message_bits(spec: MethodSpec, tokens: int, dim: int, batch: int = 1) -> int:
     """Bits one device sends for one layer when it holds `tokens` tokens (x `batch` inputs)."""
-    rows = tokens * batch
-    if spec.name == "single":
-        return 0
-    if spec.name == "voltage":
-        return 32 * rows * dim
-    if spec.name == "prism":
-        return spec.mean_bits * math.ceil(tokens / spec.segment) * batch * dim
-    if spec.name == "astra":
-        return rows * (index_bits(spec.K) if spec.packed else ASTRA_WORD_BITS)
-    return rows * index_bits(spec.resolved_level_k) + HEADER_BITS
+    return METHODS[spec.name].message_bits(spec, tokens, dim, batch)
 
 
 def exchanges(spec: MethodSpec, depth: int) -> int:

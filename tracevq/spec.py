@@ -6,21 +6,8 @@ import difflib
 from dataclasses import asdict, dataclass
 
 from tracevq.errors import ConfigError
+from tracevq.method_table import METHODS
 from tracevq.placement import DEFAULT_PLACEMENT, PLACEMENTS, Placement, placements_of
-
-METHODS = ("single", "voltage", "prism", "astra", "trace-b", "trace-nb")
-TRACE_METHODS = ("trace-b", "trace-nb")
-CODEBOOK_METHODS = ("astra", *TRACE_METHODS)
-
-# parameters each method accepts (beyond its name)
-_ACCEPTS: dict[str, tuple[str, ...]] = {
-    "single": (),
-    "voltage": (),
-    "prism": ("segment", "mean_bits"),
-    "astra": ("K", "packed", "dedup"),
-    "trace-b": ("K", "level_k", "level_min_k", "buffers", "dedup", "placement"),
-    "trace-nb": ("K", "level_k", "level_min_k", "dedup", "placement", "remote_ffn"),
-}
 
 
 @dataclass(frozen=True)
@@ -28,7 +15,7 @@ class MethodSpec:
     """A method and its parameters.
 
     Attributes:
-        name: one of METHODS.
+        name: a method of the table (`tracevq.method_table.METHODS`).
         K: codebook size (astra, trace-*).
         level_k: codewords at the tree level used for encoding (trace-*); None = finest (K),
             "auto" = chosen per session from the link rate and the local FFN time.
@@ -63,11 +50,11 @@ class MethodSpec:
 
     @property
     def uses_codebooks(self) -> bool:
-        return self.name in CODEBOOK_METHODS
+        return METHODS[self.name].codebooks
 
     @property
     def is_trace(self) -> bool:
-        return self.name in TRACE_METHODS
+        return METHODS[self.name].trace
 
     @property
     def resolved_level_k(self) -> int:
@@ -83,7 +70,9 @@ class MethodSpec:
 
     def params(self) -> dict[str, object]:
         """Only the parameters this method accepts, for records and handshakes."""
-        return {key: value for key, value in asdict(self).items() if key in _ACCEPTS[self.name]}
+        return {
+            key: value for key, value in asdict(self).items() if key in METHODS[self.name].accepts
+        }
 
 
 def method_spec(name: str, **params: object) -> MethodSpec:
@@ -94,7 +83,7 @@ def method_spec(name: str, **params: object) -> MethodSpec:
         raise ConfigError(
             f"unknown method {name!r}{suggestion}; known: {', '.join(METHODS)}", "name"
         )
-    accepted = _ACCEPTS[name]
+    accepted = METHODS[name].accepts
     for key in params:
         if key not in accepted:
             hint = difflib.get_close_matches(key, accepted, n=1)

@@ -10,8 +10,9 @@ import numpy as np
 import pandas as pd
 
 from testbed.results.store import Results
+from tracevq.method_table import METHODS
 
-METHOD_ORDER = ("single", "voltage", "prism", "astra", "trace-nb", "trace-b")
+METHOD_ORDER = tuple(METHODS)  # the method table's order
 
 
 def variant(frame: pd.DataFrame) -> pd.Series:

@@ -1,11 +1,12 @@
-"""Exchange methods: `make_method` builds the one object both the simulation and the worker use."""
+"""Exchange methods: `make_method` builds the one object both the simulation and the worker use,
+from the method table (`tracevq.method_table`)."""
 
 from __future__ import annotations
 
 from tracevq.bundle import Bundle
 from tracevq.errors import ConfigError
+from tracevq.method_table import METHODS
 from tracevq.methods.base import Method, Receiver, Sender
-from tracevq.methods.baselines import Astra, Prism, Voltage
 from tracevq.methods.trace import TraceMethod, auto_level
 from tracevq.models import VisionTransformer
 from tracevq.spec import MethodSpec, method_spec
@@ -21,10 +22,10 @@ def make_method(
 ) -> Method:
     """The method `name` bound to `model`; codebook methods need a bundle fitted for `model`."""
     spec = name if isinstance(name, MethodSpec) else method_spec(name, **params)
-    if spec.name in ("single", "voltage"):
-        return Voltage(spec, model)
-    if spec.name == "prism":
-        return Prism(spec, model)
+    entry = METHODS[spec.name]
+    implementation = entry.implementation_class()
+    if not entry.codebooks:
+        return implementation(spec, model)
     if bundle is None:
         raise ConfigError(f"method {spec.name!r} needs a bundle of codebooks (none given)")
     if bundle.K != spec.K:
@@ -32,7 +33,4 @@ def make_method(
             f"method {spec.name!r}: asks for K={spec.K} but the bundle's codebooks have "
             f"K={bundle.K}"
         )
-    quantizers, trees = bundle.family(spec.name)
-    if spec.name == "astra":
-        return Astra(spec, model, quantizers)
-    return TraceMethod(spec, model, quantizers, trees)
+    return implementation(spec, model, *bundle.family(spec.name))

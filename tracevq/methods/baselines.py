@@ -14,6 +14,7 @@ from tracevq.codec import index_bits, pack_indices, unpack_indices
 from tracevq.methods.base import Method, Receiver, Sender
 from tracevq.models import RemoteKV, RemoteRows, VisionTransformer
 from tracevq.spec import MethodSpec
+from tracevq.tree import CodebookTree
 from tracevq.vq import VectorQuantizer
 
 
@@ -128,7 +129,11 @@ class Astra(Method):
     """Sends the index of the nearest codeword of X_p; receivers project the codeword."""
 
     def __init__(
-        self, spec: MethodSpec, model: VisionTransformer, quantizers: list[VectorQuantizer]
+        self,
+        spec: MethodSpec,
+        model: VisionTransformer,
+        quantizers: list[VectorQuantizer],
+        trees: list[CodebookTree] | None = None,  # a bundle's family has them; Astra has no levels
     ):
         super().__init__(spec, model)
         self.quantizers = quantizers

@@ -30,10 +30,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from tracevq.method_table import METHODS, codebook_methods  # noqa: E402
 from tracevq.placement import DEFAULT_PLACEMENT, PLACEMENTS  # noqa: E402
 from tracevq.train.settings import Settings  # noqa: E402
 
-VQ_METHODS = ("astra", "trace-b", "trace-nb")
+VQ_METHODS = tuple(codebook_methods())
 
 
 def aggregate(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -60,10 +61,9 @@ def _pm(table: pd.DataFrame) -> pd.Series:
 
 def _order(row: pd.Series) -> tuple:
     """Baselines first, then each VQ method with its k-means row before the fine-tuned one."""
-    methods = ("single", "voltage", "prism", *VQ_METHODS)
     segment = row.get("segment")
     return (
-        methods.index(row["method"]),
+        list(METHODS).index(row["method"]),
         0 if pd.isna(segment) else int(segment),
         row["variant"] not in ("base", "kmeans"),
     )
