@@ -41,6 +41,7 @@ import torch
 
 from bench.bench_dedup import unique_fraction
 from bench.compute import bundle_for, compare
+from testbed.backends.table import AUTO, BACKENDS, backend_names
 from testbed.experiment.schema import parse_experiment
 from testbed.results.stats import Interval, by_repetition, median_interval, paired_ratio_interval
 from testbed.results.store import load
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--backend", default="auto", choices=("auto", "docker", "local"))
+    on_this_host = [n for n in backend_names() if n == AUTO or BACKENDS[n].on_this_host]
+    parser.add_argument("--backend", default=AUTO, choices=on_this_host)
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     args = parser.parse_args(argv)
     in_process(args.quick)

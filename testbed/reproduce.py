@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from testbed.backends.table import AUTO, BACKENDS, backend_names
 from testbed.errors import ConfigError, TestbedError
 from testbed.experiment.schema import load_experiment
 from testbed.report import build
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="tiny models, for CI")
     parser.add_argument("--out", type=Path, default=Path("results"))
-    parser.add_argument("--backend", choices=("auto", "docker", "local"), default="auto")
+    on_this_host = [n for n in backend_names() if n == AUTO or BACKENDS[n].on_this_host]
+    parser.add_argument("--backend", choices=on_this_host, default=AUTO)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     prefix = "quick-" if args.quick else ""

@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 from testbed import voice
+from testbed.backends.table import backend_names
 from testbed.errors import ConfigError, TestbedError
 from testbed.experiment.names import SLUG_RULE, is_slug
 from testbed.source import SOURCE_ROOT
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("results"), help="results root")
     parser.add_argument(
         "--backend",
-        choices=("auto", "docker", "local", "ssh"),
+        choices=backend_names(),
         help="overrides the experiment's backend",
     )
     parser.add_argument(
@@ -187,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
         run_id = new_run_id()
         run_dir = new_run_dir(out, experiment.name, run_id)
     backend = args.backend or experiment.backend
-    check_experiment(experiment, backend, str(source))
+    checked = check_experiment(experiment, backend, str(source))
     trials = plan_trials(experiment)
     if args.dry_run:
         rows = plan_rows(experiment, trials)  # every trial's arithmetic, before writing
@@ -199,9 +200,12 @@ def _run(args: argparse.Namespace) -> int:
     args.run_dir = run_dir
     voice.say(
         f"{experiment.name}: {len(trials)} trials ({_grid(trials)}), {experiment.warmup} warm-up "
-        f"+ {experiment.repeats} measured inferences each, {backend} backend; into {run_dir}"
+        f"+ {experiment.repeats} measured inferences each, {checked.backend.name} backend; into "
+        f"{run_dir}"
     )
-    outcome = Runner(experiment, run_dir, backend, run_id).run(resume=args.resume is not None)
+    outcome = Runner(experiment, run_dir, checked.backend.name, run_id).run(
+        resume=args.resume is not None
+    )
     _report(outcome, run_dir)
     return EXIT_FAILED if outcome.failed else EXIT_OK
 

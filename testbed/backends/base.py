@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from testbed.experiment.schema import Experiment
     from testbed.kernel.shaping import ShapingPlan
 
 log = logging.getLogger(__name__)
@@ -142,10 +143,36 @@ def plan_cpus(count: int, cpus: float, host_cores: int | None = None) -> CpuPlan
 
 
 class Backend(abc.ABC):
-    """Base of the docker, local and ssh backends."""
+    """Base of every backend of the table (`testbed.backends.table`).
+
+    What a backend can do is said by its class attributes, which the preflight, the links and
+    the runner read instead of its name.
+    """
 
     name: str = ""
     python: str = "python3"  # the interpreter that runs the worker on a device
+    # the devices share this host's kernel, clock and cores: their network namespaces can be
+    # entered from here (the serial emulator needs that) and their CPUs are the host's
+    on_this_host: bool = True
+    default_emulator: str = "serial"  # when the experiment names none (testbed.link.emulators)
+    shapes_downlinks: bool = True  # downlink and per-pair rates, not only uplinks
+    needs_inventory: bool = False  # it runs on the experiment's inventory of boards
+    in_auto: bool = False  # `backend: auto` may take it (in the table's order) when available
+
+    @classmethod
+    def create(cls, run_id: str, run_dir: Path, experiment: Experiment) -> Backend:
+        """The backend for one set of devices of a run."""
+        return cls(run_id, run_dir)
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether it can start devices here (what `backend: auto` asks)."""
+        return True
+
+    @classmethod
+    def versions(cls) -> dict[str, str]:
+        """Versions of what it runs on, for environment.json."""
+        return {}
 
     def __init__(self, run_id: str, run_dir: Path):
         self.run_id = run_id

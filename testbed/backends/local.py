@@ -144,6 +144,7 @@ class LocalProcess(Process):
 
 class LocalBackend(Backend):
     name = "local"
+    in_auto = True  # where no Docker engine answers
     python = sys.executable or "python3"  # devices run the host's interpreter and code
 
     def __init__(self, run_id: str, run_dir: Path):

@@ -8,6 +8,7 @@ import subprocess
 from importlib import metadata
 from typing import Any
 
+from testbed.backends.base import Backend
 from testbed.source import SOURCE_ROOT
 
 PACKAGES = ("torch", "numpy", "pandas", "pyroute2", "docker", "pydantic", "trace-testbed")
@@ -34,7 +35,7 @@ def git_commit() -> dict[str, Any]:
     return {"commit": commit, "dirty": bool(dirty) if dirty is not None else None}
 
 
-def collect(backend: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def collect(backend: Backend, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The environment record saved as environment.json with every run."""
     uname = platform.uname()
     info: dict[str, Any] = {
@@ -43,10 +44,9 @@ def collect(backend: str, extra: dict[str, Any] | None = None) -> dict[str, Any]
         "kernel": uname.release,
         "machine": uname.machine,
         "host_cores": os.cpu_count(),
-        "backend": backend,
+        "backend": backend.name,
         "git": git_commit(),
+        **backend.versions(),
     }
-    if backend == "docker":
-        info["docker"] = _output(["docker", "version", "--format", "{{.Server.Version}}"])
     info.update(extra or {})
     return info

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from testbed.errors import ConfigError, ShapingError
+from testbed.backends.base import Backend
+from testbed.backends.table import BACKENDS, backend_class
+from testbed.errors import ConfigError
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import FITTED_BRANCHING, Experiment, variant_spec
-from testbed.link.links import emulator_for
+from testbed.link.emulator import Emulator
+from testbed.link.emulators import emulator_class
 from testbed.results.level_accuracy import check_covered, load_level_accuracy
 from testbed.sweep.plan import link_trace
 from tracevq.codec import level_sizes_for
@@ -28,9 +32,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkProfile:
-    """Raises ConfigError naming `source` and the field; returns the link profile."""
-    _check_backend(experiment, backend, source)
+@dataclass(frozen=True)
+class Checked:
+    """What the preflight found: the link profile, the backend (`auto` chosen) and emulator."""
+
+    profile: LinkProfile
+    backend: type[Backend]
+    emulator: type[Emulator]
+
+
+def check_experiment(experiment: Experiment, backend_name: str, source: str) -> Checked:
+    """Raises ConfigError naming `source` and the field; returns what it checked."""
+    backend = _backend(backend_name, source)
+    _check_inventory(experiment, backend, source)
     _check_files(experiment, source)
     bundle = _check_bundle(experiment, source)
     _check_level_accuracy(experiment, bundle, source)
@@ -38,18 +52,27 @@ def check_experiment(experiment: Experiment, backend: str, source: str) -> LinkP
     emulator = _emulator(experiment, backend, source)
     _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
-    _check_impairments(experiment, profile, emulator, backend, source)
-    return profile
+    refused = emulator.refusal(profile, backend, bool(experiment.link.pair_mbit))
+    if refused is not None:
+        raise ConfigError(f"{source}: {refused.field}: {refused.why}")
+    return Checked(profile, backend, emulator)
 
 
-def _check_backend(experiment: Experiment, backend: str, source: str) -> None:
-    if backend != "ssh":
+def _backend(name: str, source: str) -> type[Backend]:
+    try:
+        return backend_class(name)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def _check_inventory(experiment: Experiment, backend: type[Backend], source: str) -> None:
+    if not backend.needs_inventory:
         return
     inventory = experiment.inventory
     if inventory is None:
         raise ConfigError(
-            f"{source}: inventory: backend 'ssh' needs an inventory of boards (a file's path "
-            "or inline; see experiments/ssh-smoke.yaml)"
+            f"{source}: inventory: backend '{backend.name}' needs an inventory of boards (a "
+            "file's path or inline; see experiments/ssh-smoke.yaml)"
         )
     most = max(experiment.devices.count)
     if most > len(inventory.boards):
@@ -156,12 +179,12 @@ def host_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def _check_cpus(experiment: Experiment, backend: str, source: str) -> None:
+def _check_cpus(experiment: Experiment, backend: type[Backend], source: str) -> None:
     """A device may not ask for more CPUs than the host has, unless the file says so; devices
     that together ask for more are allowed and recorded as `oversubscribed`, as before. Boards
     (ssh) have cores of their own."""
     devices = experiment.devices
-    if backend == "ssh" or devices.oversubscribe or devices.cpus <= host_cpus():
+    if not backend.on_this_host or devices.oversubscribe or devices.cpus <= host_cpus():
         return
     raise ConfigError(
         f"{source}: devices.cpus: {devices.cpus:g} CPUs per device, but this host has "
@@ -169,23 +192,23 @@ def _check_cpus(experiment: Experiment, backend: str, source: str) -> None:
     )
 
 
-def _emulator(experiment: Experiment, backend: str, source: str) -> str:
+def _emulator(experiment: Experiment, backend: type[Backend], source: str) -> type[Emulator]:
     try:
-        return emulator_for(experiment.link.emulator, backend)
+        return emulator_class(experiment.link.emulator, backend)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
 
 
-def _check_board_rates(experiment: Experiment, backend: str, source: str) -> None:
+def _check_board_rates(experiment: Experiment, backend: type[Backend], source: str) -> None:
     """Boards over ssh shape their uplinks (tbf); downlinks and pair caps are not done there."""
-    if backend != "ssh":
+    if backend.shapes_downlinks:
         return
+    able = " or ".join(name for name, kind in BACKENDS.items() if kind.shapes_downlinks)
     for field in ("downlink_mbit", "pair_mbit"):
         if getattr(experiment.link, field):
             raise ConfigError(
-                f"{source}: link.{field}: boards over ssh are shaped on their uplinks only "
-                "(link.uplink_mbit); downlink and per-pair rates need the docker or local "
-                "backend"
+                f"{source}: link.{field}: the {backend.name} backend shapes uplinks only "
+                f"(link.uplink_mbit); downlink and per-pair rates need the {able} backend"
             )
 
 
@@ -194,37 +217,3 @@ def _profile(experiment: Experiment, source: str) -> LinkProfile:
         return load_profile(experiment.link.profile)
     except ConfigError as error:
         raise ConfigError(f"{source}: link.profile: {error}") from None
-
-
-def _check_impairments(
-    experiment: Experiment, profile: LinkProfile, emulator: str, backend: str, source: str
-) -> None:
-    """Delay, jitter and loss need netem under tbf; the serial emulator adds none of them."""
-    if not profile.needs_netem:
-        return
-    if experiment.link.pair_mbit:
-        raise ConfigError(
-            f"{source}: link.pair_mbit: per-pair rates with profile '{profile.name}' (delay, "
-            "jitter or loss) are not supported; use a rate-only profile such as 'ideal'"
-        )
-    if emulator == "serial":
-        raise ConfigError(
-            f"{source}: link.profile: '{profile.name}' asks for delay, jitter or loss, which "
-            "the serial emulator does not add; use a rate-only profile such as 'ideal', or "
-            "link: {emulator: tbf}"
-        )
-    if backend == "ssh" or os.geteuid() != 0:
-        return  # the boards' kernels, or no probe without root: checked when shaping
-    from testbed.kernel.support import qdisc_support
-
-    try:
-        support = qdisc_support()
-    except ShapingError as error:
-        log.debug("cannot probe qdiscs before the run: %s", error)
-        return
-    if not support.get("netem", False):
-        raise ConfigError(
-            f"{source}: link.profile: '{profile.name}' needs delay/jitter/loss emulation "
-            "(sch_netem), which this kernel does not have; use a rate-only profile such as "
-            "'ideal'"
-        )

@@ -22,10 +22,9 @@ import yaml
 
 from testbed import voice
 from testbed.backends.base import Backend, DeviceSpec
-from testbed.experiment.inventory import Inventory
 from testbed.experiment.schema import Experiment
 from testbed.figures import make_figures
-from testbed.link.links import Links, LinkState, emulator_for
+from testbed.link.links import Links, LinkState
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
 from testbed.results.level_accuracy import load_level_accuracy
@@ -63,24 +62,6 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def make_backend(
-    name: str, run_id: str, run_dir: Path, inventory: Inventory | None = None
-) -> Backend:
-    """The backend by name; `auto` takes Docker when an engine answers, else local. `ssh`
-    runs on the inventory's boards."""
-    if name == "ssh":
-        from testbed.backends.ssh.backend import SshBackend
-
-        return SshBackend(run_id, run_dir, inventory)
-    from testbed.backends.docker.backend import DockerBackend, engine_available
-
-    if name == "docker" or (name == "auto" and engine_available()):
-        return DockerBackend(run_id, run_dir)
-    from testbed.backends.local import LocalBackend
-
-    return LocalBackend(run_id, run_dir)
-
-
 @dataclass
 class RunOutcome:
     run_dir: Path
@@ -106,13 +87,14 @@ def prepare_run_dir(
 
 
 class Runner:
-    def __init__(self, experiment: Experiment, run_dir: Path, backend: str, run_id: str):
+    def __init__(self, experiment: Experiment, run_dir: Path, backend_name: str, run_id: str):
         self.experiment, self.run_dir = experiment, Path(run_dir)
-        self.backend_name, self.run_id = backend, run_id
+        self.run_id = run_id
         self.trials = plan_trials(experiment)
         # everything is checked before any device starts (testbed.run did it already)
-        self.profile = check_experiment(experiment, backend, f"experiment {experiment.name}")
-        self.emulator = emulator_for(experiment.link.emulator, backend)
+        checked = check_experiment(experiment, backend_name, f"experiment {experiment.name}")
+        self.profile, self.backend = checked.profile, checked.backend
+        self.emulator = checked.emulator
         link = experiment.link
         self.trace = None if link.trace is None else link_trace(link)
         self.level_accuracy = load_level_accuracy(experiment)  # None without report.level_accuracy
@@ -167,8 +149,7 @@ class Runner:
         progress: TrialProgress,
     ) -> None:
         devices = self.experiment.devices
-        inventory = self.experiment.inventory
-        with make_backend(self.backend_name, self.run_id, self.run_dir, inventory) as backend:
+        with self.backend.create(self.run_id, self.run_dir, self.experiment) as backend:
             doing = (
                 f"starting {count} {backend.name} devices "
                 f"({devices.cpus:g} CPU, {devices.memory_mb} MB each)"
@@ -189,7 +170,7 @@ class Runner:
                     shaped = rate if self.trace is None else self.trace.rates_mbit[0]
                     link = links.shape(shaped, self.experiment.link.probe_s)
                     self._save_link(link, count)
-                    voice.say(f"{what}: {self.emulator} link, {_probed(link, count)}")
+                    voice.say(f"{what}: {self.emulator.name} link, {_probed(link, count)}")
                     ok = self._run_session(links, group, plan, files, link, outcome)
                     progress.finish((count, rate), what, "ok" if ok else "FAILED")
                     interrupts.check()
@@ -240,7 +221,7 @@ class Runner:
         """Per rank, every column of the trial's rows that the workers do not measure."""
         facts = {
             "run_id": self.run_id, "session_id": session, "backend": backend.name,
-            "emulator": self.emulator, "batch": self.experiment.batch,
+            "emulator": self.emulator.name, "batch": self.experiment.batch,
             "cpus": self.experiment.devices.cpus, "threads": backend.devices[0].threads,
             "oversubscribed": backend.oversubscribed,
             "trace": "" if self.trace is None else self.trace.name,
@@ -266,7 +247,7 @@ class Runner:
         path = self.run_dir / "environment.json"
         facts = json.loads(path.read_text()) if path.is_file() else {}
         if not facts:
-            facts = environment.collect(backend.name, {"qdisc_support": backend.qdisc_support()})
+            facts = environment.collect(backend, {"qdisc_support": backend.qdisc_support()})
         cpus = backend.cpu_plan
         facts.setdefault("by_devices", {})[str(count)] = {
             "cpusets": cpus.cpusets if cpus else None,

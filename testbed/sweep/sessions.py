@@ -29,7 +29,8 @@ from devices.spec import MethodRun, RunSpec
 from testbed.backends.base import Backend, Device, ExecResult
 from testbed.errors import TestbedError
 from testbed.experiment.schema import Experiment
-from testbed.link.links import LinkCounters, LinkState
+from testbed.link.emulator import LinkCounters
+from testbed.link.links import LinkState
 from testbed.link.replay import TraceReplay
 from testbed.results.rows import failed_rows, trial_rows
 from testbed.results.store import write_text

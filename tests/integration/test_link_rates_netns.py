@@ -19,6 +19,7 @@ from testbed.backends.base import DeviceSpec
 from testbed.backends.local import LocalBackend
 from testbed.experiment.profiles import load_profile
 from testbed.kernel.netns import remove_leftovers
+from testbed.link.emulators import EMULATORS
 from testbed.link.links import Links, LinkState
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.rates import RateOverrides
@@ -43,7 +44,7 @@ def backend(root: None, tmp_path: Path) -> Iterator[LocalBackend]:
 
 
 def shaped(backend: LocalBackend, emulator: str, overrides: RateOverrides, swept: float):
-    links = Links(backend, load_profile("ideal"), emulator, backend.run_id, overrides)
+    links = Links(backend, load_profile("ideal"), EMULATORS[emulator], backend.run_id, overrides)
     return links, links.shape(swept, PROBE_S)
 
 

@@ -14,6 +14,7 @@ from testbed.backends.base import DeviceSpec
 from testbed.backends.local import LocalBackend
 from testbed.experiment.profiles import load_profile
 from testbed.kernel.netns import remove_leftovers
+from testbed.link.emulators import EMULATORS
 from testbed.link.links import Links
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.replay import TraceReplay
@@ -31,7 +32,7 @@ def test_a_replayed_step_trace_is_followed_by_the_link(root, tmp_path: Path, emu
     backend = LocalBackend(run_id, tmp_path)
     try:
         backend.start(DeviceSpec(count=2, cpus=1, memory_mb=512))
-        with Links(backend, load_profile("ideal"), emulator, run_id) as links:
+        with Links(backend, load_profile("ideal"), EMULATORS[emulator], run_id) as links:
             links.shape(20.0, 0.2)
             sender, receiver = backend.devices
             measured = []

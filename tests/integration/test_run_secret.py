@@ -18,7 +18,8 @@ from testbed.backends.base import DeviceSpec, write_secret
 from testbed.backends.local import LocalBackend
 from testbed.experiment.schema import parse_experiment
 from testbed.kernel.netns import remove_leftovers
-from testbed.link.links import LinkCounters, LinkState
+from testbed.link.emulator import LinkCounters
+from testbed.link.links import LinkState
 from testbed.sweep.bundles import prepare_run_files
 from testbed.sweep.plan import plan_trials
 from testbed.sweep.runner import Runner

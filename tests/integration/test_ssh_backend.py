@@ -417,7 +417,8 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     handshake measures the skew, and comm, measured across the two clocks, stays what the
     link gives (the skew would otherwise add or remove seconds per message)."""
     from testbed.experiment.schema import parse_experiment
-    from testbed.link.links import LinkCounters, LinkState
+    from testbed.link.emulator import LinkCounters
+    from testbed.link.links import LinkState
     from testbed.sweep.bundles import prepare_run_files
     from testbed.sweep.plan import plan_trials
     from testbed.sweep.sessions import WORKER_PORT, run_session

@@ -195,6 +195,7 @@ def test_links_shape_each_device_probe_each_direction_and_scale_in_place(monkeyp
     from testbed.link import links as links_module
     from testbed.link.links import Links
     from testbed.link.probe import WIRE_PER_PAYLOAD
+    from testbed.link.token_bucket import TokenBucket
 
     backend = RecordingBackend(3)
     achieved = {(0, 1): 2.0, (1, 2): 10.0, (2, 0): 10.0, (1, 0): 1.3, (2, 1): 3.0}
@@ -204,7 +205,7 @@ def test_links_shape_each_device_probe_each_direction_and_scale_in_place(monkeyp
         lambda _, sender, receiver, __: achieved[(sender.rank, receiver.rank)] / WIRE_PER_PAYLOAD,
     )
     overrides = RateOverrides({0: 2.0}, {1: 3.0}, {(1, 0): 1.0})
-    links = Links(backend, IDEAL, "tbf", "run", overrides)  # type: ignore[arg-type]
+    links = Links(backend, IDEAL, TokenBucket, "run", overrides)  # type: ignore[arg-type]
     state = links.shape(10.0, 0.5)
 
     plans = {rank: shaping for _, rank, shaping in backend.calls}

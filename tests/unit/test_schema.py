@@ -51,7 +51,6 @@ def test_every_experiment_file_loads_and_plans(path):
             with_(model={"name": "vit-b17"}),
             "model.name: unknown model 'vit-b17' (did you mean 'vit-b16'?)",
         ),
-        (with_(backend="podman"), "backend: Input should be 'auto', 'docker'"),
         ({"methods": [{"name": "voltage"}]}, "name: Field required"),
         (
             with_(methods=[{"name": "trace-b", "level_k": [1024, 4096]}]),
@@ -115,15 +114,19 @@ def test_planning_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_link_emulator_defaults_to_serial_and_refuses_it_on_ssh_boards():
-    from testbed.link.links import emulator_for
+def test_link_emulator_defaults_to_the_backends_and_serial_is_refused_on_ssh_boards():
+    from testbed.backends.table import BACKENDS
+    from testbed.experiment.profiles import load_profile
+    from testbed.link.emulators import emulator_class
 
-    assert emulator_for(None, "docker") == emulator_for(None, "auto") == "serial"
-    assert emulator_for(None, "ssh") == emulator_for("tbf", "local") == "tbf"
-    with pytest.raises(ConfigError, match="link.emulator: serial needs the devices on this host"):
-        emulator_for("serial", "ssh")
-    with pytest.raises(ConfigError, match=r"link\.emulator: Input should be 'tbf' or 'serial'"):
-        parse_experiment(with_(link={"emulator": "netem"}))
+    docker, local, ssh = (BACKENDS[name] for name in ("docker", "local", "ssh"))
+    assert emulator_class(None, docker).name == emulator_class(None, local).name == "serial"
+    assert emulator_class(None, ssh).name == emulator_class("tbf", local).name == "tbf"
+    refused = emulator_class("serial", ssh).refusal(load_profile("ideal"), ssh, False)
+    assert refused is not None and refused.field == "link.emulator"
+    assert refused.why.startswith("serial needs the devices on this host")
+    with pytest.raises(ConfigError, match=r"link\.emulator: unknown emulator 'netem'"):
+        emulator_class("netem", local)
 
 
 def test_per_device_and_per_pair_rates_in_either_form():

@@ -29,7 +29,6 @@ from testbed.errors import ConfigError, DeviceError
 from testbed.experiment.inventory import parse_inventory
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel import shaping
-from testbed.sweep.runner import make_backend
 
 INVENTORY = {
     "known_hosts": "/keys/known_hosts",
@@ -136,8 +135,8 @@ def test_host_key_advice_names_the_commands():
 
 def test_the_backend_needs_an_inventory_with_enough_boards(tmp_path):
     with pytest.raises(ConfigError, match="the ssh backend needs an inventory"):
-        make_backend("ssh", "r1", tmp_path)
-    backend = make_backend("ssh", "r1", tmp_path, parse_inventory(INVENTORY))
+        SshBackend("r1", tmp_path, None)
+    backend = SshBackend("r1", tmp_path, parse_inventory(INVENTORY))
     assert isinstance(backend, SshBackend)
     with pytest.raises(ConfigError, match="asks for 2 devices; the inventory lists 1 boards"):
         backend.start(DeviceSpec(count=2))  # before any connection

@@ -114,6 +114,17 @@ class DockerProcess(Process):
 class DockerBackend(Backend):
     name = "docker"
     python = "python"  # the image's venv is first on PATH
+    in_auto = True
+
+    @classmethod
+    def available(cls) -> bool:
+        return engine_available()
+
+    @classmethod
+    def versions(cls) -> dict[str, str]:
+        from testbed.backends.docker.engine import server_version
+
+        return {"docker": server_version()}
 
     def __init__(self, run_id: str, run_dir: Path, image: str | None = None):
         super().__init__(run_id, run_dir)

@@ -40,6 +40,16 @@ def engine_answers(timeout_s: float = 15.0) -> bool:
     return proc.returncode == 0 and bool(proc.stdout.strip())
 
 
+def server_version() -> str | None:
+    """The engine's version, or None when none answers."""
+    args = ["docker", "version", "--format", "{{.Server.Version}}"]
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=15)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
 def _remove_stale_pidfile(pidfile: Path) -> None:
     """dockerd refuses to start while a pid file of a dead daemon is left behind."""
     try:

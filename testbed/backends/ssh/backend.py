@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from testbed.backends.base import SECRET_FILE_NAME, Backend, CpuPlan, Device, DeviceSpec, Process
 from testbed.backends.ssh.checks import check_board
@@ -75,6 +75,9 @@ from testbed.kernel.shaping import (
 )
 from testbed.kernel.support import PROBED_QDISCS
 
+if TYPE_CHECKING:
+    from testbed.experiment.schema import Experiment
+
 log = logging.getLogger(__name__)
 
 CLOCK_ROUNDS = 8
@@ -87,6 +90,14 @@ DEPLOYED_MODULES = ("torch", "tracevq", "devices.worker", "devices.probe")
 class SshBackend(Backend):
     name = "ssh"
     python = "python3"  # as argv[0] of a command, it stands for each board's own interpreter
+    on_this_host = False
+    default_emulator = "tbf"  # the boards' own links, shaped on their uplinks
+    shapes_downlinks = False
+    needs_inventory = True
+
+    @classmethod
+    def create(cls, run_id: str, run_dir: Path, experiment: Experiment) -> SshBackend:
+        return cls(run_id, run_dir, experiment.inventory)
 
     def __init__(self, run_id: str, run_dir: Path, inventory: Inventory | None):
         super().__init__(run_id, run_dir)

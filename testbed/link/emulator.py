@@ -1,0 +1,84 @@
+"""What every link emulator offers: the one rule that refuses what it cannot emulate, and the
+verbs `Links` uses (start, set rates, counters, stats, stop).
+
+An emulator shapes the links of one backend's started devices from a link profile and a
+trial's rates (`testbed.link.rates.LinkRates`). Its `refusal` is asked twice with the same
+answer: by the preflight before anything starts (a `ConfigError` naming the field), and by
+`Links` before the emulator is built (a `ShapingError`), so a profile is never half-emulated.
+The table of emulators is `testbed.link.emulators`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from testbed.backends.base import Backend
+from testbed.experiment.profiles import LinkProfile
+from testbed.link.rates import LinkRates
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an emulator cannot emulate what it is asked, and the experiment field at fault."""
+
+    field: str  # "link.profile", "link.emulator", ...
+    why: str
+
+
+@dataclass(frozen=True)
+class LinkCounters:
+    """A device's link so far: bytes carried, and the serial emulator's stalls of its port as
+    (start ns, length ns) by CLOCK_REALTIME (None on links the emulator does not clock)."""
+
+    sent_bytes: int
+    stalls: list[tuple[int, int]] | None = None
+
+
+class Emulator(abc.ABC):
+    """The links of `backend`'s started devices, shaped after `profile`."""
+
+    name: str = ""
+
+    def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
+        self.backend, self.profile, self.run_id = backend, profile, run_id
+
+    @classmethod
+    @abc.abstractmethod
+    def refusal(
+        cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool
+    ) -> Refusal | None:
+        """Why `profile` cannot be emulated on `backend`'s devices (`pair_rates`: the
+        experiment caps pairs, link.pair_mbit), or None when it can."""
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Builds what the emulator needs once the devices run (it may change their addresses:
+        the devices' traffic must cross it)."""
+
+    @abc.abstractmethod
+    def set_rates(self, rates: LinkRates, in_place: bool) -> None:
+        """Every device's rates: applied anew, or changed in place (`in_place`: a replayed
+        trace's step, which must never leave a link unshaped for a moment)."""
+
+    def counters(self) -> dict[int, LinkCounters]:
+        """Per rank, what its link carried so far (its egress qdisc's counter)."""
+        return {
+            device.rank: LinkCounters(qdisc_sent_bytes(self.backend.qdisc_stats(device)))
+            for device in self.backend.devices
+        }
+
+    def stats(self) -> dict[int, dict[str, object]] | None:
+        """The emulator's own counters by rank, saved with each shaping (None: it has none)."""
+        return None
+
+    def stop(self) -> None:  # noqa: B027 - optional hook
+        """Removes what `start` built (idempotent)."""
+
+
+def qdisc_sent_bytes(text: str) -> int:
+    """The `Sent N bytes` counter of `tc -s qdisc show` text (the root qdisc's, listed first)."""
+    for line in text.splitlines():
+        parts = line.split()
+        if parts[:1] == ["Sent"] and len(parts) > 1 and parts[1].isdigit():
+            return int(parts[1])
+    return 0

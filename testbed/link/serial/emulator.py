@@ -1,0 +1,103 @@
+"""`serial`: the userspace serial link as an emulator (`testbed.link.serial.switch`).
+
+It joins the devices through a switch namespace of its own, so it needs their network
+namespaces on this host (a backend whose devices are `on_this_host`) and root. Each device
+gets a second interface, `sl0`, on a /24 of its own, and the devices' addresses become those,
+so that the workers' and the probe's traffic crosses the emulator. It clocks every frame out
+at the least of its sender's uplink, its receiver's downlink and its pair's rate; it adds no
+delay, jitter or loss.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from ipaddress import ip_network
+
+from testbed.backends.base import Backend
+from testbed.errors import ShapingError
+from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.addresses import choose_subnet, host_networks
+from testbed.kernel.netns import run_tag
+from testbed.link.emulator import Emulator, LinkCounters, Refusal
+from testbed.link.rates import LinkRates
+from testbed.link.serial.switch import SerialSwitch
+
+DEFAULT_RATE_MBIT = 10.0  # the ports' rate until the first shaping
+
+
+class SerialEmulator(Emulator):
+    name = "serial"
+
+    def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
+        super().__init__(backend, profile, run_id)
+        self.switch: SerialSwitch | None = None
+
+    @classmethod
+    def refusal(
+        cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool
+    ) -> Refusal | None:
+        if not backend.on_this_host:
+            from testbed.backends.table import BACKENDS
+
+            here = " or ".join(name for name, kind in BACKENDS.items() if kind.on_this_host)
+            return Refusal(
+                "link.emulator",
+                f"serial needs the devices on this host (the {here} backend); the "
+                f"{backend.name} backend's devices are shaped with {backend.default_emulator}",
+            )
+        if profile.needs_netem:
+            return Refusal(
+                "link.profile",
+                f"'{profile.name}' asks for delay, jitter or loss, which the serial emulator "
+                "does not add; use a rate-only profile such as 'ideal', or link: {emulator: tbf}",
+            )
+        return None
+
+    def start(self) -> None:
+        backend = self.backend
+        missing = [d.name for d in backend.devices if d.netns_path is None]
+        if missing or os.geteuid() != 0:
+            raise ShapingError(
+                "link.emulator serial needs root on this host and the devices' network "
+                f"namespaces ({backend.name} backend); use link.emulator: tbf"
+            )
+        used = host_networks("serial switch", ShapingError)
+        used += [ip_network(f"{d.address}/24", False) for d in backend.devices]
+        subnet = choose_subnet(f"{self.run_id}-serial", used)
+        paths = [d.netns_path for d in backend.devices if d.netns_path is not None]
+        rate = self.profile.rate_mbit or DEFAULT_RATE_MBIT
+        cpusets = [d.cpuset for d in backend.devices]
+        self.switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, cpusets=cpusets)
+        self.switch.start()
+        switch = self.switch
+        backend.devices = [
+            replace(d, address=switch.address(d.rank), interface=switch.interface)
+            for d in backend.devices
+        ]
+
+    def set_rates(self, rates: LinkRates, in_place: bool) -> None:
+        """The ports' rates, changed in place whatever `in_place` says (the emulator has no
+        other way: a port is never unshaped)."""
+        assert self.switch is not None
+        self.switch.set_rates(rates.uplink_mbit, rates.downlink_mbit, dict(rates.pair_mbit))
+
+    def counters(self) -> dict[int, LinkCounters]:
+        """Bytes carried (each device's `sl0` qdisc) and every port's stalls so far."""
+        assert self.switch is not None
+        ports = self.switch.stats()
+        return {
+            rank: LinkCounters(
+                counter.sent_bytes,
+                [(round(start * 1e9), round(ms * 1e6)) for start, ms in ports[rank]["stall_log"]],
+            )
+            for rank, counter in super().counters().items()
+        }
+
+    def stats(self) -> dict[int, dict[str, object]] | None:
+        return None if self.switch is None else self.switch.stats()
+
+    def stop(self) -> None:
+        if self.switch is not None:
+            self.switch.stop()
+            self.switch = None

@@ -1,0 +1,74 @@
+"""`tbf`: the kernel's token bucket on each device's egress, as an emulator.
+
+Each device's interface gets the shaping plan of its rates (`testbed.kernel.shaping`): a root
+tbf at its uplink, or an htb with a class per capped peer, and an ifb with a tbf for its
+downlink; netem under the tbf for delay, jitter and loss where the kernel has `sch_netem`.
+The backend applies the plan (netlink into the device's namespace, or tc over ssh on a board).
+A bucket of two frames holds a bulk rate within 0.1 %, but lets a lone small message through
+at line rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+from testbed.backends.base import Backend, Device
+from testbed.errors import ShapingError
+from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.shaping import ShapingPlan, plan
+from testbed.link.emulator import Emulator, Refusal
+from testbed.link.rates import LinkRates
+
+log = logging.getLogger(__name__)
+
+
+class TokenBucket(Emulator):
+    name = "tbf"
+
+    @classmethod
+    def refusal(
+        cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool
+    ) -> Refusal | None:
+        """Delay, jitter and loss need netem, which cannot sit beside per-pair classes and
+        which this host's kernel may lack (probed where the devices share it, as root)."""
+        if not profile.needs_netem:
+            return None
+        if pair_rates:
+            return Refusal(
+                "link.pair_mbit",
+                f"per-pair rates with profile '{profile.name}' (delay, jitter or loss) are not "
+                "supported; use a rate-only profile such as 'ideal'",
+            )
+        if not backend.on_this_host or os.geteuid() != 0:
+            return None  # the boards' kernels, or no probe without root: checked when shaping
+        from testbed.kernel.support import qdisc_support
+
+        try:
+            support = qdisc_support()
+        except ShapingError as error:
+            log.debug("cannot probe qdiscs before the run: %s", error)
+            return None
+        if support.get("netem", False):
+            return None
+        return Refusal(
+            "link.profile",
+            f"'{profile.name}' needs delay/jitter/loss emulation (sch_netem), which this kernel "
+            "does not have; use a rate-only profile such as 'ideal'",
+        )
+
+    def set_rates(self, rates: LinkRates, in_place: bool) -> None:
+        apply: Callable[[Device, ShapingPlan], None]
+        apply = self.backend.change_rate if in_place else self.backend.shape
+        devices = self.backend.devices
+        for device in devices:
+            rank = device.rank
+            caps = {
+                peer: (devices[peer].address, cap)
+                for peer, cap in rates.peer_caps_mbit(rank).items()
+            }
+            up, down = rates.uplink_mbit[rank], rates.downlink_mbit[rank]
+            what = f"up {up:g}, down {down}, caps {caps} Mbit/s"
+            log.debug("shaping %s/%s: %s", device.name, device.interface, what)
+            apply(device, plan(self.profile, up, peer_caps_mbit=caps, downlink_mbit=down))
