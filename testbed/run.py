@@ -21,6 +21,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from testbed import voice
 from testbed.backends.table import backend_names
@@ -28,6 +29,9 @@ from testbed.errors import ConfigError, TestbedError
 from testbed.experiment.names import SLUG_RULE, is_slug
 from testbed.source import SOURCE_ROOT
 from testbed.sweep import interrupts
+
+if TYPE_CHECKING:
+    from testbed.results.facts import PlanRow
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 ERROR_LOG = "error.log"  # in the run directory: the traceback of an unexpected error
@@ -73,12 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def print_plan(plan_rows: list[dict]) -> None:
+def print_plan(plan_rows: list[PlanRow]) -> None:
     print(f"{'trial':44} {'rank':>4} {'payload bits/layer':>18} {'analytic comm ms':>16}")
     for row in plan_rows:
         print(
-            f"{row['trial_id']:44} {row['rank']:>4} {row['payload_bits_per_layer']:>18,} "
-            f"{row['analytic_comm_ms']:>16.2f}"
+            f"{row.trial_id:44} {row.rank:>4} {row.payload_bits_per_layer:>18,} "
+            f"{row.analytic_comm_ms:>16.2f}"
         )
 
 

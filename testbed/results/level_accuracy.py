@@ -29,7 +29,6 @@ accuracy, although the study measured every device at one level.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,17 +65,15 @@ class LevelAccuracy:
         table = pd.DataFrame(rows, columns=[*KEYS, "accuracy_pct"])
         return table.assign(variant=self.variant, metric=self.metric, source=self.path)
 
-    def annotate(self, trials: pd.DataFrame) -> pd.DataFrame:
-        """`trials` with `level_accuracy_pct` filled where a row used a level of the table."""
-        keys = zip(*(trials[k] for k in KEYS), strict=True)
-        found = [self.pct.get(_key(key)) for key in keys]
-        values = pd.array([math.nan if v is None else v for v in found], dtype="float64")
-        return trials.assign(level_accuracy_pct=values)
+    def at(self, method: str, devices: int, K: int | None, level_k: int | None) -> float | None:
+        """The study's top-1 (%) of `method` on `devices` devices at the level of `level_k`
+        codewords of its K-codeword tree; None where the table has no such row."""
+        return self.pct.get(_key((method, devices, K, level_k)))
 
 
 def _key(values: tuple) -> tuple | None:
     method, *numbers = values
-    if any(pd.isna(n) for n in numbers):
+    if any(n is None or pd.isna(n) for n in numbers):
         return None
     return (str(method), *(int(n) for n in numbers))
 

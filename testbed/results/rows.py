@@ -1,9 +1,11 @@
-"""The result rows of a trial: its plan, the link facts and the devices' records, joined.
+"""The result rows of a trial: its facts and the devices' records, joined.
 
-The only place that turns what the workers measured into the columns of `testbed.results.columns`:
+The one assembler of rows (`assemble`): every column of `testbed.results.columns` is filled
+here, from the typed facts of `testbed.results.facts` (the plan, where it ran, the session),
+the link's state and the devices' records; nothing adds to a row afterwards.
 
 - clocks: device r's marks move onto device 0's clock by the offset its handshake with
-  device 0 measured (`SessionFacts.clock_offset_ns[0]`); within one host it is ~0.
+  device 0 measured (`devices.records.SessionFacts.clock_offset_ns[0]`); within one host it is ~0.
 - comm: per message, from its departure on the sender (first byte offered to the kernel) to
   the kernel's receive timestamp of its last byte at the slowest peer.
 - wait, split by cause at the receiver: until the last needed message had departed
@@ -16,16 +18,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
-from testbed.link.replay import TraceReplay
+from testbed.kernel.tbf import BIT_PER_MBIT
+from testbed.link.links import LinkState
 from testbed.link.wire import tcp_frame_bytes, wire_time_s
-from testbed.results.columns import LAYER_COLUMNS, LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, Column
+from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
 
-TC_MEGABIT = 10**6
+if TYPE_CHECKING:
+    from testbed.results.level_accuracy import LevelAccuracy
+from testbed.results.columns import LAYER_COLUMNS, LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, Column
 
 
 @dataclass(frozen=True)
@@ -87,23 +92,82 @@ def arrival_ns(arrival: ArrivalRecord) -> int:
     return arrival.kernel_ns if arrival.kernel_ns is not None else arrival.read_ns
 
 
-def trial_rows(
-    identity: dict[int, dict[str, Any]],
-    records: dict[int, DeviceRecords],
-    replay: TraceReplay | None = None,
-    stalls: list[tuple[int, int]] | None = None,
+@dataclass(frozen=True)
+class RowFacts:
+    """Everything a trial's rows hold that the workers do not measure."""
+
+    plan: dict[int, PlanRow]  # by rank
+    run: RunFacts
+    link: LinkState
+    session: HostSessionFacts
+    level_accuracy: LevelAccuracy | None = None  # the accuracy study's table, if named
+
+
+def assemble(
+    facts: RowFacts, records: dict[int, DeviceRecords] | None, error: str = ""
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Rows of one trial: `identity` holds each rank's plan, link and session facts (every
-    column that is not measured), `records` each rank's records of this trial's run only,
-    `replay` the trace played during the session, if any (the rate in force at an inference's
-    start is the step it had applied by then: the devices' clocks are the host's, except on
-    ssh boards, whose clocks are only as close to the host's as their NTP keeps them),
-    `stalls` the serial emulator's stalls (start ns, length ns) of every port, if it ran."""
+    """A trial's rows (trials, layers): from `records`, each rank's records of this trial's run
+    only, or, where the trial failed (`records` None), one failed row per rank saying `error`.
+
+    Over a replayed trace (`facts.session.replay`) an inference's `link_rate_mbit` is the step
+    applied by its start: the devices' clocks are the host's, except on ssh boards, whose
+    clocks are only as close to the host's as their NTP keeps them."""
+    known = {rank: _known_columns(facts, rank) for rank in facts.plan}
+    if records is None:
+        rows = [{**columns, "repeat": -1, "status": "failed", "error": error}
+                for columns in known.values()]  # fmt: skip
+        return frame(_with_accuracy(rows, facts), TRIAL_COLUMNS), frame([], LAYER_COLUMNS)
+    trials, layers = _measured_rows(known, records, facts.session)
+    return frame(_with_accuracy(trials, facts), TRIAL_COLUMNS), frame(layers, LAYER_COLUMNS)
+
+
+def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
+    """Every column of `rank`'s rows that the workers do not measure."""
+    plan, run, link, session = facts.plan[rank], facts.run, facts.link, facts.session
+    return {
+        **plan.as_dict(),
+        "run_id": run.run_id,
+        "session_id": session.session_id,
+        "backend": run.backend,
+        "emulator": run.emulator,
+        "batch": run.batch,
+        "cpus": run.cpus,
+        "threads": run.threads,
+        "oversubscribed": run.oversubscribed,
+        "trace": run.trace,
+        "uplink_mbit": link.uplink_mbit.get(rank, link.rate_mbit),
+        "downlink_mbit": link.downlink_mbit.get(rank),
+        "measured_mbit": link.measured_mbit.get(rank),
+        "measured_wire_mbit": link.wire_mbit(rank),
+        "downlink_measured_mbit": link.downlink_measured_mbit.get(rank),
+        "downlink_measured_wire_mbit": link.downlink_wire_mbit(rank),
+        "rate_flagged": link.flagged(rank) if plan.devices > 1 else False,
+        "session_s": session.session_s,
+        "link_sent_bytes": session.sent_bytes.get(rank),
+    }
+
+
+def _with_accuracy(rows: list[dict[str, Any]], facts: RowFacts) -> list[dict[str, Any]]:
+    """Each row with the study's top-1 at the level it used (`level_accuracy_pct`)."""
+    table = facts.level_accuracy
+    if table is None:
+        return rows
+    for row in rows:
+        row["level_accuracy_pct"] = table.at(
+            row["method"], row["devices"], row["K"], row["level_k"]
+        )
+    return rows
+
+
+def _measured_rows(
+    known: dict[int, dict[str, Any]], records: dict[int, DeviceRecords], session: HostSessionFacts
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     timeline = Timeline(records)
     ranks = sorted(records)
+    replay = session.replay
     trials, layers = [], []
     for rank in ranks:
-        device, facts = records[rank], identity[rank]
+        device, facts = records[rank], known[rank]
         peers = [p for p in ranks if p != rank]
         context = {
             **facts,
@@ -127,7 +191,7 @@ def trial_rows(
             layers.append(row)
         for record in device.inferences:
             if replay is None:
-                link = {"link_rate_mbit": facts.get("bandwidth_mbit")}
+                link = {"link_rate_mbit": facts["bandwidth_mbit"]}
             else:
                 link = {"link_rate_mbit": replay.rate_at_ns(record.start_ns),
                         "trace_s": (record.start_ns - replay.start_ns) / 1e9}  # fmt: skip
@@ -135,7 +199,7 @@ def trial_rows(
                 **context,
                 **link,
                 "est_rate_mbit": record.est_rate_mbit,
-                "link_stalled_ms": stalled_ms(stalls, record.start_ns, record.end_ns),
+                "link_stalled_ms": stalled_ms(session.stalls, record.start_ns, record.end_ns),
                 **totals(by_inference[record.inference]),
                 **levels.get(record.inference, {}),
                 "repeat": record.inference,
@@ -146,7 +210,7 @@ def trial_rows(
                 "status": "ok",
                 "error": "",
             })  # fmt: skip
-    return frame(trials, TRIAL_COLUMNS), frame(layers, LAYER_COLUMNS)
+    return trials, layers
 
 
 def stalled_ms(stalls: list[tuple[int, int]] | None, start_ns: int, end_ns: int) -> float | None:
@@ -196,7 +260,7 @@ def layer_row(
         "wait_wakeup_ms": wait_wakeup,
         "comm_ms": comm if sent and copies else 0.0,
         "send_ms": (block.written_ns - block.departed_ns) / 1e6 if sent and copies else 0.0,
-        "wire_comm_ms": 1000 * wire_time_s(frames, _uplink_mbit(context) * TC_MEGABIT),
+        "wire_comm_ms": 1000 * wire_time_s(frames, context["uplink_mbit"] * BIT_PER_MBIT),
         "payload_bits": block.payload_bits,
         "message_bytes": block.message_bytes * copies,
         "frame_bytes": frames,
@@ -211,18 +275,6 @@ def layer_row(
         "ffn_end_ms": mark(block.ffn_end_ns),
         "unique_remote_keys": block.unique_remote_keys,
     }
-
-
-def _uplink_mbit(context: dict[str, Any]) -> float:
-    """The device's shaped uplink (the swept bandwidth where the identity has none)."""
-    return context.get("uplink_mbit") or context["bandwidth_mbit"]
-
-
-def failed_rows(identity: dict[int, dict[str, Any]], error: str) -> pd.DataFrame:
-    rows = [
-        {**facts, "repeat": -1, "status": "failed", "error": error} for facts in identity.values()
-    ]
-    return frame(rows, TRIAL_COLUMNS)
 
 
 def frame(rows: list[dict[str, Any]], columns: list[Column]) -> pd.DataFrame:

@@ -7,19 +7,21 @@ running `warmup` + `repeats` inferences of one method at one bandwidth.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.errors import ConfigError
 from testbed.experiment.schema import DEFAULT_RATE_MBIT, Experiment, LinkSection
+from testbed.kernel.tbf import BIT_PER_MBIT  # tc's `mbit`, what the testbed shapes
 from testbed.link.traces import RateTrace, load_trace
+from testbed.results.facts import PlanRow
 from tracevq.codec import index_bits
 from tracevq.config import model_config
 from tracevq.payload import exchanges, payload_bits
 from tracevq.spec import method_spec
 
 PAPER_MEGABIT = 2**20  # the paper's Tables IV and Fig. 6 divide by 2^20 bit/s per "Mbit/s"
-TC_MEGABIT = 10**6  # tc's `mbit`, what the testbed shapes
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def plan_trials(experiment: Experiment) -> list[Trial]:
 
 
 def analytic_comm_ms(
-    bits_per_layer: int, messages: int, devices: int, rate_mbit: float, megabit: int = TC_MEGABIT
+    bits_per_layer: int, messages: int, devices: int, rate_mbit: float, megabit: int = BIT_PER_MBIT
 ) -> float:
     """Time the device's egress link needs for its `messages` messages of one inference (one
     per layer, or one fewer for Trace's exact-embedding placements).
@@ -93,7 +95,7 @@ def analytic_comm_ms(
     return 1000.0 * bits_per_layer * messages * copies / (rate_mbit * megabit)
 
 
-def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[dict[str, Any]]:
+def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
     """One row per trial and rank: the identifying columns and the analytic payload."""
     config = model_config(experiment.model.name)
     rows = []
@@ -104,26 +106,25 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[dict[str, Any
         )
         messages = exchanges(spec, config.depth)  # Trace's "A" placements: no block-0 message
         for rank, rank_bits in enumerate(bits):
+            comm_ms = functools.partial(
+                analytic_comm_ms, rank_bits, messages, trial.devices, trial.bandwidth_mbit
+            )
             rows.append(
-                {
-                    "trial_id": trial.trial_id,
-                    "experiment": experiment.name,
-                    "model": config.name,
-                    "method": trial.method,
-                    "devices": trial.devices,
-                    "rank": rank,
-                    "bandwidth_mbit": trial.bandwidth_mbit,
-                    "K": spec.K if spec.uses_codebooks else None,
-                    "level_k": spec.resolved_level_k if spec.is_trace else None,
-                    "r_bits": index_bits(spec.resolved_level_k) if spec.is_trace else None,
-                    "params": ",".join(f"{k}={_short(v)}" for k, v in trial.params),
-                    "payload_bits_per_layer": rank_bits,
-                    "analytic_comm_ms": analytic_comm_ms(
-                        rank_bits, messages, trial.devices, trial.bandwidth_mbit
-                    ),
-                    "analytic_comm_ms_paper": analytic_comm_ms(
-                        rank_bits, messages, trial.devices, trial.bandwidth_mbit, PAPER_MEGABIT
-                    ),
-                }
+                PlanRow(
+                    trial_id=trial.trial_id,
+                    experiment=experiment.name,
+                    model=config.name,
+                    method=trial.method,
+                    devices=trial.devices,
+                    rank=rank,
+                    bandwidth_mbit=trial.bandwidth_mbit,
+                    K=spec.K if spec.uses_codebooks else None,
+                    level_k=spec.resolved_level_k if spec.is_trace else None,
+                    r_bits=index_bits(spec.resolved_level_k) if spec.is_trace else None,
+                    params=",".join(f"{k}={_short(v)}" for k, v in trial.params),
+                    payload_bits_per_layer=rank_bits,
+                    analytic_comm_ms=comm_ms(),
+                    analytic_comm_ms_paper=comm_ms(PAPER_MEGABIT),
+                )
             )
     return rows

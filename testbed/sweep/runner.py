@@ -15,7 +15,6 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import yaml
@@ -27,7 +26,9 @@ from testbed.figures import make_figures
 from testbed.link.links import Links, LinkState
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
+from testbed.results.facts import PlanRow, RunFacts
 from testbed.results.level_accuracy import load_level_accuracy
+from testbed.results.rows import RowFacts, assemble
 from testbed.results.store import (
     combine,
     finished_trials,
@@ -44,7 +45,7 @@ from testbed.sweep.preflight import check_experiment
 from testbed.sweep.progress import TrialProgress
 from testbed.sweep.sessions import WORKER_PORT, run_session, session_id
 
-PlanRows = dict[tuple[str, int], dict[str, Any]]
+PlanRows = dict[tuple[str, int], PlanRow]
 
 
 def _probed(link: LinkState, count: int) -> str:
@@ -75,15 +76,15 @@ def prepare_run_dir(
     experiment: Experiment,
     run_dir: Path,
     trials: list[Trial],
-    rows: list[dict[str, Any]] | None = None,
+    rows: list[PlanRow] | None = None,
 ) -> PlanRows:
     """Write the resolved experiment and the plan; the plan's rows by (trial id, rank)."""
     rows = plan_rows(experiment, trials) if rows is None else rows
     run_dir.mkdir(parents=True, exist_ok=True)
     config = experiment.model_dump(mode="json")
     write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    write_frame(pd.DataFrame(rows), run_dir / "plan.csv")
-    return {(row["trial_id"], row["rank"]): row for row in rows}
+    write_frame(pd.DataFrame([row.as_dict() for row in rows]), run_dir / "plan.csv")
+    return {(row.trial_id, row.rank): row for row in rows}
 
 
 class Runner:
@@ -134,7 +135,7 @@ class Runner:
         sessions: dict[tuple[int, float], tuple[int, float]] = {}
         for trial in trials:
             key = (trial.devices, trial.bandwidth_mbit)
-            slowest = max(plan[(trial.trial_id, r)]["analytic_comm_ms"] for r in range(key[0]))
+            slowest = max(plan[(trial.trial_id, r)].analytic_comm_ms for r in range(key[0]))
             count, link_s = sessions.get(key, (0, 0.0))
             sessions[key] = (count + 1, link_s + inferences * slowest / 1000)
         return sessions
@@ -190,57 +191,38 @@ class Runner:
             name += f"-{secrets.token_hex(2)}"
             directory = directory.with_name(name)
         backend = links.backend
-        identity = {t.trial_id: self._identity(backend, t, plan, link, name) for t in trials}
         port = WORKER_PORT + self.sessions % 1000
         self.sessions += 1
         replay = None if self.trace is None else TraceReplay(links.set_rate, self.trace)
         result = run_session(
-            backend, self.experiment, trials, directory, port, identity, link, files,
-            links.counters, replay,
-        )  # fmt: skip
+            backend, self.experiment, trials, directory, port, link, files, links.counters, replay
+        )
         if replay is not None:
             self._save_replay(replay, name)
+        run = RunFacts(
+            run_id=self.run_id,
+            backend=backend.name,
+            emulator=self.emulator.name,
+            batch=self.experiment.batch,
+            cpus=self.experiment.devices.cpus,
+            threads=backend.devices[0].threads,
+            oversubscribed=backend.oversubscribed,
+            trace="" if self.trace is None else self.trace.name,
+        )
         for trial in trials:
-            trial_rows, layer_rows = result.rows[trial.trial_id]
-            if self.level_accuracy is not None:
-                trial_rows = self.level_accuracy.annotate(trial_rows)
-            save_trial(self.run_dir, trial.trial_id, trial_rows, layer_rows)
-            if result.ok:
-                outcome.ok += 1
-            else:
+            ranks = {rank: plan[(trial.trial_id, rank)] for rank in range(trial.devices)}
+            facts = RowFacts(ranks, run, link, result.facts, self.level_accuracy)
+            records, error = result.records(trial.trial_id)
+            save_trial(self.run_dir, trial.trial_id, *assemble(facts, records, error))
+            if error:
                 outcome.failed += 1
-                outcome.failures.append(f"{trial.trial_id}: {result.error}")
+                outcome.failures.append(f"{trial.trial_id}: {error}")
+            else:
+                outcome.ok += 1
         if not result.ok:
             voice.say(f"session {name} failed: {result.error}")
         combine(self.run_dir)
         return result.ok
-
-    def _identity(
-        self, backend: Backend, trial: Trial, plan: PlanRows, link: LinkState, session: str
-    ) -> dict[int, dict[str, Any]]:
-        """Per rank, every column of the trial's rows that the workers do not measure."""
-        facts = {
-            "run_id": self.run_id, "session_id": session, "backend": backend.name,
-            "emulator": self.emulator.name, "batch": self.experiment.batch,
-            "cpus": self.experiment.devices.cpus, "threads": backend.devices[0].threads,
-            "oversubscribed": backend.oversubscribed,
-            "trace": "" if self.trace is None else self.trace.name,
-        }  # fmt: skip
-        peers = trial.devices > 1
-        return {
-            rank: {
-                **plan[(trial.trial_id, rank)],
-                **facts,
-                "uplink_mbit": link.uplink_mbit.get(rank, link.rate_mbit),
-                "downlink_mbit": link.downlink_mbit.get(rank),
-                "measured_mbit": link.measured_mbit.get(rank),
-                "measured_wire_mbit": link.wire_mbit(rank),
-                "downlink_measured_mbit": link.downlink_measured_mbit.get(rank),
-                "downlink_measured_wire_mbit": link.downlink_wire_mbit(rank),
-                "rate_flagged": link.flagged(rank) if peers else False,
-            }
-            for rank in range(trial.devices)
-        }
 
     def _write_environment(self, backend: Backend, count: int) -> None:
         """environment.json: the host's facts, and per device count its devices' facts."""

@@ -20,9 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
 
 from devices.records import DeviceRecords, read_records
 from devices.spec import MethodRun, RunSpec
@@ -32,7 +29,7 @@ from testbed.experiment.schema import Experiment
 from testbed.link.emulator import LinkCounters
 from testbed.link.links import LinkState
 from testbed.link.replay import TraceReplay
-from testbed.results.rows import failed_rows, trial_rows
+from testbed.results.facts import HostSessionFacts
 from testbed.results.store import write_text
 from testbed.sweep.bundles import RunFiles
 from testbed.sweep.plan import Trial
@@ -45,14 +42,22 @@ CONNECT_TIMEOUT_S = 60.0
 
 @dataclass
 class SessionOutcome:
-    """Rows of every trial of the session, by trial id."""
+    """What a session gave: its facts, and per trial each rank's records of the trial's run,
+    or why there are none (the session failed: `error`; or that trial's records are missing)."""
 
-    rows: dict[str, tuple[pd.DataFrame, pd.DataFrame]] = field(default_factory=dict)
+    facts: HostSessionFacts
     error: str = ""
+    runs: dict[str, dict[int, DeviceRecords]] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.error
+
+    def records(self, trial_id: str) -> tuple[dict[int, DeviceRecords] | None, str]:
+        """A trial's records (None where it failed) and its error (empty when it did not)."""
+        error = self.error or self.failures.get(trial_id, "")
+        return (None if error else self.runs[trial_id]), error
 
 
 def session_id(count: int, rate_mbit: float) -> str:
@@ -142,16 +147,15 @@ def run_session(
     trials: list[Trial],
     directory: Path,
     port: int,
-    identity: dict[str, dict[int, dict[str, Any]]],
     link: LinkState,
     files: RunFiles,
     link_counters: Callable[[], dict[int, LinkCounters]],
     replay: TraceReplay | None = None,
 ) -> SessionOutcome:
-    """Run `trials` in one session on the backend's devices; `identity[trial id][rank]` holds
-    every column of a row that is not measured (plan, link and run facts); `link_counters()`
-    reads each device's link counters (Links.counters), before and after the session;
-    `replay`, a trace to play on the links while the workers run (from their start to their end)."""
+    """Run `trials` in one session on the backend's devices, in `directory` (whose name is the
+    session's id); `link_counters()` reads each device's link counters (Links.counters),
+    before and after the session; `replay`, a trace to play on the links while the workers run
+    (from their start to their end)."""
     peers = [f"{d.address}:{port}" for d in backend.devices]
     outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
     argvs = []
@@ -176,32 +180,30 @@ def run_session(
             directory / f"rank{rank}.log",
             f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}",
         )
-    for facts in identity.values():
-        for rank, row in facts.items():
-            sent = after[rank].sent_bytes - before[rank].sent_bytes
-            row.update(session_s=session_s, link_sent_bytes=sent)
-    stalls = _session_stalls(after, started_ns)
+    facts = HostSessionFacts(
+        session_id=directory.name,
+        session_s=session_s,
+        sent_bytes={rank: after[rank].sent_bytes - before[rank].sent_bytes for rank in after},
+        stalls=_session_stalls(after, started_ns),
+        replay=replay,
+    )
     failures = [r for r in results if not r.ok]
     error = (failures[0].tail(1) or f"exit status {failures[0].returncode}") if failures else ""
-    records: dict[int, DeviceRecords] = {}
-    if not error:
-        try:
-            records = {rank: read_records(out) for rank, out in outs.items()}
-        except (OSError, ValueError, TypeError, KeyError) as problem:
-            error = f"the workers' records cannot be read: {problem}"
-    outcome = SessionOutcome(error=error)
+    outcome = SessionOutcome(facts, error)
+    if error:
+        return outcome
+    try:
+        records = {rank: read_records(out) for rank, out in outs.items()}
+    except (OSError, ValueError, TypeError, KeyError) as problem:
+        outcome.error = f"the workers' records cannot be read: {problem}"
+        return outcome
     for trial in trials:
-        if error:
-            outcome.rows[trial.trial_id] = (failed_rows(identity[trial.trial_id], error),
-                                            pd.DataFrame())  # fmt: skip
-            continue
         try:
-            mine = {rank: only_run(device, trial.trial_id) for rank, device in records.items()}
+            outcome.runs[trial.trial_id] = {
+                rank: only_run(device, trial.trial_id) for rank, device in records.items()
+            }
         except TestbedError as problem:
-            outcome.rows[trial.trial_id] = (failed_rows(identity[trial.trial_id], str(problem)),
-                                            pd.DataFrame())  # fmt: skip
-            continue
-        outcome.rows[trial.trial_id] = trial_rows(identity[trial.trial_id], mine, replay, stalls)
+            outcome.failures[trial.trial_id] = str(problem)
     return outcome
 
 

@@ -107,14 +107,17 @@ def test_a_worker_without_the_run_secret_is_refused_in_the_handshake(
         else:
             other = write_secret(tmp_path / "other.key", bytes(range(32)))
             backend.secret_files[1] = str(other)
-        identity = {
-            t.trial_id: {r: {"bandwidth_mbit": RATE_MBIT, "level_k": None, "r_bits": None}
-                         for r in range(2)}
-            for t in trials
-        }  # fmt: skip
         directory = backend.run_dir / "sessions" / "s"
-        outcome = run_session(backend, experiment, trials, directory, WORKER_PORT, identity,
-                              LinkState(RATE_MBIT), files, no_link_counters)  # fmt: skip
+        outcome = run_session(
+            backend,
+            experiment,
+            trials,
+            directory,
+            WORKER_PORT,
+            LinkState(RATE_MBIT),
+            files,
+            no_link_counters,
+        )
     finally:
         backend.stop()
         remove_leftovers(backend.run_id)

@@ -419,8 +419,10 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     from testbed.experiment.schema import parse_experiment
     from testbed.link.emulator import LinkCounters
     from testbed.link.links import LinkState
+    from testbed.results.facts import RunFacts
+    from testbed.results.rows import RowFacts, assemble
     from testbed.sweep.bundles import prepare_run_files
-    from testbed.sweep.plan import plan_trials
+    from testbed.sweep.plan import plan_rows, plan_trials
     from testbed.sweep.sessions import WORKER_PORT, run_session
 
     experiment = parse_experiment(small_experiment())
@@ -429,15 +431,18 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     backend.clock_skews_s = {1: CLOCK_SKEW_S}
     files = prepare_run_files(experiment, trials, backend.run_dir)
     backend.start(DeviceSpec(count=2, cpus=1))
-    identity = {
-        t.trial_id: {r: {"bandwidth_mbit": RATE_MBIT, "level_k": None, "r_bits": None}
-                     for r in range(2)}
-        for t in trials
-    }  # fmt: skip
     directory = backend.run_dir / "sessions" / "s"
-    outcome = run_session(backend, experiment, trials, directory, WORKER_PORT, identity,
-                          LinkState(RATE_MBIT), files,
-                          lambda: {rank: LinkCounters(0) for rank in (0, 1)})  # fmt: skip
+    link = LinkState(RATE_MBIT)
+    outcome = run_session(
+        backend,
+        experiment,
+        trials,
+        directory,
+        WORKER_PORT,
+        link,
+        files,
+        lambda: {rank: LinkCounters(0) for rank in (0, 1)},
+    )
     assert outcome.ok, outcome.error
     assert {"session.json", "records.json", "spec.json"} <= {
         p.name for p in (directory / "rank1").iterdir()
@@ -452,7 +457,10 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
         logits = np.load(directory / "rank0" / "logits" / f"{trial.trial_id}.npy")
         expected = simulated_logits(experiment, trial, files.bundle_for(trial))
         np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
-        rows, layers = outcome.rows[trial.trial_id]
+        ranks = {row.rank: row for row in plan_rows(experiment, [trial])}
+        run = RunFacts("r", backend.name, "tbf", experiment.batch, 1.0, 1, False)
+        facts = RowFacts(ranks, run, link, outcome.facts)
+        rows, layers = assemble(facts, *outcome.records(trial.trial_id))
         board1 = rows[rows["rank"] == 1]
         uncertainty_ms = board1["clock_uncertainty_ms"].max()
         assert (board1["clock_offset_ms"] + 1000 * CLOCK_SKEW_S).abs().max() <= uncertainty_ms + 1

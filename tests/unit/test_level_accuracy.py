@@ -103,15 +103,12 @@ def test_several_fine_tuned_variants_must_be_named(tmp_path):
 
 def test_rows_get_the_accuracy_of_the_level_they_used(tmp_path):
     table = load_level_accuracy(experiment(table7(tmp_path / "t7.csv"), bundle="b.pt"))
-    trials = pd.DataFrame({
-        "method": ["trace-b", "trace-b", "trace-b", "voltage", "trace-b", "trace-b"],
-        "devices": [2, 2, 3, 2, 2, 4],
-        "K": pd.array([64, 64, 64, None, 64, 64], dtype="Int64"),
-        "level_k": pd.array([64, 4, 8, None, None, 64], dtype="Int64"),
-    })  # fmt: skip
-    values = table.annotate(trials)["level_accuracy_pct"].tolist()
+    used = [(2, 64), (2, 4), (3, 8)]  # (P, level_k) of trace-b rows at K = 64
+    missing = [("voltage", 2, None, None), ("trace-b", 2, 64, None), ("trace-b", 4, 64, 64)]
+    rows = [("trace-b", devices, 64, level) for devices, level in used] + missing
+    values = [table.at(*row) for row in rows]
     assert values[:3] == [50.0, 46.0, 46.0]
-    assert all(math.isnan(v) for v in values[3:])  # no level (failed row, voltage), no P=4 row
+    assert values[3:] == [None] * 3  # no level (voltage, a missing level), no P=4 row
     saved = table.frame()
     assert len(saved) == 2 * len(LEVELS_64) and set(saved["variant"]) == {"ema"}
 

@@ -8,11 +8,26 @@ from pathlib import Path
 import pytest
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
+from testbed.link.links import LinkState
 from testbed.link.wire import tcp_frame_bytes
 from testbed.results.columns import LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, readme_tables
-from testbed.results.rows import stalled_ms, trial_rows
+from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
+from testbed.results.rows import RowFacts, assemble, stalled_ms
 
 MS = 1_000_000  # ns
+
+
+def row_facts(devices: int = 2, rate_mbit: float = 1.0) -> RowFacts:
+    """The facts of a voltage trial at `rate_mbit` (no probe: nothing measured the link)."""
+    plan = {
+        rank: PlanRow("t", "e", "vit-tiny", "voltage", devices, rank, rate_mbit, None, None, None,
+                      "", 0, 0.0, 0.0)
+        for rank in range(devices)
+    }  # fmt: skip
+    run = RunFacts("run", "local", "serial", batch=1, cpus=1.0, threads=1, oversubscribed=False)
+    return RowFacts(plan, run, LinkState(rate_mbit), HostSessionFacts("s"))
+
+
 README = Path(__file__).resolve().parents[2] / "results" / "README.md"
 
 
@@ -83,8 +98,7 @@ def test_comm_and_wait_split_on_aligned_clocks(skew_s):
                                         wait_start_ns=0.5, wait_end_ns=3.4)],
                   [ArrivalRecord("t", 0, 0, 0, 14, one + 3 * MS, one + round(3.3 * MS))]),
     }  # fmt: skip
-    facts = {"bandwidth_mbit": 1.0, "level_k": None, "r_bits": None}
-    trials, layers = trial_rows({0: dict(facts), 1: dict(facts)}, records)
+    trials, layers = assemble(row_facts(), records)
     assert list(trials.columns) == TRIAL_NAMES and list(layers.columns) == LAYER_NAMES
     zero_row, one_row = trials.iloc[0], trials.iloc[1]
     assert zero_row["comm_ms"] == pytest.approx(2.0)  # departed 1.0, arrived 3.0
@@ -111,8 +125,7 @@ def test_a_block_without_messages_has_no_peer_or_link_wait():
     records = {rank: device(rank, zero, 0, [block(zero, 0, **quiet)], []) for rank in (0, 1)}
     for rank in (0, 1):
         records[rank].blocks[0].message_bytes = records[rank].blocks[0].received_bytes = 0
-    facts = {"bandwidth_mbit": 1.0, "level_k": None, "r_bits": None}
-    trials, layers = trial_rows({0: dict(facts), 1: dict(facts)}, records)
+    trials, layers = assemble(row_facts(), records)
     assert (trials[["wait_peer_ms", "wait_link_ms", "wait_wakeup_ms"]] == 0).all().all()
     assert (layers["comm_ms"] == 0).all() and (layers["message_bytes"] == 0).all()
 

@@ -22,7 +22,7 @@ def with_(**changes):
 def test_every_experiment_file_loads_and_plans(path):
     experiment = load_experiment(path)
     rows = plan_rows(experiment, plan_trials(experiment))
-    assert rows and all(row["payload_bits_per_layer"] >= 0 for row in rows)
+    assert rows and all(row.payload_bits_per_layer >= 0 for row in rows)
 
 
 @pytest.mark.parametrize(
@@ -88,11 +88,11 @@ def test_plan_rows_carry_the_papers_arithmetic():
             methods=[{"name": "trace-b", "K": 1024}, {"name": "voltage"}],
         )
     )
-    rows = {(r["method"], r["rank"]): r for r in plan_rows(experiment, plan_trials(experiment))}
+    rows = {(r.method, r.rank): r for r in plan_rows(experiment, plan_trials(experiment))}
     trace = rows[("trace-b", 0)]
-    assert trace["payload_bits_per_layer"] == 998 and trace["r_bits"] == 10
-    assert trace["analytic_comm_ms_paper"] == pytest.approx(1.14, abs=0.005)  # Table IV
-    assert rows[("voltage", 0)]["analytic_comm_ms"] == pytest.approx(32 * 99 * 768 * 12 / 1e4)
+    assert trace.payload_bits_per_layer == 998 and trace.r_bits == 10
+    assert trace.analytic_comm_ms_paper == pytest.approx(1.14, abs=0.005)  # Table IV
+    assert rows[("voltage", 0)].analytic_comm_ms == pytest.approx(32 * 99 * 768 * 12 / 1e4)
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -64,6 +64,7 @@ from testbed.kernel.netns import (
     open_netns,
 )
 from testbed.kernel.processes import run_checked
+from testbed.kernel.tbf import BIT_PER_MBIT
 from testbed.source import python_env
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,6 @@ log = logging.getLogger(__name__)
 SWITCH_SUFFIX = "sl"  # the namespace tb-<tag>-sl, next to the local backend's -sw and -d<N>
 DEVICE_INTERFACE = "sl0"
 WHO = "serial switch"
-BIT_PER_MBIT = 1_000_000
 READY_TIMEOUT_S = 15.0
 ANSWER_TIMEOUT_S = 5.0
 EXIT_WAIT_S = 3.0

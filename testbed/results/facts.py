@@ -1,0 +1,65 @@
+"""What is known of a result row before and beside the workers' records, as typed facts.
+
+Every column of a row that the workers do not measure comes from one of these, and
+`testbed.results.rows.assemble` is the one place that turns them (and the records) into
+columns: nothing adds to a row afterwards.
+
+- `PlanRow`: one trial at one rank, from the experiment alone (`testbed.sweep.plan`); the
+  dry run's plan.csv is made of these.
+- `RunFacts`: where the trial ran (backend, emulator, the devices' allotment, the trace).
+- `HostSessionFacts`: what the worker session around the trial did: its id, wall time, each
+  link's bytes, the emulator's stalls, the trace it replayed.
+The link's rates and probes are `testbed.link.links.LinkState`, the accuracy study's table
+`testbed.results.level_accuracy.LevelAccuracy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from testbed.link.replay import TraceReplay
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    trial_id: str
+    experiment: str
+    model: str
+    method: str
+    devices: int
+    rank: int
+    bandwidth_mbit: float
+    K: int | None
+    level_k: int | None
+    r_bits: int | None
+    params: str
+    payload_bits_per_layer: int
+    analytic_comm_ms: float
+    analytic_comm_ms_paper: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    run_id: str
+    backend: str
+    emulator: str
+    batch: int
+    cpus: float
+    threads: int
+    oversubscribed: bool
+    trace: str = ""  # the replayed trace's name, or empty
+
+
+@dataclass(frozen=True)
+class HostSessionFacts:
+    session_id: str
+    session_s: float = 0.0  # the workers' wall time, start to last exit
+    sent_bytes: dict[int, int] = field(default_factory=dict)  # each link's, by rank
+    # the serial emulator's stalls of every port within the session, (start ns, length ns)
+    # sorted; None where the emulator does not clock frames
+    stalls: list[tuple[int, int]] | None = None
+    replay: TraceReplay | None = None  # the trace played on the links during the session
