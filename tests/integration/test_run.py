@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from testbed.results.columns import TRIAL_NAMES
-from testbed.results.store import load
+from testbed.results import load
 from tracevq.payload import exchanges
 from tracevq.spec import method_spec
 
@@ -47,10 +47,28 @@ def leftovers(docker_client, run_id: str) -> list[str]:
     return [c.name for c in containers] + [n.name for n in networks]
 
 
+def documented_columns(heading: str) -> list[tuple[str, str, str]]:
+    """(name, type, unit) of every column results/README.md lists under `heading`."""
+    text = (ROOT / "results" / "README.md").read_text().split(heading, 1)[1]
+    rows = []
+    for line in text.splitlines()[2:]:
+        if line.startswith("### "):
+            break
+        if line.startswith("| `"):
+            name, dtype, unit = (cell.strip() for cell in line.strip("|").split("|")[:3])
+            rows.append((name.strip("`"), dtype, unit))
+    return rows
+
+
 def check_results(run_dir: Path, trials_expected: int) -> None:
     results = load(run_dir)
     trials = results.trials
     assert list(trials.columns) == TRIAL_NAMES
+    # what a run writes is what results/README.md (generated from testbed.results.columns) says
+    for frame, heading in ((trials, "### `trials`"), (results.layers, "### `layers`")):
+        documented = documented_columns(heading)
+        assert [name for name, _, _ in documented] == list(frame.columns)
+        assert [dtype for _, dtype, _ in documented] == [str(t) for t in frame.dtypes]
     assert (trials["status"] == "ok").all(), trials[["trial_id", "error"]]
     assert trials["trial_id"].nunique() == trials_expected
     config = results.config
