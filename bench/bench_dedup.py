@@ -52,8 +52,10 @@ def main(argv: list[str] | None = None) -> None:
         variants[f"level {level_k} buffers"] = {**base, "dedup": False}
         variants[f"level {level_k} buffers+dedup"] = base
     times = compare(model, bundle, variants, DEVICES, rounds=args.rounds)
-    print(f"{model.config.name}, P = {DEVICES}, trace-b K = {K}, device-0 compute ms, "
-          f"{args.rounds} rounds interleaved")  # fmt: skip
+    print(
+        f"{model.config.name}, P = {DEVICES}, trace-b K = {K}, device-0 compute ms, "
+        f"{args.rounds} rounds interleaved"
+    )
     for level_k in levels:
         plain = times[f"level {level_k} buffers"]
         dedup = times[f"level {level_k} buffers+dedup"]

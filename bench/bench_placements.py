@@ -79,8 +79,10 @@ def count_flops(model, bundle, K: int) -> None:
         label: device0_flops(make_method(model=model, bundle=bundle, **kw), inputs, DEVICES)
         for label, kw in variants(K).items()
     }
-    print(f"{model.config.name}, P = {DEVICES}, K = {K}, device-0 GFLOP counted "
-          "(matmuls and attention), ratios to trace-b and astra without dedup")  # fmt: skip
+    print(
+        f"{model.config.name}, P = {DEVICES}, K = {K}, device-0 GFLOP counted "
+        "(matmuls and attention), ratios to trace-b and astra without dedup"
+    )
     for label, count in flops.items():
         cells = [f"  {label:20} {count / 1e9:8.3f}"]
         for base in ("trace-b 2 B nodedup", "astra nodedup"):
@@ -103,9 +105,11 @@ def main(argv: list[str] | None = None) -> None:
         count_flops(model, bundle, K)
         return
     times = compare(model, bundle, variants(K), DEVICES, rounds=args.rounds)
-    print(f"{model.config.name}, P = {DEVICES}, K = {K}, device-0 compute ms, one thread, "
-          f"{args.rounds} rounds interleaved; ratios paired by round [95% interval], "
-          "to trace-b and astra without dedup")  # fmt: skip
+    print(
+        f"{model.config.name}, P = {DEVICES}, K = {K}, device-0 compute ms, one thread, "
+        f"{args.rounds} rounds interleaved; ratios paired by round [95% interval], "
+        "to trace-b and astra without dedup"
+    )
     for label, series in times.items():
         spread = median_interval(series)
         cells = [f"  {label:20} {spread.median:8.1f} [{spread.low:.1f}, {spread.high:.1f}]"]
@@ -117,8 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     start, stop = partition_ranges(model.config.tokens, DEVICES)[1]
     config = model.config
     flops = 2 * (stop - start) * config.patch_dim * config.dim
-    print(f"  embedding the peer's {stop - start} patches: {embedding_ms(model):.2f} ms, "
-          f"{flops / 1e6:.1f} MFLOP (2 x tokens x patch_dim x D)")  # fmt: skip
+    print(
+        f"  embedding the peer's {stop - start} patches: {embedding_ms(model):.2f} ms, "
+        f"{flops / 1e6:.1f} MFLOP (2 x tokens x patch_dim x D)"
+    )
 
 
 if __name__ == "__main__":

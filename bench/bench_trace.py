@@ -65,14 +65,19 @@ def in_process(quick: bool) -> None:
     vit = build_model("vit-tiny" if quick else "vit-b16")
     K = 64 if quick else 1024
     bundle = bundle_for(vit, K, 16 if quick else 8, ("astra", "trace-b", "trace-nb"))
-    times = compare(vit, bundle, {
-        "voltage": {"name": "voltage"},
-        "trace-b": {"name": "trace-b", "K": K},
-        "astra": {"name": "astra", "K": K},
-        "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False, "dedup": False},
-        "trace-nb": {"name": "trace-nb", "K": K},
-        "trace-b level 32": {"name": "trace-b", "K": K, "level_k": 32},
-    }, rounds=4 if quick else 8)  # fmt: skip
+    times = compare(
+        vit,
+        bundle,
+        {
+            "voltage": {"name": "voltage"},
+            "trace-b": {"name": "trace-b", "K": K},
+            "astra": {"name": "astra", "K": K},
+            "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False, "dedup": False},
+            "trace-nb": {"name": "trace-nb", "K": K},
+            "trace-b level 32": {"name": "trace-b", "K": K, "level_k": 32},
+        },
+        rounds=4 if quick else 8,
+    )
     show_times(vit.config.name, times)
     ratio = paired_ratio_interval(times["trace-b"], times["voltage"])
     name = f"trace-b compute / voltage compute ({vit.config.name})"
@@ -93,14 +98,23 @@ def in_process(quick: bool) -> None:
     vivit = build_model("vivit-tiny" if quick else "vivit-b")
     bundle = bundle_for(vivit, K, 4 if quick else 1)
     coarse = 8 if quick else 32
-    times = compare(vivit, bundle, {
-        "trace-b": {"name": "trace-b", "K": K},
-        "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False, "dedup": False},
-        f"level {coarse}": {"name": "trace-b", "K": K, "level_k": coarse},
-        f"level {coarse} buffers off": {
-            "name": "trace-b", "K": K, "level_k": coarse, "buffers": False, "dedup": False
+    times = compare(
+        vivit,
+        bundle,
+        {
+            "trace-b": {"name": "trace-b", "K": K},
+            "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False, "dedup": False},
+            f"level {coarse}": {"name": "trace-b", "K": K, "level_k": coarse},
+            f"level {coarse} buffers off": {
+                "name": "trace-b",
+                "K": K,
+                "level_k": coarse,
+                "buffers": False,
+                "dedup": False,
+            },
         },
-    }, rounds=4 if quick else 6)  # fmt: skip
+        rounds=4 if quick else 6,
+    )
     show_times(vivit.config.name, times)
     for level_k, key, goal in ((K, "trace-b", 1.5), (coarse, f"level {coarse}", 1.8)):
         gain = paired_ratio_interval(times[f"{key} buffers off"], times[key])
@@ -115,12 +129,17 @@ def show_times(model: str, times: dict[str, pd.Series]) -> None:
 
 
 def experiment(name: str, model: str, rates: list[float], methods: list[dict], repeats: int):
-    return parse_experiment({
-        "name": name, "model": {"name": model},
-        "devices": {"count": [2], "cpus": 1, "memory_mb": 3072},
-        "link": {"profile": "ideal", "bandwidth_mbit": rates},
-        "methods": methods, "repeats": repeats, "warmup": 1,
-    })  # fmt: skip
+    return parse_experiment(
+        {
+            "name": name,
+            "model": {"name": model},
+            "devices": {"count": [2], "cpus": 1, "memory_mb": 3072},
+            "link": {"profile": "ideal", "bandwidth_mbit": rates},
+            "methods": methods,
+            "repeats": repeats,
+            "warmup": 1,
+        }
+    )
 
 
 def variant(frame: pd.DataFrame) -> pd.Series:
@@ -131,8 +150,9 @@ def variant(frame: pd.DataFrame) -> pd.Series:
 def latency_at_10(quick: bool, backend: str, out: Path) -> None:
     model, K = ("vit-tiny", 64) if quick else ("vit-b16", 1024)
     methods = [{"name": "voltage"}, {"name": "astra", "K": K}, {"name": "trace-b", "K": K}]
-    trials = load(run(experiment("bench-latency", model, [10], methods, 4 if quick else 12),
-                      backend, out)).trials  # fmt: skip
+    trials = load(
+        run(experiment("bench-latency", model, [10], methods, 4 if quick else 12), backend, out)
+    ).trials
     slowest = by_repetition(trials, ["method"], ["effective_ms", "compute_ms"], how="max")
     per = {m: part.set_index("repeat") for m, part in slowest.groupby("method")}
     cells = [f"{m} {median_interval(p['effective_ms']).median:.1f}" for m, p in per.items()]
@@ -141,8 +161,12 @@ def latency_at_10(quick: bool, backend: str, out: Path) -> None:
     hidden = paired_ratio_interval(trace["effective_ms"], trace["compute_ms"])
     report("trace-b effective / compute at 10 Mbit/s", hidden, "<= 1.02", hidden.median <= 1.02)
     speedup = paired_ratio_interval(astra["effective_ms"], trace["effective_ms"])
-    report("trace-b speedup over astra (effective) at 10 Mbit/s", speedup,
-           ">= 1.2 (paper 1.10)", speedup.median >= 1.2)  # fmt: skip
+    report(
+        "trace-b speedup over astra (effective) at 10 Mbit/s",
+        speedup,
+        ">= 1.2 (paper 1.10)",
+        speedup.median >= 1.2,
+    )
     speedup = paired_ratio_interval(voltage["effective_ms"], trace["effective_ms"])
     report("trace-b speedup over voltage (effective) at 10 Mbit/s", speedup, "(paper 27x)", None)
 
@@ -150,9 +174,13 @@ def latency_at_10(quick: bool, backend: str, out: Path) -> None:
 def links(quick: bool, backend: str, out: Path) -> None:
     model, K = ("vit-tiny", 64) if quick else ("vit-b16", 1024)
     rates = [1.0, 2.0, 5.0, 10.0, 20.0]
-    methods = [{"name": "voltage"}, {"name": "prism", "segment": 10, "mean_bits": 16},
-               {"name": "astra", "K": K}, {"name": "trace-nb", "K": K},
-               {"name": "trace-b", "K": K, "level_k": [K, 32, 2]}]  # fmt: skip
+    methods = [
+        {"name": "voltage"},
+        {"name": "prism", "segment": 10, "mean_bits": 16},
+        {"name": "astra", "K": K},
+        {"name": "trace-nb", "K": K},
+        {"name": "trace-b", "K": K, "level_k": [K, 32, 2]},
+    ]
     started = time.monotonic()
     run_dir = run(experiment("bench-links", model, rates, methods, 2 if quick else 6), backend, out)
     wall_s = time.monotonic() - started
@@ -168,8 +196,12 @@ def links(quick: bool, backend: str, out: Path) -> None:
         slope(name, part, rates[0], rates[-1])
     for rate, group in trials.groupby("bandwidth_mbit"):
         achieved = median_interval(group.drop_duplicates("rank")["measured_wire_mbit"] / rate)
-        report(f"achieved / target rate at {rate:g} Mbit/s (on the wire)", achieved,
-               "within 0.95..1.05", abs(achieved.median - 1) <= 0.05)  # fmt: skip
+        report(
+            f"achieved / target rate at {rate:g} Mbit/s (on the wire)",
+            achieved,
+            "within 0.95..1.05",
+            abs(achieved.median - 1) <= 0.05,
+        )
     sessions_s = trials.drop_duplicates("session_id")["session_s"].sum()
     overhead = Interval(1, wall_s / sessions_s, wall_s / sessions_s, wall_s / sessions_s, 0.0)
     report("sweep wall time / sum of session times", overhead, "<= 1.2", overhead.median <= 1.2)
@@ -198,8 +230,7 @@ def slope(name: str, part: pd.DataFrame, low: float, high: float) -> None:
     draws = bootstrap_difference(slow["comm_ms"].to_numpy(), fast["comm_ms"].to_numpy()) / wire
     low_q, high_q = np.quantile(draws, [0.025, 0.975])
     interval = Interval(min(len(slow), len(fast)), value, float(low_q), float(high_q), 0.95)
-    report(f"bandwidth-dependent comm / wire, {name}", interval, "0.8..1.2",
-           0.8 <= value <= 1.2)  # fmt: skip
+    report(f"bandwidth-dependent comm / wire, {name}", interval, "0.8..1.2", 0.8 <= value <= 1.2)
 
 
 def bootstrap_difference(a: np.ndarray, b: np.ndarray, draws: int = 4000) -> np.ndarray:

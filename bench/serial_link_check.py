@@ -167,8 +167,20 @@ def tbf_bed(prefix: str) -> Iterator[Bed]:
     from testbed.kernel.shaping import plan
 
     with _namespaces(prefix) as names:
-        _ip("-n", names[0], "link", "add", "tbba", "type", "veth", "peer", "name", "tbbb",
-            "netns", names[1])  # fmt: skip
+        _ip(
+            "-n",
+            names[0],
+            "link",
+            "add",
+            "tbba",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "tbbb",
+            "netns",
+            names[1],
+        )
         addresses = (str(SUBNET[1]), str(SUBNET[2]))
         for name, interface, address in zip(names, ("tbba", "tbbb"), addresses, strict=True):
             _ip("-n", name, "addr", "add", f"{address}/24", "dev", interface)
@@ -213,9 +225,12 @@ def _pair(bed: Bed, receiver: Sequence[object], sender: Sequence[object]) -> tup
     """Runs a receiver in b and a sender in a; returns their stdout."""
     env = python_env()
     rx = subprocess.Popen(
-        _endpoint(bed.names[1], *receiver), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
-    )  # fmt: skip
+        _endpoint(bed.names[1], *receiver),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert rx.stdout is not None
         if rx.stdout.readline().strip() != "ready":
@@ -236,9 +251,10 @@ def _pair(bed: Bed, receiver: Sequence[object], sender: Sequence[object]) -> tup
 def message_latencies_s(bed: Bed, size: int, count: int, rate_mbit: float) -> list[float]:
     gap_s = max(0.04, 2.5 * tcp_message_wire_s(size, rate_mbit * 1e6) + 0.02)
     out_rx, out_tx = _pair(
-        bed, ("_receive-messages", bed.addresses[1], size, count),
+        bed,
+        ("_receive-messages", bed.addresses[1], size, count),
         ("_send-messages", bed.addresses[1], size, count, gap_s),
-    )  # fmt: skip
+    )
     return [r - s for r, s in zip(json.loads(out_rx), json.loads(out_tx), strict=True)]
 
 
@@ -334,9 +350,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--count", type=int, default=20, help="messages per size and rate")
     parser.add_argument("--bulk-s", type=float, default=2.0)
     parser.add_argument(
-        "--shapers", nargs="+", default=["tbf", "serial+tbf", "serial"],
+        "--shapers",
+        nargs="+",
+        default=["tbf", "serial+tbf", "serial"],
         choices=["tbf", "serial+tbf", "serial"],
-    )  # fmt: skip
+    )
     parser.add_argument("--spin-us", type=float, default=None, help="the emulator's --spin-us")
     parser.add_argument("--queue-ms", type=float, default=None, help="the emulator's --queue-ms")
     return parser.parse_args(argv)

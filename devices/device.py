@@ -128,10 +128,11 @@ class Device:
     def _infer_all(self) -> None:
         spec = self.spec
         sessions = {
-            run.id: Session(self.methods[run.id][0], spec.rank, self.mesh, spec.batch,
-                            spec.recv_timeout_s)
+            run.id: Session(
+                self.methods[run.id][0], spec.rank, self.mesh, spec.batch, spec.recv_timeout_s
+            )
             for run in spec.runs
-        }  # fmt: skip
+        }
         live = self._live_levels()
         self.mesh.start(lambda peer: self._formats(peer, self.slots()))
         inferences: list[InferenceRecord] = []

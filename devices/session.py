@@ -177,9 +177,9 @@ class Session:
             block=block,
             compute_ms=round((ffn_end - block_start) / 1e6 - wait_ms, 4),
             wait_ms=round(wait_ms, 4),
-            payload_bits=0 if message is None else self.method.payload_bits(
-                self.sizes[self.rank], self.batch
-            ),
+            payload_bits=0
+            if message is None
+            else self.method.payload_bits(self.sizes[self.rank], self.batch),
             message_bytes=0 if message is None else len(message.message),
             received_bytes=received,
             start_ns=block_start,
@@ -189,7 +189,7 @@ class Session:
             wait_end_ns=wait_end if self.mesh.links else None,
             ffn_start_ns=ffn_start,
             ffn_end_ns=ffn_end,
-        )  # fmt: skip
+        )
 
     def _inference_record(
         self, run: str, index: int, start: int, end: int, blocks: list[BlockRecord]

@@ -59,13 +59,15 @@ class RunSpec(BaseModel):
     recv_timeout_s: float = Field(60.0, gt=0)
     rate_mbit: float | None = Field(None, gt=0, description="link rate for level_k=auto")
     secret_file: Path | None = Field(
-        None, description="the run's secret (hex, at least 32 digits): every peer must prove "
-        "it knows it in the handshake; the file, kept out of results, is read, never copied"
-    )  # fmt: skip
+        None,
+        description="the run's secret (hex, at least 32 digits): every peer must prove "
+        "it knows it in the handshake; the file, kept out of results, is read, never copied",
+    )
     clock_skew_s: float = Field(
-        0.0, description="added to every timestamp this device takes: emulates a board whose "
-        "clock is off, to test the alignment of clocks"
-    )  # fmt: skip
+        0.0,
+        description="added to every timestamp this device takes: emulates a board whose "
+        "clock is off, to test the alignment of clocks",
+    )
 
     @field_validator("peers", mode="before")
     @classmethod

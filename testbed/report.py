@@ -38,8 +38,14 @@ PAPER_TABLE_IV = {
     "trace-b K=32": (92.0, 0.58, 92.0),
 }
 # Table V: ViViT-B compute (ms) without / with buffers, by device count
-PAPER_TABLE_V = {2: (3441, 2329), 3: (2281, 1596), 4: (1766, 1320), 6: (1213, 952),
-                 8: (917, 719), 10: (742, 627)}  # fmt: skip
+PAPER_TABLE_V = {
+    2: (3441, 2329),
+    3: (2281, 1596),
+    4: (1766, 1320),
+    6: (1213, 952),
+    8: (917, 719),
+    10: (742, 627),
+}
 # Fig. 7: compression against Voltage, ViT-B/16, P = 2
 PAPER_COMPRESSION = {"astra K=1024": 1528, "trace K=1024": 2426, "trace K=2": 22624}
 
@@ -87,9 +93,15 @@ def table(header: list[str], rows: list[list[object]]) -> list[str]:
 
 def table_ii(model: str = "vit-b16", devices: int = 2) -> list[str]:
     config = model_config(model)
-    cases = [("voltage", {}), ("prism", {"segment": 10, "mean_bits": 16}), ("astra", {}),
-             ("trace-nb", {}), ("trace-b", {}), ("trace-b", {"level_k": 32}),
-             ("trace-b", {"level_k": 2})]  # fmt: skip
+    cases = [
+        ("voltage", {}),
+        ("prism", {"segment": 10, "mean_bits": 16}),
+        ("astra", {}),
+        ("trace-nb", {}),
+        ("trace-b", {}),
+        ("trace-b", {"level_k": 32}),
+        ("trace-b", {"level_k": 2}),
+    ]
     rows = []
     for method, params in cases:
         ours = payload_bits(config, method, devices, **params)[0]
@@ -115,8 +127,15 @@ def _ok(results: Results) -> pd.DataFrame:
     return trials
 
 
-MEASURED = ["compute_ms", "comm_ms", "effective_ms", "wait_ms", "analytic_comm_ms",
-            "wire_comm_ms", "message_bytes"]  # fmt: skip
+MEASURED = [
+    "compute_ms",
+    "comm_ms",
+    "effective_ms",
+    "wait_ms",
+    "analytic_comm_ms",
+    "wire_comm_ms",
+    "message_bytes",
+]
 
 
 def messages_per_inference(trials: pd.DataFrame) -> dict[str, int]:
@@ -145,10 +164,14 @@ def table_iv(results: Results, rate_mbit: float = 10.0) -> list[str]:
     medians = summary(at, ["label"])
     model = results.config["model"]["name"]
     levels = sorted(set(medians["level"].round(3)))
-    lines = [f"## Table IV: per-device latency (ms) at {rate_mbit:g} Mbit/s, P = 2 ({model})", "",
-             "Ours: the median over repetitions of the mean over the two devices, with its "
-             f"distribution-free interval (coverage {', '.join(f'{v:.0%}' for v in levels)}; "
-             f"n = {int(medians['n'].min())} repetitions).", ""]  # fmt: skip
+    lines = [
+        f"## Table IV: per-device latency (ms) at {rate_mbit:g} Mbit/s, P = 2 ({model})",
+        "",
+        "Ours: the median over repetitions of the mean over the two devices, with its "
+        f"distribution-free interval (coverage {', '.join(f'{v:.0%}' for v in levels)}; "
+        f"n = {int(medians['n'].min())} repetitions).",
+        "",
+    ]
     rows, notes = [], []
     voltage = medians["compute_ms"].get("voltage", float("nan"))
     messages = messages_per_inference(at)
@@ -156,14 +179,35 @@ def table_iv(results: Results, rate_mbit: float = 10.0) -> list[str]:
         if name not in medians.index:
             continue
         ours = medians.loc[name]
-        cells = [(p_compute, ours["compute_ms"]), (p_comm, ours["comm_ms"]),
-                 (p_effective, ours["effective_ms"])]  # fmt: skip
-        rows.append([name] + [v for (paper, _), column in zip(cells, MEASURED[:3], strict=True)
-                              for v in (paper, spread(medians, name, column),
-                                        ratio(ours[column], paper))])  # fmt: skip
+        cells = [
+            (p_compute, ours["compute_ms"]),
+            (p_comm, ours["comm_ms"]),
+            (p_effective, ours["effective_ms"]),
+        ]
+        rows.append(
+            [name]
+            + [
+                v
+                for (paper, _), column in zip(cells, MEASURED[:3], strict=True)
+                for v in (paper, spread(medians, name, column), ratio(ours[column], paper))
+            ]
+        )
         notes += _table_iv_notes(name, cells, ours, voltage, messages[name])
-    lines += table(["method", "compute paper", "ours", "ratio", "comm paper", "ours", "ratio",
-                    "effective paper", "ours", "ratio"], rows)  # fmt: skip
+    lines += table(
+        [
+            "method",
+            "compute paper",
+            "ours",
+            "ratio",
+            "comm paper",
+            "ours",
+            "ratio",
+            "effective paper",
+            "ours",
+            "ratio",
+        ],
+        rows,
+    )
     lines += ["", *_speedups(at)]
     lines += ["", *notes, ""] if notes else [""]
     return lines
@@ -182,10 +226,14 @@ def _speedups(at: pd.DataFrame) -> list[str]:
     for name in ("voltage", "prism", "astra", "trace-nb"):
         if name in per:
             gain = paired_ratio_interval(per[name], ours_b)
-            cells.append(f"{name} {PAPER_TABLE_IV[name][2] / paper_b:,.2f}x / "
-                         f"{gain.median:,.2f}x [{gain.low:,.2f}, {gain.high:,.2f}]")  # fmt: skip
-    return ["Trace-b (K=1024) effective speedup, paper / ours [95% interval, repetitions "
-            "paired in time]: " + ", ".join(cells) + "."]  # fmt: skip
+            cells.append(
+                f"{name} {PAPER_TABLE_IV[name][2] / paper_b:,.2f}x / "
+                f"{gain.median:,.2f}x [{gain.low:,.2f}, {gain.high:,.2f}]"
+            )
+    return [
+        "Trace-b (K=1024) effective speedup, paper / ours [95% interval, repetitions "
+        "paired in time]: " + ", ".join(cells) + "."
+    ]
 
 
 def _table_iv_notes(
@@ -268,9 +316,14 @@ def _fig_6_findings(medians: pd.DataFrame, names: list[str], messages: dict[str,
     comm = medians["comm_ms"].unstack()
     wire = medians["wire_comm_ms"].unstack()
     falling = [n for n in names if comm.loc[n].is_monotonic_decreasing]
-    lines = [f"- Falls with bandwidth at every step: {len(falling)} of {len(names)} methods"
-             + (f" (not: {', '.join(n for n in names if n not in falling)})."
-                if len(falling) < len(names) else ".")]  # fmt: skip
+    lines = [
+        f"- Falls with bandwidth at every step: {len(falling)} of {len(names)} methods"
+        + (
+            f" (not: {', '.join(n for n in names if n not in falling)})."
+            if len(falling) < len(names)
+            else "."
+        )
+    ]
     for name in names:
         excess = (comm.loc[name] - wire.loc[name]) / messages[name]
         lines.append(
@@ -325,8 +378,12 @@ def table_v(results: Results) -> list[str]:
     compute = trials.groupby(["devices", "buffers"])["compute_ms"].mean().unstack()
     oversubscribed = trials.groupby("devices")["oversubscribed"].any()
     model = results.config["model"]["name"]
-    lines = [f"## Table V: compute (ms) without / with K/V buffers ({model})", "",
-             f"Run: `{_relative(results.run_dir)}`.", ""]  # fmt: skip
+    lines = [
+        f"## Table V: compute (ms) without / with K/V buffers ({model})",
+        "",
+        f"Run: `{_relative(results.run_dir)}`.",
+        "",
+    ]
     rows, notes = [], []
     for devices in compute.index:
         off, on = compute.loc[devices, False], compute.loc[devices, True]
@@ -345,8 +402,9 @@ def table_v(results: Results) -> list[str]:
                 f"device); the buffers' gain is {gain:.1f}% here, {p_gain:.1f}% in "
                 "the paper."
             )
-    lines += table(["P", "without: paper", "ours", "with: paper", "ours", "gain % paper",
-                    "gain % ours"], rows)  # fmt: skip
+    lines += table(
+        ["P", "without: paper", "ours", "with: paper", "ours", "gain % paper", "gain % ours"], rows
+    )
     return lines + ["", *notes, ""]
 
 
@@ -363,11 +421,14 @@ def conventions(latency: Results) -> list[str]:
     emulators = sorted(set(latency.trials["emulator"].dropna()))
     shaped = "; ".join(f"{e}: {EMULATORS.get(e, e)}" for e in emulators)
     return [
-        "# Reproduction of the Trace paper's latency study", "",
+        "# Reproduction of the Trace paper's latency study",
+        "",
         f"Run: `{_relative(latency.run_dir)}` ({env.get('backend')} backend, "
         f"{env.get('host_cores')} host cores, kernel {env.get('kernel')}, "
-        f"commit {env.get('git', {}).get('commit')}).", "",
-        f"Links: {shaped}.", "",
+        f"commit {env.get('git', {}).get('commit')}).",
+        "",
+        f"Links: {shaped}.",
+        "",
         "Conventions: rates are 10^6 bit/s of Ethernet frames and measured on the wire; the "
         "paper's numbers use 2^20 bit/s per Mbit/s, N_p = 98.5 for Voltage and Prism, 99 for "
         "the index methods, 16-bit Astra indices and 16-bit Prism means with s = 10 "
@@ -375,8 +436,9 @@ def conventions(latency: Results) -> list[str]:
         "codebooks fitted by k-means on the model's activations (latency does not depend on "
         "trained weights); per repetition the mean over devices, then the median over "
         "repetitions with its distribution-free 95% interval (repetitions of all methods "
-        "interleaved in time).", "",
-    ]  # fmt: skip
+        "interleaved in time).",
+        "",
+    ]
 
 
 def _relative(path: Path) -> str:

@@ -46,9 +46,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(
-        prog="python -m testbed.run", description=__doc__,
+        prog="python -m testbed.run",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("experiment", nargs="?", type=Path, help="experiment YAML file")
     parser.add_argument("--out", type=Path, default=Path("results"), help="results root")
     parser.add_argument(

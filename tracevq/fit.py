@@ -43,9 +43,15 @@ def fit_random_calibration(
     generator = torch.Generator().manual_seed(seed)
     calibration = torch.randn(model.config.input_shape(calibration_inputs), generator=generator)
     return fit_bundle(
-        model, calibration, K=K, families=families, code_dim=code_dim, metric=metric,
-        seed=seed, progress=progress,
-    )  # fmt: skip
+        model,
+        calibration,
+        K=K,
+        families=families,
+        code_dim=code_dim,
+        metric=metric,
+        seed=seed,
+        progress=progress,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         bundle = fit_random_calibration(
-            args.model, args.K, tuple(args.families),
-            calibration_inputs=args.calibration_inputs, seed=args.seed,
-        )  # fmt: skip
+            args.model,
+            args.K,
+            tuple(args.families),
+            calibration_inputs=args.calibration_inputs,
+            seed=args.seed,
+        )
         bundle.save(args.out)
     except (TraceError, ValueError) as error:
         print(f"tracevq.fit: {error}", file=sys.stderr)

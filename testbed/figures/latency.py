@@ -45,8 +45,14 @@ def latency_breakdown(results: Results, path: Path) -> Path | None:
         _breakdown_panel(ax, table[table["bandwidth_mbit"] == rate], rows)
         ax.set_title(f"{rate:g} Mbit/s", loc="left", fontsize=9, fontweight="bold")
     axes[-1, 0].set_xlabel("latency per inference, per device (ms)")
-    effective = Line2D([], [], color="black", marker="|", markersize=10,
-                       label="effective latency: median,\nbars as in the title")  # fmt: skip
+    effective = Line2D(
+        [],
+        [],
+        color="black",
+        marker="|",
+        markersize=10,
+        label="effective latency: median,\nbars as in the title",
+    )
     handles = [Patch(color=colour, label=label) for _, label, colour in PARTS] + [effective]
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 0.9), fontsize=8)
     fig.suptitle(
@@ -73,9 +79,16 @@ def _breakdown_panel(ax: Axes, table: pd.DataFrame, rows: list[tuple[str, int]])
         ax.barh(y, widths, left=left, height=0.72, color=colour)
         left += widths
     ax.errorbar(
-        table["effective_ms"], y, xerr=yerr(table, "effective_ms"), color="black",
-        marker="|", markersize=10, linestyle="none", capsize=3, linewidth=1,
-    )  # fmt: skip
+        table["effective_ms"],
+        y,
+        xerr=yerr(table, "effective_ms"),
+        color="black",
+        marker="|",
+        markersize=10,
+        linestyle="none",
+        capsize=3,
+        linewidth=1,
+    )
     several = len({p for _, p in rows}) > 1
     ax.set_yticks(y, [f"{v} (P={p})" if several else v for v, p in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.4, -0.6)  # first variant on top

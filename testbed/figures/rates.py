@@ -80,31 +80,49 @@ def _draw_variants(
             continue
         look = style[name]
         ax.errorbar(
-            rows["bandwidth_mbit"] * look.offset, rows[value], yerr=yerr(rows, value),
-            color=look.colour, marker=look.marker, markersize=5, capsize=3, linewidth=1.5,
+            rows["bandwidth_mbit"] * look.offset,
+            rows[value],
+            yerr=yerr(rows, value),
+            color=look.colour,
+            marker=look.marker,
+            markersize=5,
+            capsize=3,
+            linewidth=1.5,
             label=name,
-        )  # fmt: skip
+        )
         for column, dashes in zip(references, ("--", ":"), strict=False):
-            ax.plot(rows["bandwidth_mbit"], rows[column], color=look.colour, linestyle=dashes,
-                    linewidth=1.1, alpha=0.8)  # fmt: skip
+            ax.plot(
+                rows["bandwidth_mbit"],
+                rows[column],
+                color=look.colour,
+                linestyle=dashes,
+                linewidth=1.1,
+                alpha=0.8,
+            )
 
 
 def comm_vs_bandwidth(results: Results, path: Path) -> Path | None:
     return _by_rate(
-        results, path, "comm_ms", "mean",
+        results,
+        path,
+        "comm_ms",
+        "mean",
         "Communication per inference against link rate\nfrom a message's departure to the "
         "slowest peer's kernel receive timestamp; per repetition the mean of the devices",
         "communication per inference (ms)",
-    )  # fmt: skip
+    )
 
 
 def effective_vs_bandwidth(results: Results, path: Path) -> Path | None:
     return _by_rate(
-        results, path, "effective_ms", "max",
+        results,
+        path,
+        "effective_ms",
+        "max",
         "Effective latency against link rate\nper repetition the slowest device (the inference "
         "ends with it)",
         "effective latency per inference (ms)",
-    )  # fmt: skip
+    )
 
 
 def measured_vs_analytic(results: Results, path: Path) -> Path | None:
@@ -122,10 +140,17 @@ def measured_vs_analytic(results: Results, path: Path) -> Path | None:
     for ax, column in zip(axes, ["wire_comm_ms", "analytic_comm_ms"], strict=True):
         for i, row in enumerate(table.itertuples()):
             ax.errorbar(
-                getattr(row, column), row.comm_ms, yerr=errors[:, i : i + 1],
-                color=colours[row.bandwidth_mbit], marker=markers[row.variant], markersize=6,
-                capsize=2, linestyle="none", markeredgecolor="black", markeredgewidth=0.4,
-            )  # fmt: skip
+                getattr(row, column),
+                row.comm_ms,
+                yerr=errors[:, i : i + 1],
+                color=colours[row.bandwidth_mbit],
+                marker=markers[row.variant],
+                markersize=6,
+                capsize=2,
+                linestyle="none",
+                markeredgecolor="black",
+                markeredgewidth=0.4,
+            )
         _identity_line(ax, table, column)
         plain_log(ax, "x")
         plain_log(ax, "y")
@@ -151,10 +176,12 @@ def _variant_and_rate_legends(
         Line2D([], [], color=colour, marker="o", linestyle="none", label=f"{rate:g} Mbit/s")
         for rate, colour in colours.items()
     ]
-    fig.legend(handles=variants, title="variant", loc="upper left", bbox_to_anchor=(1.0, 0.88),
-               fontsize=8)  # fmt: skip
-    fig.legend(handles=rates, title="link rate", loc="lower left", bbox_to_anchor=(1.0, 0.08),
-               fontsize=8)  # fmt: skip
+    fig.legend(
+        handles=variants, title="variant", loc="upper left", bbox_to_anchor=(1.0, 0.88), fontsize=8
+    )
+    fig.legend(
+        handles=rates, title="link rate", loc="lower left", bbox_to_anchor=(1.0, 0.08), fontsize=8
+    )
 
 
 def _rate_colours(count: int) -> list[tuple[float, ...]]:

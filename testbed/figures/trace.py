@@ -47,9 +47,14 @@ def trace_timeline(results: Results, path: Path) -> Path | None:
     style = styles(ok_trials(results))
     accuracy = LEVEL_ACCURACY in table
     heights = [1, 2, 1, 1] if accuracy else [1, 2, 1]
-    fig, axes = plt.subplots(len(heights), len(counts), figsize=(9 * len(counts), 2 * sum(heights)),
-                             sharex="col", squeeze=False,
-                             gridspec_kw={"height_ratios": heights})  # fmt: skip
+    fig, axes = plt.subplots(
+        len(heights),
+        len(counts),
+        figsize=(9 * len(counts), 2 * sum(heights)),
+        sharex="col",
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
     for column, devices in enumerate(counts):
         part = table[table["devices"] == devices]
         _rate_panel(axes[0, column], part, f"P={devices}: {results.config['link'].get('trace')}")
@@ -71,8 +76,12 @@ def _variant_panels(axes: list[Axes], part: pd.DataFrame, style: dict[str, Style
     latency_ax, level_ax, *rest = axes
     for name in variant_order(part):
         rows = part[part["variant"] == name]
-        line = {"marker": style[name].marker, "markersize": 3, "linewidth": 0.8,
-                "color": style[name].colour}  # fmt: skip
+        line = {
+            "marker": style[name].marker,
+            "markersize": 3,
+            "linewidth": 0.8,
+            "color": style[name].colour,
+        }
         latency_ax.plot(rows["trace_s"], rows["effective_ms"], label=name, **line)
         level_ax.plot(rows["trace_s"], rows["level_k"], drawstyle="steps-post", **line)
         for accuracy_ax in rest:

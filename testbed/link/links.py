@@ -124,8 +124,10 @@ class Links:
             if state.transfer_flagged(key):
                 log.warning(
                     "%s achieves %.2f Mbit/s (frames), more than 5%% off its %g Mbit/s target",
-                    key, measured * WIRE_PER_PAYLOAD, target_mbit,
-                )  # fmt: skip
+                    key,
+                    measured * WIRE_PER_PAYLOAD,
+                    target_mbit,
+                )
         for rank, (source, target) in probes.uplink.items():
             state.uplink_probe[rank] = key = f"{source}->{target}"
             state.measured_mbit[rank] = state.transfers[key]["measured_mbit"]

@@ -29,9 +29,18 @@ def probe(backend: Backend, sender: Device, receiver: Device, byte_count: int) -
     python = backend.python
     server = backend.spawn(
         receiver,
-        [python, "-m", "devices.probe", "serve", "--host", receiver.address,
-         "--port", str(PROBE_PORT), "--once"],
-    )  # fmt: skip
+        [
+            python,
+            "-m",
+            "devices.probe",
+            "serve",
+            "--host",
+            receiver.address,
+            "--port",
+            str(PROBE_PORT),
+            "--once",
+        ],
+    )
     try:
         client = backend.run(
             sender,

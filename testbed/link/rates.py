@@ -76,8 +76,9 @@ class LinkRates:
     def peer_caps_mbit(self, source: int) -> dict[int, float]:
         """The pair caps below `source`'s uplink, by receiving rank (its htb classes)."""
         uplink = self.uplink_mbit[source]
-        return {d: cap for (s, d), cap in sorted(self.pair_mbit.items())
-                if s == source and cap < uplink}  # fmt: skip
+        return {
+            d: cap for (s, d), cap in sorted(self.pair_mbit.items()) if s == source and cap < uplink
+        }
 
     def scaled(self, rate_mbit: float) -> LinkRates:
         """Every rate times `rate_mbit` / the swept rate: a trace's step."""

@@ -138,8 +138,10 @@ def read_mahimahi(path: Path, bin_ms: int = 500) -> RateTrace:
     bins = math.ceil(period_ms / bin_ms)
     counts = np.bincount(np.minimum(np.array(stamps) // bin_ms, bins - 1), minlength=bins)
     lengths = [min(bin_ms, period_ms - i * bin_ms) for i in range(bins)]
-    rates = [float(max(c, 1e-3)) * MAHIMAHI_PACKET_BYTES * 8 / (n / 1000) / 1e6
-             for c, n in zip(counts, lengths, strict=True)]  # fmt: skip
+    rates = [
+        float(max(c, 1e-3)) * MAHIMAHI_PACKET_BYTES * 8 / (n / 1000) / 1e6
+        for c, n in zip(counts, lengths, strict=True)
+    ]
     return RateTrace(
         tuple(i * bin_ms / 1000 for i in range(bins)), tuple(rates), period_ms / 1000, path.stem
     )

@@ -71,8 +71,11 @@ def answer_lines(results: Results) -> list[str]:
         n = int(at["n"].max())
         title = f"P={devices} {model} ({n} repetitions)"
         heads = "".join(f"{head:>{EXTRA_WIDTH}}" for head in extra)
-        lines += ["", f"{title:<{10 + width}}{'effective ms [95% CI]':>26}{'comm ms':>11}"
-                  f"{'vs ' + BASELINE:>13}{heads}"]  # fmt: skip
+        lines += [
+            "",
+            f"{title:<{10 + width}}{'effective ms [95% CI]':>26}{'comm ms':>11}"
+            f"{'vs ' + BASELINE:>13}{heads}",
+        ]
         for rate in sorted(ok.loc[ok["devices"] == devices, rate_column].unique()):
             first = True
             for name in order:
@@ -97,8 +100,11 @@ def answer_lines(results: Results) -> list[str]:
                 first = False
     if LEVEL_ACCURACY in extra:
         table = results.config.get("report", {}).get("level_accuracy")
-        lines += ["", f"{LEVEL_ACCURACY}: the accuracy study's top-1 at the level each inference "
-                  f"used ({table}; the rows matched: level_accuracy.csv)"]  # fmt: skip
+        lines += [
+            "",
+            f"{LEVEL_ACCURACY}: the accuracy study's top-1 at the level each inference "
+            f"used ({table}; the rows matched: level_accuracy.csv)",
+        ]
     return lines + _stall_lines(ok)
 
 

@@ -25,140 +25,186 @@ class Column:
     meaning: str
 
 
-def _columns(*rows: tuple[str, str, str, str]) -> list[Column]:
-    return [Column(*row) for row in rows]
+def _table(text: str) -> list[Column]:
+    """Columns from a text table: a line per column, `name dtype unit meaning`, a unit of `-`
+    for none; a line that starts with spaces goes on with the meaning of the one above."""
+    columns: list[list[str]] = []
+    for line in text.strip("\n").splitlines():
+        if line[4:5] == " ":  # the table is indented by four spaces
+            columns[-1][3] += " " + line.strip()
+        else:
+            name, dtype, unit, meaning = line.split(maxsplit=3)
+            columns.append([name, dtype, "" if unit == "-" else unit, meaning])
+    return [Column(*column) for column in columns]
 
 
-IDENTITY = _columns(
-    ("run_id", "string", "", "the run (start time + 4 hex digits)"),
-    ("trial_id", "string", "", "one method variant at one device count and bandwidth"),
-    ("session_id", "string", "", "the worker session that ran the trial: every trial at one "
-     "device count and bandwidth runs in one session, their repetitions interleaved"),
-    ("experiment", "string", "", "the experiment's name"),
-    ("backend", "string", "", "docker, local or ssh"),
-    ("emulator", "string", "", "what shaped the links: tbf (kernel token bucket) or serial "
-     "(userspace link clocking every frame out at the rate)"),
-    ("model", "string", "", "the model's name"),
-    ("method", "string", "", "voltage, prism, astra, trace-b, trace-nb (or single)"),
-    ("params", "string", "", "the method's parameters, e.g. K=1024,level_k=32"),
-    ("devices", "Int64", "", "P, the device count"),
-    ("rank", "Int64", "", "this row's device"),
-    ("repeat", "Int64", "", "measured repetition (warm-ups are not recorded); -1 on a failed "
-     "trial's row"),
-    ("bandwidth_mbit", "float64", "Mbit/s", "the swept rate: every device's uplink unless "
-     "link.uplink_mbit names it"),
-    ("K", "Int64", "", "codebook size (codebook methods)"),
-    ("level_k", "Int64", "", "codewords at the tree level in use: the level actually used, "
-     "also under level_k=auto (Trace)"),
-    ("r_bits", "Int64", "bit", "bits per index at that level (Trace)"),
-)  # fmt: skip
+IDENTITY = _table(
+    """
+    run_id          string   -       the run (start time + 4 hex digits)
+    trial_id        string   -       one method variant at one device count and bandwidth
+    session_id      string   -       the worker session that ran the trial: every trial at one
+                                     device count and bandwidth runs in one session, their
+                                     repetitions interleaved
+    experiment      string   -       the experiment's name
+    backend         string   -       docker, local or ssh
+    emulator        string   -       what shaped the links: tbf (kernel token bucket) or serial
+                                     (userspace link clocking every frame out at the rate)
+    model           string   -       the model's name
+    method          string   -       voltage, prism, astra, trace-b, trace-nb (or single)
+    params          string   -       the method's parameters, e.g. K=1024,level_k=32
+    devices         Int64    -       P, the device count
+    rank            Int64    -       this row's device
+    repeat          Int64    -       measured repetition (warm-ups are not recorded); -1 on a failed
+                                     trial's row
+    bandwidth_mbit  float64  Mbit/s  the swept rate: every device's uplink unless link.uplink_mbit
+                                     names it
+    K               Int64    -       codebook size (codebook methods)
+    level_k         Int64    -       codewords at the tree level in use: the level actually used,
+                                     also under level_k=auto (Trace)
+    r_bits          Int64    bit     bits per index at that level (Trace)
+"""
+)
 
-TIMING = _columns(
-    ("effective_ms", "float64", "ms", "wall time from the input to the device's output "
-     "(logits on device 0)"),
-    ("compute_ms", "float64", "ms", "effective_ms - wait_ms: the device computing"),
-    ("wait_ms", "float64", "ms", "time blocked waiting for peers' messages: "
-     "wait_peer_ms + wait_link_ms + wait_wakeup_ms"),
-    ("wait_peer_ms", "float64", "ms", "part of the wait before the last needed message had "
-     "left its sender: waiting for a peer's compute"),
-    ("wait_link_ms", "float64", "ms", "part of the wait while every needed message had left "
-     "and one was still on the link"),
-    ("wait_wakeup_ms", "float64", "ms", "part of the wait after the last needed byte had "
-     "reached this host's kernel: threads waking up"),
-    ("comm_ms", "float64", "ms", "sum over the device's messages of the time from the first "
-     "byte offered to the kernel on the sender to the kernel's receive timestamp of the last "
-     "byte at the slowest peer (clocks aligned)"),
-    ("send_ms", "float64", "ms", "the sender's own view: sum over its messages of the time "
-     "from the first byte offered to the kernel to the last byte accepted by it"),
-    ("wire_comm_ms", "float64", "ms", "frame_bytes x 8 / uplink_mbit: what the link needs for "
-     "the bytes it actually carries"),
-    ("analytic_comm_ms", "float64", "ms", "messages x (P - 1) x payload_bits_per_layer / "
-     "bandwidth, one message per layer (Trace's exact-embedding placements: one fewer): the "
-     "paper's model (payload bits only)"),
-    ("analytic_comm_ms_paper", "float64", "ms", "the same with the paper's 1 Mbit/s = 2^20 "
-     "bit/s"),
-)  # fmt: skip
+TIMING = _table(
+    """
+    effective_ms            float64  ms      wall time from the input to the device's output (logits
+                                             on device 0)
+    compute_ms              float64  ms      effective_ms - wait_ms: the device computing
+    wait_ms                 float64  ms      time blocked waiting for peers' messages: wait_peer_ms
+                                             + wait_link_ms + wait_wakeup_ms
+    wait_peer_ms            float64  ms      part of the wait before the last needed message had
+                                             left its sender: waiting for a peer's compute
+    wait_link_ms            float64  ms      part of the wait while every needed message had left
+                                             and one was still on the link
+    wait_wakeup_ms          float64  ms      part of the wait after the last needed byte had reached
+                                             this host's kernel: threads waking up
+    comm_ms                 float64  ms      sum over the device's messages of the time from the
+                                             first byte offered to the kernel on the sender to the
+                                             kernel's receive timestamp of the last byte at the
+                                             slowest peer (clocks aligned)
+    send_ms                 float64  ms      the sender's own view: sum over its messages of the
+                                             time from the first byte offered to the kernel to the
+                                             last byte accepted by it
+    wire_comm_ms            float64  ms      frame_bytes x 8 / uplink_mbit: what the link needs for
+                                             the bytes it actually carries
+    analytic_comm_ms        float64  ms      messages x (P - 1) x payload_bits_per_layer /
+                                             bandwidth, one message per layer (Trace's
+                                             exact-embedding placements: one fewer): the paper's
+                                             model (payload bits only)
+    analytic_comm_ms_paper  float64  ms      the same with the paper's 1 Mbit/s = 2^20 bit/s
+"""
+)
 
-VOLUME = _columns(
-    ("payload_bits_per_layer", "Int64", "bit", "the method's payload of this device for one "
-     "layer, one copy (the paper's Table II)"),
-    ("payload_bits", "Int64", "bit", "payload bits of all its messages in the inference, one "
-     "copy"),
-    ("message_bytes", "Int64", "B", "bytes of its messages written to its sockets, all peers' "
-     "copies (payload rounded up to whole bytes per message)"),
-    ("frame_bytes", "Int64", "B", "the Ethernet frames those bytes need, all copies: every "
-     "TCP segment (at most 1448 B) with 66 B of Ethernet, IP and TCP headers"),
-    ("received_bytes", "Int64", "B", "bytes of the peers' messages it read"),
-)  # fmt: skip
+VOLUME = _table(
+    """
+    payload_bits_per_layer  Int64    bit     the method's payload of this device for one layer, one
+                                             copy (the paper's Table II)
+    payload_bits            Int64    bit     payload bits of all its messages in the inference, one
+                                             copy
+    message_bytes           Int64    B       bytes of its messages written to its sockets, all
+                                             peers' copies (payload rounded up to whole bytes per
+                                             message)
+    frame_bytes             Int64    B       the Ethernet frames those bytes need, all copies: every
+                                             TCP segment (at most 1448 B) with 66 B of Ethernet, IP
+                                             and TCP headers
+    received_bytes          Int64    B       bytes of the peers' messages it read
+"""
+)
 
-CONTEXT = _columns(
-    ("uplink_mbit", "float64", "Mbit/s", "the rate this device's uplink was shaped to: "
-     "link.uplink_mbit for the device, else bandwidth_mbit"),
-    ("downlink_mbit", "float64", "Mbit/s", "the rate its downlink was shaped to "
-     "(link.downlink_mbit); empty when unshaped"),
-    ("measured_mbit", "float64", "Mbit/s", "TCP payload rate the probe achieved from this "
-     "device to the next after shaping (its uplink probe)"),
-    ("measured_wire_mbit", "float64", "Mbit/s", "the same as a frame rate: measured_mbit x "
-     "1514/1448 (MTU 1500, TCP timestamps)"),
-    ("downlink_measured_mbit", "float64", "Mbit/s", "TCP payload rate the probe achieved "
-     "into this device from the peer that can send to it fastest (its downlink probe)"),
-    ("downlink_measured_wire_mbit", "float64", "Mbit/s", "the same as a frame rate"),
-    ("rate_flagged", "boolean", "", "the uplink or downlink probe more than 5% off its "
-     "direction's target (as frames): the least of the sender's uplink, the receiver's "
-     "downlink and the pair's rate"),
-    ("trace", "string", "", "the bandwidth trace replayed on the links during the session "
-     "(link.trace), empty for a constant rate"),
-    ("trace_s", "float64", "s", "with a trace: when the inference started, seconds since the "
-     "replay started (looped traces keep counting)"),
-    ("link_rate_mbit", "float64", "Mbit/s", "the rate in force on the links when the "
-     "inference started: bandwidth_mbit, or the trace's step applied by then"),
-    ("est_rate_mbit", "float64", "Mbit/s", "with level_k=auto: the device's own estimate of "
-     "the link rate from the previous inference's messages, which chose this inference's "
-     "level; empty before its first estimate and for other methods"),
-    ("link_sent_bytes", "Int64", "B", "bytes the device's link carried during the whole "
-     "session (its trials, warm-ups, handshakes, TCP/IP headers and ACKs included)"),
-    ("link_stalled_ms", "float64", "ms", "serial emulator: how long the machine held it up "
-     "during this inference, its ports summed (stalls: frames that left more than 1 ms late; "
-     "a message behind one arrives up to that much later); empty on tbf links"),
-    ("clock_offset_ms", "float64", "ms", "device 0's clock minus this device's, from the "
-     "handshake; added to this device's marks"),
-    ("clock_uncertainty_ms", "float64", "ms", "half the best round trip of that measurement"),
-    ("kernel_timestamps", "boolean", "", "arrivals are the kernel's receive timestamps (else "
-     "the receiving thread's clock)"),
-    ("correct", "Int64", "", "correct predictions of the batch on device 0 (labelled inputs)"),
-    ("level_accuracy_pct", "float64", "%", "with report.level_accuracy: the accuracy study's "
-     "top-1 of this method, P and K at the level this device used (level_k), its mean over "
-     "the study's seeds (testbed.results.level_accuracy); empty for other methods"),
-    ("batch", "Int64", "", "inputs per inference"),
-    ("cpus", "float64", "", "CPU allotment per device"),
-    ("threads", "Int64", "", "the worker's torch threads"),
-    ("oversubscribed", "boolean", "", "devices x cpus exceed the host's cores"),
-    ("session_s", "float64", "s", "wall time of the session's workers (start to last exit: "
-     "loading, handshake, warm-ups and every trial of the session)"),
-    ("status", "string", "", "ok, or failed"),
-    ("error", "string", "", "the first line of the failing worker's error"),
-)  # fmt: skip
+CONTEXT = _table(
+    """
+    uplink_mbit                  float64  Mbit/s  the rate this device's uplink was shaped to:
+                                                  link.uplink_mbit for the device, else
+                                                  bandwidth_mbit
+    downlink_mbit                float64  Mbit/s  the rate its downlink was shaped to
+                                                  (link.downlink_mbit); empty when unshaped
+    measured_mbit                float64  Mbit/s  TCP payload rate the probe achieved from this
+                                                  device to the next after shaping (its uplink
+                                                  probe)
+    measured_wire_mbit           float64  Mbit/s  the same as a frame rate: measured_mbit x
+                                                  1514/1448 (MTU 1500, TCP timestamps)
+    downlink_measured_mbit       float64  Mbit/s  TCP payload rate the probe achieved into this
+                                                  device from the peer that can send to it fastest
+                                                  (its downlink probe)
+    downlink_measured_wire_mbit  float64  Mbit/s  the same as a frame rate
+    rate_flagged                 boolean  -       the uplink or downlink probe more than 5% off its
+                                                  direction's target (as frames): the least of the
+                                                  sender's uplink, the receiver's downlink and the
+                                                  pair's rate
+    trace                        string   -       the bandwidth trace replayed on the links during
+                                                  the session (link.trace), empty for a constant
+                                                  rate
+    trace_s                      float64  s       with a trace: when the inference started, seconds
+                                                  since the replay started (looped traces keep
+                                                  counting)
+    link_rate_mbit               float64  Mbit/s  the rate in force on the links when the inference
+                                                  started: bandwidth_mbit, or the trace's step
+                                                  applied by then
+    est_rate_mbit                float64  Mbit/s  with level_k=auto: the device's own estimate of
+                                                  the link rate from the previous inference's
+                                                  messages, which chose this inference's level;
+                                                  empty before its first estimate and for other
+                                                  methods
+    link_sent_bytes              Int64    B       bytes the device's link carried during the whole
+                                                  session (its trials, warm-ups, handshakes, TCP/IP
+                                                  headers and ACKs included)
+    link_stalled_ms              float64  ms      serial emulator: how long the machine held it up
+                                                  during this inference, its ports summed (stalls:
+                                                  frames that left more than 1 ms late; a message
+                                                  behind one arrives up to that much later); empty
+                                                  on tbf links
+    clock_offset_ms              float64  ms      device 0's clock minus this device's, from the
+                                                  handshake; added to this device's marks
+    clock_uncertainty_ms         float64  ms      half the best round trip of that measurement
+    kernel_timestamps            boolean  -       arrivals are the kernel's receive timestamps (else
+                                                  the receiving thread's clock)
+    correct                      Int64    -       correct predictions of the batch on device 0
+                                                  (labelled inputs)
+    level_accuracy_pct           float64  %       with report.level_accuracy: the accuracy study's
+                                                  top-1 of this method, P and K at the level this
+                                                  device used (level_k), its mean over the study's
+                                                  seeds (testbed.results.level_accuracy); empty for
+                                                  other methods
+    batch                        Int64    -       inputs per inference
+    cpus                         float64  -       CPU allotment per device
+    threads                      Int64    -       the worker's torch threads
+    oversubscribed               boolean  -       devices x cpus exceed the host's cores
+    session_s                    float64  s       wall time of the session's workers (start to last
+                                                  exit: loading, handshake, warm-ups and every trial
+                                                  of the session)
+    status                       string   -       ok, or failed
+    error                        string   -       the first line of the failing worker's error
+"""
+)
 
 TRIAL_COLUMNS = IDENTITY + TIMING + VOLUME + CONTEXT
 
-LAYER_MARKS = _columns(
-    ("block", "Int64", "", "the block; its message is the one peers need at this block "
-     "(Trace sends it during the previous block's FFN)"),
-    ("block_start_ms", "float64", "ms", "the block started (from the inference's start)"),
-    ("departed_ms", "float64", "ms", "its message's first byte offered to the kernel"),
-    ("written_ms", "float64", "ms", "the kernel had accepted its last byte (every copy)"),
-    ("arrived_ms", "float64", "ms", "its last byte reached the slowest peer's kernel "
-     "(on this device's time axis)"),
-    ("wait_start_ms", "float64", "ms", "started waiting for the peers' messages"),
-    ("wait_end_ms", "float64", "ms", "had them all (attention starts)"),
-    ("ffn_start_ms", "float64", "ms", "the FFN started"),
-    ("ffn_end_ms", "float64", "ms", "the FFN ended"),
-    ("unique_remote_keys", "Int64", "", "with dedup, the distinct codewords of all peers' "
-     "tokens attended as remote keys (each with log(count) on its logit); empty without"),
-)  # fmt: skip
+LAYER_MARKS = _table(
+    """
+    block               Int64    -       the block; its message is the one peers need at this block
+                                         (Trace sends it during the previous block's FFN)
+    block_start_ms      float64  ms      the block started (from the inference's start)
+    departed_ms         float64  ms      its message's first byte offered to the kernel
+    written_ms          float64  ms      the kernel had accepted its last byte (every copy)
+    arrived_ms          float64  ms      its last byte reached the slowest peer's kernel (on this
+                                         device's time axis)
+    wait_start_ms       float64  ms      started waiting for the peers' messages
+    wait_end_ms         float64  ms      had them all (attention starts)
+    ffn_start_ms        float64  ms      the FFN started
+    ffn_end_ms          float64  ms      the FFN ended
+    unique_remote_keys  Int64    -       with dedup, the distinct codewords of all peers' tokens
+                                         attended as remote keys (each with log(count) on its
+                                         logit); empty without
+"""
+)
 
-_PER_BLOCK = {"effective_ms", "analytic_comm_ms", "analytic_comm_ms_paper",
-              "payload_bits_per_layer", "correct"}  # fmt: skip
+_PER_BLOCK = {
+    "effective_ms",
+    "analytic_comm_ms",
+    "analytic_comm_ms_paper",
+    "payload_bits_per_layer",
+    "correct",
+}
 LAYER_COLUMNS = (
     IDENTITY
     + LAYER_MARKS

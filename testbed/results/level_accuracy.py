@@ -125,8 +125,10 @@ def _read(path: str) -> pd.DataFrame:
             raise ConfigError(f"{FIELD}: {path}: column {name} holds a value that is not a {kind}")
         table[column] = values.astype(int) if whole else values
     if not table["value"].between(0, 100).all():
-        raise ConfigError(f"{FIELD}: {path}: column {value} holds a value outside 0..100 "
-                          "(the study's top-1 in percent)")  # fmt: skip
+        raise ConfigError(
+            f"{FIELD}: {path}: column {value} holds a value outside 0..100 "
+            "(the study's top-1 in percent)"
+        )
     if "K" not in table:  # table7_levels.csv: the finest level is the whole codebook
         trees = table.groupby(["method", "variant", "metric", "devices"])["level_k"]
         table["K"] = trees.transform("max")
@@ -188,8 +190,10 @@ def check_covered(
     above one: its fixed level, or under `level_k: auto` every level of its tree
     (`level_sizes(method, K)`, coarsest first). Raises ConfigError naming `report.*`."""
     if not trace_methods(experiment):
-        raise ConfigError(f"{FIELD}: no method of this experiment uses tree levels (trace-b, "
-                          "trace-nb); leave report.level_accuracy out")  # fmt: skip
+        raise ConfigError(
+            f"{FIELD}: no method of this experiment uses tree levels (trace-b, "
+            "trace-nb); leave report.level_accuracy out"
+        )
     for spec in map(variant_spec, experiment.method_variants()):
         if not spec.is_trace:
             continue

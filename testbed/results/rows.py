@@ -114,8 +114,10 @@ def assemble(
     clocks are only as close to the host's as their NTP keeps them."""
     known = {rank: _known_columns(facts, rank) for rank in facts.plan}
     if records is None:
-        rows = [{**columns, "repeat": -1, "status": "failed", "error": error}
-                for columns in known.values()]  # fmt: skip
+        rows = [
+            {**columns, "repeat": -1, "status": "failed", "error": error}
+            for columns in known.values()
+        ]
         return frame(_with_accuracy(rows, facts), TRIAL_COLUMNS), frame([], LAYER_COLUMNS)
     trials, layers = _measured_rows(known, records, facts.session)
     return frame(_with_accuracy(trials, facts), TRIAL_COLUMNS), frame(layers, LAYER_COLUMNS)
@@ -193,23 +195,27 @@ def _measured_rows(
             if replay is None:
                 link = {"link_rate_mbit": facts["bandwidth_mbit"]}
             else:
-                link = {"link_rate_mbit": replay.rate_at_ns(record.start_ns),
-                        "trace_s": (record.start_ns - replay.start_ns) / 1e9}  # fmt: skip
-            trials.append({
-                **context,
-                **link,
-                "est_rate_mbit": record.est_rate_mbit,
-                "link_stalled_ms": stalled_ms(session.stalls, record.start_ns, record.end_ns),
-                **totals(by_inference[record.inference]),
-                **levels.get(record.inference, {}),
-                "repeat": record.inference,
-                "effective_ms": record.effective_ms,
-                "compute_ms": record.compute_ms,
-                "wait_ms": record.wait_ms,
-                "correct": record.correct,
-                "status": "ok",
-                "error": "",
-            })  # fmt: skip
+                link = {
+                    "link_rate_mbit": replay.rate_at_ns(record.start_ns),
+                    "trace_s": (record.start_ns - replay.start_ns) / 1e9,
+                }
+            trials.append(
+                {
+                    **context,
+                    **link,
+                    "est_rate_mbit": record.est_rate_mbit,
+                    "link_stalled_ms": stalled_ms(session.stalls, record.start_ns, record.end_ns),
+                    **totals(by_inference[record.inference]),
+                    **levels.get(record.inference, {}),
+                    "repeat": record.inference,
+                    "effective_ms": record.effective_ms,
+                    "compute_ms": record.compute_ms,
+                    "wait_ms": record.wait_ms,
+                    "correct": record.correct,
+                    "status": "ok",
+                    "error": "",
+                }
+            )
     return trials, layers
 
 
@@ -221,8 +227,18 @@ def stalled_ms(stalls: list[tuple[int, int]] | None, start_ns: int, end_ns: int)
     return overlap / 1e6
 
 
-SUMMED = ("wait_peer_ms", "wait_link_ms", "wait_wakeup_ms", "comm_ms", "send_ms", "wire_comm_ms",
-          "payload_bits", "message_bytes", "frame_bytes", "received_bytes")  # fmt: skip
+SUMMED = (
+    "wait_peer_ms",
+    "wait_link_ms",
+    "wait_wakeup_ms",
+    "comm_ms",
+    "send_ms",
+    "wire_comm_ms",
+    "payload_bits",
+    "message_bytes",
+    "frame_bytes",
+    "received_bytes",
+)
 
 
 def totals(blocks: list[dict[str, Any]]) -> dict[str, Any]:

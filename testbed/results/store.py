@@ -111,9 +111,18 @@ class Results:
         and the top-1 accuracy (device 0's correct predictions) where the inputs had labels."""
         ok = self.trials[self.trials["status"] == "ok"]
         keys = ["method", "params", "devices", "bandwidth_mbit"]
-        values = ["compute_ms", "comm_ms", "wire_comm_ms", "analytic_comm_ms", "wait_ms",
-                  "wait_peer_ms", "wait_link_ms", "wait_wakeup_ms", "effective_ms",
-                  "measured_mbit"]  # fmt: skip
+        values = [
+            "compute_ms",
+            "comm_ms",
+            "wire_comm_ms",
+            "analytic_comm_ms",
+            "wait_ms",
+            "wait_peer_ms",
+            "wait_link_ms",
+            "wait_wakeup_ms",
+            "effective_ms",
+            "measured_mbit",
+        ]
         table = stats.summarize(ok, keys, values).set_index(keys)
         labelled = ok[(ok["rank"] == 0) & ok["correct"].notna()]
         if len(labelled):

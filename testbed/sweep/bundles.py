@@ -169,17 +169,27 @@ def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path
     from tracevq.fit import fit_random_calibration
 
     settings = experiment.bundle
-    with tqdm(desc=f"codebooks K={K}", unit="codebook", leave=False,
-              disable=None if voice.speaking() else True) as bar:  # fmt: skip
+    with tqdm(
+        desc=f"codebooks K={K}",
+        unit="codebook",
+        leave=False,
+        disable=None if voice.speaking() else True,
+    ) as bar:
 
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
         bundle = fit_random_calibration(
-            experiment.model.name, K, families,
-            model_seed=experiment.model.seed, checkpoint=experiment.model.checkpoint,
-            calibration_inputs=settings.calibration_inputs, code_dim=settings.code_dim,
-            metric=settings.metric, seed=settings.seed, progress=progress,
-        )  # fmt: skip
+            experiment.model.name,
+            K,
+            families,
+            model_seed=experiment.model.seed,
+            checkpoint=experiment.model.checkpoint,
+            calibration_inputs=settings.calibration_inputs,
+            code_dim=settings.code_dim,
+            metric=settings.metric,
+            seed=settings.seed,
+            progress=progress,
+        )
     return bundle.save(path)

@@ -43,10 +43,12 @@ class TrialProgress:
         if self.bar is None:
             total = sum(trials for trials, _ in self.sessions.values())
             self.bar = tqdm(
-                total=total, desc=self.name, unit="trial",
+                total=total,
+                desc=self.name,
+                unit="trial",
                 disable=None if voice.speaking() else True,  # None: only on a terminal
                 bar_format="{desc}: {n_fmt}/{total_fmt} trials |{bar}| {elapsed}{postfix}",
-            )  # fmt: skip
+            )
         expected = self.expected_s(key)
         guess = (
             f"about {voice.duration(expected)}" if expected else "no estimate before one has run"

@@ -240,9 +240,13 @@ class Runner:
 
     def _save_replay(self, replay: TraceReplay, session: str) -> None:
         """What the replay applied and when (CLOCK_REALTIME ns), beside the session's files."""
-        steps = {"trace": replay.trace.name, "start_ns": replay.start_ns,
-                 "asked_ns": replay.asked_ns, "applied_ns": replay.applied_ns,
-                 "applied_mbit": replay.applied_mbit}  # fmt: skip
+        steps = {
+            "trace": replay.trace.name,
+            "start_ns": replay.start_ns,
+            "asked_ns": replay.asked_ns,
+            "applied_ns": replay.applied_ns,
+            "applied_mbit": replay.applied_mbit,
+        }
         write_text(self.run_dir / "sessions" / session / "replay.json", json.dumps(steps))
 
     def _save_link(self, link: LinkState, count: int) -> None:

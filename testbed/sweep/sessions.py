@@ -161,8 +161,9 @@ def run_session(
     argvs = []
     for device in backend.devices:
         outs[device.rank].mkdir(parents=True, exist_ok=True)
-        spec = device_spec(backend, experiment, trials, device, peers, outs[device.rank], files,
-                           link)  # fmt: skip
+        spec = device_spec(
+            backend, experiment, trials, device, peers, outs[device.rank], files, link
+        )
         path = spec.write(outs[device.rank] / "spec.json")
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
     before = link_counters()

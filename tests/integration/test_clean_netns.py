@@ -59,8 +59,11 @@ def two_runs(root: None, tmp_path: Path, monkeypatch) -> Iterator[dict[str, subp
             run_id = f"test-clean-{role}-{uuid.uuid4().hex[:6]}"
             runs[run_id] = subprocess.Popen(
                 [sys.executable, "-c", ORCHESTRATOR, run_id, str(tmp_path / run_id)],
-                cwd=ROOT, stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
-            )  # fmt: skip
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=os.environ.copy(),
+            )
             assert runs[run_id].stdout.readline().strip() == "started"
         yield runs
     finally:
@@ -96,10 +99,16 @@ def test_clean_leaves_a_live_run_alone_and_removes_a_killed_one(two_runs) -> Non
 def test_clean_removes_the_namespace_of_a_killed_qdisc_probe_only() -> None:
     """The qdisc probe's throwaway namespace is named by its process: one left by a dead
     process goes, one of a live process (this one) stays."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    names = [f"tbprobe-{int(dead.stdout)}-{uuid.uuid4().hex[:6]}",
-             f"tbprobe-{os.getpid()}-{uuid.uuid4().hex[:6]}"]  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    names = [
+        f"tbprobe-{int(dead.stdout)}-{uuid.uuid4().hex[:6]}",
+        f"tbprobe-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+    ]
     try:
         for name in names:
             subprocess.run(["ip", "netns", "add", name], check=True)

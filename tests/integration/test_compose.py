@@ -28,17 +28,23 @@ def compose(project: str, out: Path, *args: str, timeout: float = 300):
         str(ROOT / "docker-compose.yml"),
     ]
     return subprocess.run(
-        [*command, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        [*command, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "TESTBED_COMPOSE_OUT": str(out)},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.docker
 @pytest.mark.slow
 def test_docker_compose_up_runs_both_devices_to_the_end_on_a_shaped_link(tmp_path, worker_image):
-    require_or_skip(shutil.which("docker-compose") is not None,
-                    "docker-compose is not installed (apt-get install docker-compose)",
-                    REQUIRE_DOCKER)  # fmt: skip
+    require_or_skip(
+        shutil.which("docker-compose") is not None,
+        "docker-compose is not installed (apt-get install docker-compose)",
+        REQUIRE_DOCKER,
+    )
     project = f"tbtest{secrets.token_hex(3)}"
     try:
         up = compose(project, tmp_path, "up", "--no-color")

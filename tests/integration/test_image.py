@@ -103,9 +103,23 @@ def test_the_image_runs_as_the_unprivileged_worker_with_setpriv_at_hand(worker: 
 
 def test_container_shapes_its_link_with_tbf(worker: Any) -> None:
     """As root (the compose demo's devices shape their own link before dropping to worker)."""
-    _exec(worker, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-          "rate", f"{TBF_RATE_MBIT}mbit", "burst", "32kbit", "latency", "50ms",
-          user="root")  # fmt: skip
+    _exec(
+        worker,
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        "eth0",
+        "root",
+        "tbf",
+        "rate",
+        f"{TBF_RATE_MBIT}mbit",
+        "burst",
+        "32kbit",
+        "latency",
+        "50ms",
+        user="root",
+    )
     shown = _exec(worker, "tc", "qdisc", "show", "dev", "eth0")
     match = re.search(r"qdisc tbf \S+ root .*?rate (\d+)Mbit", shown)
     assert match is not None, shown

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed.results.columns import TRIAL_NAMES
 from testbed.results import load
+from testbed.results.columns import TRIAL_NAMES
 from tracevq.payload import exchanges
 from tracevq.spec import method_spec
 
@@ -112,14 +112,22 @@ def check_voice_and_answer(done: subprocess.CompletedProcess, run_dir: Path) -> 
     """Every phase is said with its time on stderr; stdout ends with the answer table, whose
     figures are the run's own (medians over repetitions, slowest device)."""
     said = re.findall(r"^\[ *\d+:\d\d\] (.*)$", done.stderr, re.MULTILINE)
-    for pattern in (r"small: 2 trials \(2 method variants x 1 rate x 1 device count\)",
-                    r"codebooks K=16: (cached|fitted)", r"devices P=2: done in \d",
-                    r"P=2 5 Mbit/s: serial link, probed (4\.9\d\d|5\.0\d\d), ",
-                    r"P=2 5 Mbit/s: ok in \d", r"figures: \d written in \d"):  # fmt: skip
+    for pattern in (
+        r"small: 2 trials \(2 method variants x 1 rate x 1 device count\)",
+        r"codebooks K=16: (cached|fitted)",
+        r"devices P=2: done in \d",
+        r"P=2 5 Mbit/s: serial link, probed (4\.9\d\d|5\.0\d\d), ",
+        r"P=2 5 Mbit/s: ok in \d",
+        r"figures: \d written in \d",
+    ):
         assert any(re.match(pattern, line) for line in said), (pattern, said)
     lines = done.stdout.splitlines()
-    rows = {name: line for name in ("voltage", "trace-b K=16") for line in lines
-            if re.search(rf"\b{name} +[\d,.]+ \[", line)}  # fmt: skip
+    rows = {
+        name: line
+        for name in ("voltage", "trace-b K=16")
+        for line in lines
+        if re.search(rf"\b{name} +[\d,.]+ \[", line)
+    }
     assert set(rows) == {"voltage", "trace-b K=16"}, done.stdout
     slowest = load(run_dir).trials.groupby(["method", "repeat"])["effective_ms"].max()
     voltage = slowest["voltage"].median()
@@ -246,9 +254,22 @@ def test_interrupt_removes_devices_and_keeps_finished_trials(tmp_path, docker_cl
 def test_reproduce_quick_on_docker(tmp_path, docker_client, worker_image):
     """The CI variant of `make reproduce`: every method on real containers and shaped links,
     results checked in detail, the notebook executed on them, and every report table filled."""
-    done = subprocess.run([sys.executable, "-m", "testbed.reproduce", "--quick", "--out",
-                           str(tmp_path), "--backend", "docker"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "testbed.reproduce",
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--backend",
+            "docker",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (latency,) = (tmp_path / "reproduce-quick-latency").iterdir()
     check_results(latency, trials_expected=2 * 7)
@@ -286,9 +307,11 @@ def test_evaluation_inputs_give_the_in_process_accuracy(tmp_path):
     labels = torch.randint(0, 10, (18,), generator=generator)
     torch.save({"inputs": inputs, "labels": labels}, tmp_path / "eval.pt")
     path = small_experiment(
-        tmp_path, batch=4, methods=[{"name": "voltage"}, {"name": "trace-b", "K": 16}],
+        tmp_path,
+        batch=4,
+        methods=[{"name": "voltage"}, {"name": "trace-b", "K": 16}],
         evaluation={"inputs": str(tmp_path / "eval.pt"), "limit": 17},
-    )  # fmt: skip
+    )
     out = tmp_path / "out"
     done = run_cli(str(path), "--out", str(out), "--backend", "local")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -36,17 +36,19 @@ def no_link_counters() -> dict[int, LinkCounters]:
 
 
 def experiment_of(**changes: Any) -> Any:
-    return parse_experiment({
-        "name": "secret",
-        "model": {"name": "vit-tiny"},
-        "devices": {"count": [2], "cpus": 1, "memory_mb": 1024},
-        "link": {"profile": "ideal", "bandwidth_mbit": [RATE_MBIT], "emulator": "tbf"},
-        "methods": [{"name": "voltage"}],
-        "repeats": 1,
-        "warmup": 0,
-        "timeout_s": 120,
-        **changes,
-    })  # fmt: skip
+    return parse_experiment(
+        {
+            "name": "secret",
+            "model": {"name": "vit-tiny"},
+            "devices": {"count": [2], "cpus": 1, "memory_mb": 1024},
+            "link": {"profile": "ideal", "bandwidth_mbit": [RATE_MBIT], "emulator": "tbf"},
+            "methods": [{"name": "voltage"}],
+            "repeats": 1,
+            "warmup": 0,
+            "timeout_s": 120,
+            **changes,
+        }
+    )
 
 
 def test_a_run_authenticates_its_workers_and_keeps_the_secret_out_of_results(

@@ -125,9 +125,23 @@ def link(root: None) -> Iterator[Link]:
         for name in new.names:
             ip("netns", "add", name)
         ip(
-            "-n", new.names[0], "link", "add", new.interfaces[0], "mtu", str(MTU), "type", "veth",
-            "peer", "name", new.interfaces[1], "netns", new.names[1], "mtu", str(MTU),
-        )  # fmt: skip
+            "-n",
+            new.names[0],
+            "link",
+            "add",
+            new.interfaces[0],
+            "mtu",
+            str(MTU),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            new.interfaces[1],
+            "netns",
+            new.names[1],
+            "mtu",
+            str(MTU),
+        )
         for side in (0, 1):
             ns, interface = new.names[side], new.interfaces[side]
             ip("-n", ns, "addr", "add", f"{new.addresses[side]}/30", "dev", interface)

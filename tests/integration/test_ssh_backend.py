@@ -116,8 +116,12 @@ class Lab:
             }
             for rank, address in enumerate(self.addresses)
         ]
-        return {"known_hosts": str(self.known_hosts), "connect_timeout_s": 4, "boards": boards,
-                **changes}  # fmt: skip
+        return {
+            "known_hosts": str(self.known_hosts),
+            "connect_timeout_s": 4,
+            "boards": boards,
+            **changes,
+        }
 
     def leftovers(self) -> dict[str, list[str]]:
         """What runs on each board besides its sshd listener: `pid (parent pid) state: argv`
@@ -173,8 +177,17 @@ def board_command(lab: Lab, argv: list[str]) -> list[str]:
     empty = lab.directory / "bashrc"
     empty.write_text("")
     mount = f"mount --bind {shlex.quote(str(empty))} {shlex.quote(str(bashrc))}"
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-            f'{mount} && exec "$@"', "board", *argv]  # fmt: skip
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'{mount} && exec "$@"',
+        "board",
+        *argv,
+    ]
 
 
 def _build(lab: Lab) -> None:
@@ -198,25 +211,43 @@ def _build(lab: Lab) -> None:
         name, address = f"tbssh-{lab.tag}-b{rank}", str(subnet[rank + 1])
         sh("ip", "netns", "add", name)
         lab.namespaces.append(name)
-        sh("ip", "-n", switch, "link", "add", f"p{rank}", "type", "veth", "peer", "name",
-           BOARD_INTERFACE, "netns", name)  # fmt: skip
+        sh(
+            "ip",
+            "-n",
+            switch,
+            "link",
+            "add",
+            f"p{rank}",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            BOARD_INTERFACE,
+            "netns",
+            name,
+        )
         sh("ip", "-n", switch, "link", "set", f"p{rank}", "master", "br0", "up")
         sh("ip", "-n", name, "link", "set", "lo", "up")
         sh("ip", "-n", name, "addr", "add", f"{address}/{subnet.prefixlen}", "dev", BOARD_INTERFACE)
         sh("ip", "-n", name, "link", "set", BOARD_INTERFACE, "up")
         config = lab.directory / f"sshd-{rank}.conf"
         config.write_text(
-            SSHD_CONFIG.format(address=address, authorized_keys=authorized,
-                               host_key=_keygen(lab.directory / f"host-{rank}"))
-        )  # fmt: skip
+            SSHD_CONFIG.format(
+                address=address,
+                authorized_keys=authorized,
+                host_key=_keygen(lab.directory / f"host-{rank}"),
+            )
+        )
         log = open(lab.directory / f"sshd-{rank}.log", "w")  # noqa: SIM115 - closed with sshd
         sshd = ["ip", "netns", "exec", name, SSHD, "-D", "-e", "-f", str(config)]
         lab.sshd.append(
             subprocess.Popen(
                 board_command(lab, sshd),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-        )  # fmt: skip
+        )
         lab.addresses.append(address)
     for address in lab.addresses:
         _wait_for_port(address)
@@ -400,11 +431,17 @@ def simulated_logits(experiment, trial, bundle_path: Path | None) -> np.ndarray:
         bundle = tracevq.Bundle.load(bundle_path) if bundle_path is not None else None
         logits = [
             tracevq.simulate(
-                model, generated_batch(model.config, experiment.batch, 0, index), trial.method,
-                trial.devices, bundle=bundle, **trial.method_params,
-            ).logits.detach().numpy()
+                model,
+                generated_batch(model.config, experiment.batch, 0, index),
+                trial.method,
+                trial.devices,
+                bundle=bundle,
+                **trial.method_params,
+            )
+            .logits.detach()
+            .numpy()
             for index in range(experiment.repeats)
-        ]  # fmt: skip
+        ]
     finally:
         torch.set_num_threads(threads)
     return np.stack(logits)  # (inferences, B, classes)
@@ -531,8 +568,11 @@ def test_the_experiment_runs_on_the_boards_through_testbed_run(lab: Lab, tmp_pat
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "testbed.run", str(path), "--out", str(out)],
-        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = out.glob("*/*")
     results = load(run_dir)
@@ -619,12 +659,14 @@ def board_qdiscs(lab: Lab) -> list[str]:
 def test_an_interrupted_controller_leaves_no_worker_on_the_boards(lab: Lab, tmp_path, signum):
     controller = subprocess.Popen(
         [sys.executable, "-c", CONTROLLER, json.dumps(lab.inventory()), str(tmp_path / "run")],
-        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         # as from a terminal: pytest started in the background of a shell without job control
         # passes SIGINT on ignored, and the controller would then sleep through the Ctrl-C
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    )
     try:
         assert controller.stdout.readline() == "ready\n", controller.stderr.read()[-2000:]
         deadline = time.monotonic() + 20
@@ -642,10 +684,33 @@ def test_an_interrupted_controller_leaves_no_worker_on_the_boards(lab: Lab, tmp_
         controller.kill()
         controller.wait(10)
         for name in lab.namespaces[1:]:  # what only a teardown could have undone
-            sh("ip", "netns", "exec", name, "tc", "qdisc", "del", "dev", BOARD_INTERFACE, "root",
-               check=False)  # fmt: skip
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "tc",
+                "qdisc",
+                "del",
+                "dev",
+                BOARD_INTERFACE,
+                "root",
+                check=False,
+            )
             sh("ip", "-n", name, "link", "set", BOARD_INTERFACE, "gso_max_segs", "65535")
-            sh("ip", "netns", "exec", name, "ethtool", "-K", BOARD_INTERFACE, "gso", "on", "tso",
-               "on", check=False)  # fmt: skip
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "ethtool",
+                "-K",
+                BOARD_INTERFACE,
+                "gso",
+                "on",
+                "tso",
+                "on",
+                check=False,
+            )
         for path in remote_run_dirs(lab):
             shutil.rmtree(path)

@@ -32,15 +32,20 @@ def trace_experiment(tmp_path):
         "name": "trace-test",
         "model": {"name": "vit-tiny"},
         "devices": {"count": [2], "cpus": 1, "memory_mb": 1024},
-        "link": {"profile": "ideal", "emulator": "serial", "trace": "step-20-2-20.csv",
-                 "trace_stretch": STRETCH, "probe_s": 0.2},
+        "link": {
+            "profile": "ideal",
+            "emulator": "serial",
+            "trace": "step-20-2-20.csv",
+            "trace_stretch": STRETCH,
+            "probe_s": 0.2,
+        },
         "methods": [{"name": "trace-b", "K": 16, "level_k": "auto", "dedup": False}],
         "bundle": {"calibration_inputs": 16},
         "batch": 256,
         "repeats": 120,
         "warmup": 1,
         "timeout_s": 300,
-    }  # fmt: skip
+    }
     path = tmp_path / "trace.yaml"
     path.write_text(yaml.safe_dump(experiment))
     return path
@@ -119,8 +124,13 @@ def test_auto_follows_each_devices_own_uplink(tmp_path):
     fixed latency, and its budget is its FFN time (about 1-3 ms here). On a fast day some of
     its inferences drop to the coarsest level (seen: 8, 8, 4, 4, 4, 4, 4, 4, 2): its levels
     are compared on the mean, device 0's on the finest it used."""
-    link = {"profile": "ideal", "emulator": "serial", "bandwidth_mbit": 20,
-            "uplink_mbit": {0: 0.25}, "probe_s": 0.2}  # fmt: skip
+    link = {
+        "profile": "ideal",
+        "emulator": "serial",
+        "bandwidth_mbit": 20,
+        "uplink_mbit": {0: 0.25},
+        "probe_s": 0.2,
+    }
     trials = load(run_changed(tmp_path, "uplinks", link=link, repeats=12)[0]).trials
     later = trials[trials["repeat"] >= 3]  # the echoes are back after two inferences
     slow, fast = (later[later["rank"] == rank] for rank in (0, 1))
@@ -143,8 +153,9 @@ def test_every_inference_gets_the_accuracy_of_the_level_it_used(tmp_path):
             lines.append(row + ",0,0,100,3")
     table = tmp_path / "table7_levels.csv"
     table.write_text("\n".join(lines) + "\n")
-    run_dir, done = run_changed(tmp_path, "levels", report={"level_accuracy": str(table)},
-                                repeats=20)  # fmt: skip
+    run_dir, done = run_changed(
+        tmp_path, "levels", report={"level_accuracy": str(table)}, repeats=20
+    )
     trials = load(run_dir).trials
     assert (trials["status"] == "ok").all() and trials["level_k"].notna().all()
     assert (trials["level_accuracy_pct"] == trials["level_k"].map(top1)).all()

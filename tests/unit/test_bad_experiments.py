@@ -194,7 +194,7 @@ CASES: list[tuple[str, str, str]] = [
             "methods: [{name: astra, K: [" + ", ".join(str(k) for k in range(2, 62)) + "]}]\n",
         ),
         "12,000 trials",
-    ),  # fmt: skip
+    ),
     # names used as directories
     ("name-dotdot", exp("", name="name: ../../x\n"), "name: experiment name '../../x'"),
     ("name-absolute", exp("", name="name: /abs/path\n"), "name: experiment name '/abs/path'"),
@@ -438,8 +438,11 @@ def test_real_subprocess(tmp_path, case):
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "testbed.run", str(path), "--dry-run", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.splitlines()) == 1 and expected in done.stderr, done.stderr
     assert not out.exists()
@@ -453,8 +456,11 @@ def test_real_subprocess_binary_file_and_out_file(tmp_path):
     for args in ([str(binary)], [str(ROOT / "experiments" / "smoke.yaml")]):
         done = subprocess.run(
             [sys.executable, "-m", "testbed.run", *args, "--dry-run", "--out", str(out_file)],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert out_file.read_text() == ""
 
@@ -497,11 +503,16 @@ def small_bundle(tmp_path_factory) -> Path:
     ],
     ids=["family", "K", "level", "floor"],
 )
-def test_a_given_bundle_without_what_the_methods_ask_for(capsys, tmp_path, small_bundle, method,
-                                                         expected):  # fmt: skip
+def test_a_given_bundle_without_what_the_methods_ask_for(
+    capsys, tmp_path, small_bundle, method, expected
+):
     path = tmp_path / "bad.yaml"
-    path.write_text(exp(f"model: {{name: vit-tiny}}\nbundle: {{path: {small_bundle}}}\n",
-                        f"methods: [{method}]\n"))  # fmt: skip
+    path.write_text(
+        exp(
+            f"model: {{name: vit-tiny}}\nbundle: {{path: {small_bundle}}}\n",
+            f"methods: [{method}]\n",
+        )
+    )
     line = refused(capsys, tmp_path, [str(path)])
     assert f"bundle.path: {small_bundle}" in line and expected in line
 

@@ -81,8 +81,9 @@ def test_deb822_format_skips_disabled_and_source_stanzas() -> None:
 
 
 def test_mirror_needs_the_suite_itself_with_main() -> None:
-    security_only = [AptSource("http://deb.debian.org/debian-security", ("bookworm-security",),
-                               ("main",))]  # fmt: skip
+    security_only = [
+        AptSource("http://deb.debian.org/debian-security", ("bookworm-security",), ("main",))
+    ]
     with pytest.raises(ImageError, match="no Debian mirror for suite 'bookworm'"):
         choose_mirror(security_only)
     cdrom = [AptSource("cdrom:[Debian 12]/", ("bookworm",), ("main",))]
@@ -125,8 +126,12 @@ def test_project_wheelhouse_holds_what_the_worker_imports() -> None:
 def test_wheel_platforms_cover_every_glibc_up_to_bookworm() -> None:
     tags = wheel_platforms("x86_64", glibc_minor=36)
     assert tags[0] == "manylinux_2_36_x86_64"
-    assert {"manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-            "manylinux1_x86_64"} <= set(tags)  # fmt: skip
+    assert {
+        "manylinux_2_28_x86_64",
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+        "manylinux1_x86_64",
+    } <= set(tags)
     assert "manylinux_2_37_x86_64" not in tags
     assert "manylinux1_aarch64" not in wheel_platforms("aarch64")
 

@@ -27,8 +27,9 @@ except KeyboardInterrupt:
 
 
 def test_an_interrupt_dropped_inside_a_fork_callback_is_raised_at_the_next_check():
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert "Exception ignored" in done.stderr  # the interrupt really was dropped there
     assert done.stdout == "went on\n"
     assert done.returncode == 130, done.stderr

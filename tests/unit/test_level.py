@@ -48,12 +48,32 @@ def inference(method, level: int, rate_mbit: float, ffn_ms: float, echo_mbit: fl
         sent_here = 1_000_000_000 * (block + 1)
         arrival = sent_here + link_ns
         echo = None if echo_mbit is None else round(8e6 / echo_mbit)  # ps per byte
-        arrivals.append(ArrivalRecord("r", 0, block, 1, message, arrival, arrival + 10_000,
-                                      sent_here + OFFSET_NS, echo))  # fmt: skip
+        arrivals.append(
+            ArrivalRecord(
+                "r", 0, block, 1, message, arrival, arrival + 10_000, sent_here + OFFSET_NS, echo
+            )
+        )
         start = sent_here - 2_000_000
         ffn_end = start + round(ffn_ms * 1e6)
-        blocks.append(BlockRecord("r", 0, block, ffn_ms, 0.0, 0, 0, message, start, None, None,
-                                  None, None, start, ffn_end))  # fmt: skip
+        blocks.append(
+            BlockRecord(
+                "r",
+                0,
+                block,
+                ffn_ms,
+                0.0,
+                0,
+                0,
+                message,
+                start,
+                None,
+                None,
+                None,
+                None,
+                start,
+                ffn_end,
+            )
+        )
     return arrivals, blocks
 
 

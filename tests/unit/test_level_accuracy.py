@@ -26,11 +26,24 @@ def top1(variant: str, metric: str, devices: int, level_k: int, K: int = 64) -> 
 def table7(path: Path, K: int = 64, variants=("kmeans", "ema")) -> Path:
     """table7_levels.csv's shape: no K column, mean over seeds per level."""
     rows = [
-        dict(method="trace-b", variant=v, metric=m, devices=p, level=i, level_k=k,
-             mean=top1(v, m, p, k, K), std=0.5, min=0, max=100, n=3)
-        for v in variants for m in ("euclidean", "cosine") for p in (2, 3)
+        dict(
+            method="trace-b",
+            variant=v,
+            metric=m,
+            devices=p,
+            level=i,
+            level_k=k,
+            mean=top1(v, m, p, k, K),
+            std=0.5,
+            min=0,
+            max=100,
+            n=3,
+        )
+        for v in variants
+        for m in ("euclidean", "cosine")
+        for p in (2, 3)
         for i, k in enumerate(level_sizes_for(K, 2))
-    ]  # fmt: skip
+    ]
     pd.DataFrame(rows).to_csv(path, index=False)
     return path
 
@@ -44,21 +57,33 @@ def results_csv(path: Path) -> Path:
             for v in ("kmeans", "ema", "gradient"):
                 sizes = level_sizes_for(K, 2) if v != "gradient" else [K]
                 rows += [
-                    dict(method="trace-b", devices=2, accuracy=top1(v, "euclidean", 2, k, K)
-                         + shift, variant=v, seed=seed, K=K, level_k=k, metric="euclidean")
+                    dict(
+                        method="trace-b",
+                        devices=2,
+                        accuracy=top1(v, "euclidean", 2, k, K) + shift,
+                        variant=v,
+                        seed=seed,
+                        K=K,
+                        level_k=k,
+                        metric="euclidean",
+                    )
                     for k in sizes
-                ]  # fmt: skip
+                ]
     pd.DataFrame(rows).to_csv(path, index=False)
     return path
 
 
 def experiment(table: Path, level_k="auto", bundle: str | None = None, **report):
-    return parse_experiment({
-        "name": "x", "model": {"name": "vit-tiny"}, "devices": {"count": [2]},
-        "methods": [{"name": "trace-b", "K": 64, "level_k": level_k}, {"name": "voltage"}],
-        "bundle": {"path": bundle} if bundle else {},
-        "report": {"level_accuracy": str(table), **report},
-    })  # fmt: skip
+    return parse_experiment(
+        {
+            "name": "x",
+            "model": {"name": "vit-tiny"},
+            "devices": {"count": [2]},
+            "methods": [{"name": "trace-b", "K": 64, "level_k": level_k}, {"name": "voltage"}],
+            "bundle": {"path": bundle} if bundle else {},
+            "report": {"level_accuracy": str(table), **report},
+        }
+    )
 
 
 def test_a_run_that_loads_a_fine_tuned_bundle_matches_its_fine_tuned_rows(tmp_path):
@@ -77,9 +102,12 @@ def test_a_run_that_fits_its_codebooks_matches_k_means_rows(tmp_path):
 def test_the_tree_metric_and_a_named_variant_choose_the_rows(tmp_path):
     path = table7(tmp_path / "t7.csv")
     chosen = experiment(path, bundle="b.pt", variant="kmeans").model_copy(
-        update={"bundle": parse_experiment({"name": "x", "methods": [{"name": "voltage"}],
-                                            "bundle": {"metric": "cosine"}}).bundle}
-    )  # fmt: skip
+        update={
+            "bundle": parse_experiment(
+                {"name": "x", "methods": [{"name": "voltage"}], "bundle": {"metric": "cosine"}}
+            ).bundle
+        }
+    )
     table = load_level_accuracy(chosen)
     assert (table.variant, table.metric) == ("kmeans", "cosine")
     assert table.pct[("trace-b", 2, 64, 64)] == 30.0

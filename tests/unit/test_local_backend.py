@@ -129,11 +129,18 @@ def test_device_command_enters_the_namespace_pins_and_limits_memory() -> None:
     assert device_command("tb-x-d0", argv) == ["ip", "netns", "exec", "tb-x-d0", *argv]
     pinned = device_command("tb-x-d1", argv, cpuset="2,3", memory_mb=512)
     assert pinned == [
-        "ip", "netns", "exec", "tb-x-d1",
-        "taskset", "-c", "2,3",
-        "prlimit", f"--data={512 * 2**20}:{512 * 2**20}", "--",
+        "ip",
+        "netns",
+        "exec",
+        "tb-x-d1",
+        "taskset",
+        "-c",
+        "2,3",
+        "prlimit",
+        f"--data={512 * 2**20}:{512 * 2**20}",
+        "--",
         *argv,
-    ]  # fmt: skip
+    ]
 
 
 def test_start_without_root_is_a_device_error_and_creates_nothing(

@@ -28,8 +28,12 @@ def state(tmp_path, monkeypatch) -> Path:
 
 
 def dead_pid() -> int:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(done.stdout)
 
 
@@ -103,8 +107,12 @@ except KeyboardInterrupt:
 
 
 def test_sigterm_releases_the_lock(state, tmp_path):
-    process = subprocess.Popen([sys.executable, "-c", HOLDER, "run-4", str(tmp_path / "run-4")],
-                               cwd=ROOT, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "run-4", str(tmp_path / "run-4")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert process.stdout.readline().strip() == "locked"
         assert read_locks()["run-4"].pid == process.pid

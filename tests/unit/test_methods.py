@@ -88,8 +88,10 @@ def test_payload_bits_and_wire_bytes_match_the_analytic_table(
     depth = model.config.depth
     assert result.payload_bits.shape == (depth, devices)
     # exact-embedding placements ("1 A.*", "2 A") send nothing for block 0
-    sent = [block > 0 or spec.resolved_placement is None or spec.resolved_placement.sends_vq0
-            for block in range(depth)]  # fmt: skip
+    sent = [
+        block > 0 or spec.resolved_placement is None or spec.resolved_placement.sends_vq0
+        for block in range(depth)
+    ]
     for block, block_bits in enumerate(result.payload_bits):
         assert block_bits.tolist() == (analytic if sent[block] else [0] * devices)
     assert (result.payload_bits.sum(axis=0) == [exchanges(spec, depth) * a for a in analytic]).all()

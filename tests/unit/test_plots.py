@@ -14,8 +14,14 @@ VARIANTS = [  # method, params, K, level_k, payload bits per layer (deliberately
     ("trace-nb", "K=64", 64, 64, 62),
     ("prism", "segment=4", pd.NA, pd.NA, 6144),
 ]
-ORDER = ["voltage", "prism segment=4", "astra K=64", "trace-nb K=64",
-         "trace-b K=64 level_k=64", "trace-b K=64 level_k=4"]  # fmt: skip
+ORDER = [
+    "voltage",
+    "prism segment=4",
+    "astra K=64",
+    "trace-nb K=64",
+    "trace-b K=64 level_k=64",
+    "trace-b K=64 level_k=4",
+]
 
 
 def toy_results(tmp_path, repeats: int = 3) -> Results:
@@ -29,15 +35,30 @@ def toy_results(tmp_path, repeats: int = 3) -> Results:
                     wire = 12 * (bits + 528) / (rate * 1e3)
                     parts = generator.uniform(0.5, 1.5, 3) * [0.5, wire * 0.8, 0.1]
                     compute = 5.0 + generator.uniform()
-                    rows.append(dict(
-                        method=method, params=params, K=k, level_k=level_k, devices=2,
-                        rank=rank, repeat=repeat, bandwidth_mbit=rate, status="ok",
-                        compute_ms=compute, wait_peer_ms=parts[0], wait_link_ms=parts[1],
-                        wait_wakeup_ms=parts[2], wait_ms=parts.sum(),
-                        effective_ms=compute + parts.sum(), comm_ms=wire * 0.9,
-                        wire_comm_ms=wire, analytic_comm_ms=12 * bits / (rate * 1e3),
-                        payload_bits_per_layer=bits, measured_mbit=rate * 0.956,
-                    ))  # fmt: skip
+                    rows.append(
+                        dict(
+                            method=method,
+                            params=params,
+                            K=k,
+                            level_k=level_k,
+                            devices=2,
+                            rank=rank,
+                            repeat=repeat,
+                            bandwidth_mbit=rate,
+                            status="ok",
+                            compute_ms=compute,
+                            wait_peer_ms=parts[0],
+                            wait_link_ms=parts[1],
+                            wait_wakeup_ms=parts[2],
+                            wait_ms=parts.sum(),
+                            effective_ms=compute + parts.sum(),
+                            comm_ms=wire * 0.9,
+                            wire_comm_ms=wire,
+                            analytic_comm_ms=12 * bits / (rate * 1e3),
+                            payload_bits_per_layer=bits,
+                            measured_mbit=rate * 0.956,
+                        )
+                    )
     trials = pd.DataFrame(rows)
     plan = trials[trials["repeat"] == 0].drop(columns=["repeat"])
     plan = plan.assign(params=plan["params"].replace("", np.nan))  # as plan.csv reads back
@@ -58,9 +79,12 @@ def test_every_figure_orders_variants_by_method_then_decreasing_level(tmp_path):
 def test_make_figures_writes_every_figure(tmp_path):
     paths = make_figures(toy_results(tmp_path))
     assert [p.name for p in paths] == [
-        "latency.png", "effective_vs_bandwidth.png", "comm_vs_bandwidth.png",
-        "measured_vs_analytic.png", "compression.png",
-    ]  # fmt: skip
+        "latency.png",
+        "effective_vs_bandwidth.png",
+        "comm_vs_bandwidth.png",
+        "measured_vs_analytic.png",
+        "compression.png",
+    ]
     assert all(p.stat().st_size > 10_000 for p in paths)
 
 
@@ -88,15 +112,33 @@ def trace_results(tmp_path, accuracy: dict[int, float] | None = None) -> Results
             used = level or (4 if rate == 1.0 else 64)
             slow = used == 64 and rate == 1.0
             for rank in range(2):
-                rows.append(dict(
-                    method="trace-b", params=params, K=64, level_k=used, devices=2, rank=rank,
-                    repeat=repeat, bandwidth_mbit=13.667, status="ok", trace="step-20-1-20",
-                    trace_s=t + 0.01 * rank, link_rate_mbit=rate, effective_ms=150.0 if slow
-                    else 100.0 + rank, comm_ms=50.0 if slow else 3.0, compute_ms=95.0,
-                    wait_ms=5.0, wait_peer_ms=1.0, wait_link_ms=3.0, wait_wakeup_ms=1.0,
-                    wire_comm_ms=3.0, analytic_comm_ms=2.0, payload_bits_per_layer=1000,
-                    measured_mbit=19.1,
-                ))  # fmt: skip
+                rows.append(
+                    dict(
+                        method="trace-b",
+                        params=params,
+                        K=64,
+                        level_k=used,
+                        devices=2,
+                        rank=rank,
+                        repeat=repeat,
+                        bandwidth_mbit=13.667,
+                        status="ok",
+                        trace="step-20-1-20",
+                        trace_s=t + 0.01 * rank,
+                        link_rate_mbit=rate,
+                        effective_ms=150.0 if slow else 100.0 + rank,
+                        comm_ms=50.0 if slow else 3.0,
+                        compute_ms=95.0,
+                        wait_ms=5.0,
+                        wait_peer_ms=1.0,
+                        wait_link_ms=3.0,
+                        wait_wakeup_ms=1.0,
+                        wire_comm_ms=3.0,
+                        analytic_comm_ms=2.0,
+                        payload_bits_per_layer=1000,
+                        measured_mbit=19.1,
+                    )
+                )
                 if accuracy is not None:
                     rows[-1]["level_accuracy_pct"] = accuracy[used]
     trials = pd.DataFrame(rows)

@@ -20,10 +20,24 @@ MS = 1_000_000  # ns
 def row_facts(devices: int = 2, rate_mbit: float = 1.0) -> RowFacts:
     """The facts of a voltage trial at `rate_mbit` (no probe: nothing measured the link)."""
     plan = {
-        rank: PlanRow("t", "e", "vit-tiny", "voltage", devices, rank, rate_mbit, None, None, None,
-                      "", 0, 0.0, 0.0)
+        rank: PlanRow(
+            "t",
+            "e",
+            "vit-tiny",
+            "voltage",
+            devices,
+            rank,
+            rate_mbit,
+            None,
+            None,
+            None,
+            "",
+            0,
+            0.0,
+            0.0,
+        )
         for rank in range(devices)
-    }  # fmt: skip
+    }
     run = RunFacts("run", "local", "serial", batch=1, cpus=1.0, threads=1, oversubscribed=False)
     return RowFacts(plan, run, LinkState(rate_mbit), HostSessionFacts("s"))
 
@@ -56,10 +70,23 @@ def test_frame_bytes_count_a_header_per_segment(message, frames):
 
 def block(rank_clock: int, block: int, **marks) -> BlockRecord:
     """A block of inference 0 whose marks are `rank_clock` + ms offsets."""
-    base = dict(run="t", inference=0, block=block, compute_ms=1.0, wait_ms=0.0,
-                payload_bits=107, message_bytes=14, received_bytes=14, start_ns=0,
-                departed_ns=None, written_ns=None, wait_start_ns=None, wait_end_ns=None,
-                ffn_start_ns=0, ffn_end_ns=0)  # fmt: skip
+    base = dict(
+        run="t",
+        inference=0,
+        block=block,
+        compute_ms=1.0,
+        wait_ms=0.0,
+        payload_bits=107,
+        message_bytes=14,
+        received_bytes=14,
+        start_ns=0,
+        departed_ns=None,
+        written_ns=None,
+        wait_start_ns=None,
+        wait_end_ns=None,
+        ffn_start_ns=0,
+        ffn_end_ns=0,
+    )
     for key, value in marks.items():
         base[key] = None if value is None else rank_clock + round(value * MS)
     if "wait_start_ns" in marks:
@@ -69,13 +96,24 @@ def block(rank_clock: int, block: int, **marks) -> BlockRecord:
 
 def device(rank: int, clock_ns: int, offset_to_0_ns: int, blocks, arrivals) -> DeviceRecords:
     offset = offset_to_0_ns if rank else -offset_to_0_ns
-    session = SessionFacts(status="done", rank=rank, devices=2, spec={},
-                           clock_offset_ns={1 - rank: offset},
-                           clock_uncertainty_ns={1 - rank: 20_000},
-                           kernel_timestamps=True)  # fmt: skip
-    inference = InferenceRecord(run="t", inference=0, start_ns=clock_ns,
-                                end_ns=clock_ns + 10 * MS, compute_ms=8.0, wait_ms=2.0,
-                                effective_ms=10.0)  # fmt: skip
+    session = SessionFacts(
+        status="done",
+        rank=rank,
+        devices=2,
+        spec={},
+        clock_offset_ns={1 - rank: offset},
+        clock_uncertainty_ns={1 - rank: 20_000},
+        kernel_timestamps=True,
+    )
+    inference = InferenceRecord(
+        run="t",
+        inference=0,
+        start_ns=clock_ns,
+        end_ns=clock_ns + 10 * MS,
+        compute_ms=8.0,
+        wait_ms=2.0,
+        effective_ms=10.0,
+    )
     return DeviceRecords(session, [inference], blocks, arrivals)
 
 
@@ -91,13 +129,41 @@ def test_comm_and_wait_split_on_aligned_clocks(skew_s):
     zero = 1_000_000_000_000_000
     one = zero + skew
     records = {
-        0: device(0, zero, 0, [block(zero, 0, start_ns=0, departed_ns=1.0, written_ns=1.1,
-                                     wait_start_ns=2.0, wait_end_ns=2.1)],
-                  [ArrivalRecord("t", 0, 0, 1, 14, zero + round(0.4 * MS), zero + 2 * MS)]),
-        1: device(1, one, -skew, [block(one, 0, start_ns=0, departed_ns=0.2, written_ns=0.3,
-                                        wait_start_ns=0.5, wait_end_ns=3.4)],
-                  [ArrivalRecord("t", 0, 0, 0, 14, one + 3 * MS, one + round(3.3 * MS))]),
-    }  # fmt: skip
+        0: device(
+            0,
+            zero,
+            0,
+            [
+                block(
+                    zero,
+                    0,
+                    start_ns=0,
+                    departed_ns=1.0,
+                    written_ns=1.1,
+                    wait_start_ns=2.0,
+                    wait_end_ns=2.1,
+                )
+            ],
+            [ArrivalRecord("t", 0, 0, 1, 14, zero + round(0.4 * MS), zero + 2 * MS)],
+        ),
+        1: device(
+            1,
+            one,
+            -skew,
+            [
+                block(
+                    one,
+                    0,
+                    start_ns=0,
+                    departed_ns=0.2,
+                    written_ns=0.3,
+                    wait_start_ns=0.5,
+                    wait_end_ns=3.4,
+                )
+            ],
+            [ArrivalRecord("t", 0, 0, 0, 14, one + 3 * MS, one + round(3.3 * MS))],
+        ),
+    }
     trials, layers = assemble(row_facts(), records)
     assert list(trials.columns) == TRIAL_NAMES and list(layers.columns) == LAYER_NAMES
     zero_row, one_row = trials.iloc[0], trials.iloc[1]
@@ -107,7 +173,10 @@ def test_comm_and_wait_split_on_aligned_clocks(skew_s):
     assert one_row["clock_offset_ms"] == pytest.approx(-skew / MS)
     assert one_row["clock_uncertainty_ms"] == pytest.approx(0.02)
     assert (one_row["wait_peer_ms"], one_row["wait_link_ms"], one_row["wait_wakeup_ms"]) == (
-        pytest.approx(0.5), pytest.approx(2.0), pytest.approx(0.4))  # fmt: skip
+        pytest.approx(0.5),
+        pytest.approx(2.0),
+        pytest.approx(0.4),
+    )
     assert (zero_row["wait_peer_ms"], zero_row["wait_link_ms"]) == (0.0, 0.0)
     assert zero_row["wait_wakeup_ms"] == pytest.approx(0.1)
     assert zero_row["wire_comm_ms"] == pytest.approx(80 * 8 / 1e3)  # 14 B + 66 B of headers

@@ -57,8 +57,12 @@ def test_tc_commands_get_sudo_when_the_user_is_not_root():
 
 def test_a_rendered_line_gives_the_board_exactly_our_arguments(tmp_path):
     awkward = ["a b", "it's", '"q"', "$HOME", "; rm -rf /", "new\nline", "*", ""]
-    argv = [sys.executable, "-c", "import json, os, sys; print(json.dumps([os.getcwd(), "
-            "os.environ['K'], sys.argv[1:]]))", *awkward]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-c",
+        "import json, os, sys; print(json.dumps([os.getcwd(), os.environ['K'], sys.argv[1:]]))",
+        *awkward,
+    ]
     line = shell_line(argv, cwd=str(tmp_path), env={"K": "v w"})
     done = run_line(line, check=True)
     assert json.loads(done.stdout) == [str(tmp_path), "v w", awkward]
@@ -212,9 +216,11 @@ def test_the_check_and_batch_scripts_report_as_json():
     found = json.loads(
         subprocess.run(
             [sys.executable, "-c", CHECK, json.dumps(WORKER_MODULES)],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
-    )  # fmt: skip
+    )
     assert found["python"].startswith("3.") and found["cores"] >= 1
     assert set(found["modules"]) == set(WORKER_MODULES) and found["modules"]["torch"]
     assert found["binds"] is None
@@ -222,17 +228,21 @@ def test_the_check_and_batch_scripts_report_as_json():
         found = json.loads(
             subprocess.run(
                 [sys.executable, "-c", CHECK, json.dumps(WORKER_MODULES), address],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout
-        )  # fmt: skip
+        )
         assert found["binds"][0] == code, found["binds"]
     commands = [["sh", "-c", "echo a; exit 2"], ["/nonexistent/tool"]]
     results = json.loads(
         subprocess.run(
             [sys.executable, "-c", BATCH, json.dumps(commands)],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
-    )  # fmt: skip
+    )
     assert results[0] == [2, "a\n", ""]
     assert results[1][0] == 127 and "/nonexistent/tool" in results[1][2]
     assert shlex.split(shell_line(["a b"]))[-1] == "a b"

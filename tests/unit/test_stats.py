@@ -88,10 +88,18 @@ def toy_trials() -> pd.DataFrame:
             for rank in range(2):
                 effective = base * (1 + repeat) + rank * 2  # device 1 is 2 ms slower
                 rows.append(
-                    dict(method=method, params=pd.NA, devices=2, bandwidth_mbit=10.0,
-                         repeat=repeat, rank=rank, status="ok", effective_ms=effective,
-                         wait_ms=float(rank))
-                )  # fmt: skip
+                    dict(
+                        method=method,
+                        params=pd.NA,
+                        devices=2,
+                        bandwidth_mbit=10.0,
+                        repeat=repeat,
+                        rank=rank,
+                        status="ok",
+                        effective_ms=effective,
+                        wait_ms=float(rank),
+                    )
+                )
     rows.append(dict(rows[0], status="failed", repeat=-1, effective_ms=1e6))
     return pd.DataFrame(rows)
 
@@ -100,9 +108,18 @@ def test_summarize_averages_devices_then_takes_medians_over_repetitions():
     keys = ["method", "params", "devices", "bandwidth_mbit"]
     table = summarize(toy_trials(), keys, ["effective_ms", "wait_ms"]).set_index("method")
     assert list(table.columns) == [
-        "params", "devices", "bandwidth_mbit", "n", "effective_ms", "effective_ms_low",
-        "effective_ms_high", "wait_ms", "wait_ms_low", "wait_ms_high", "level",
-    ]  # fmt: skip
+        "params",
+        "devices",
+        "bandwidth_mbit",
+        "n",
+        "effective_ms",
+        "effective_ms_low",
+        "effective_ms_high",
+        "wait_ms",
+        "wait_ms_low",
+        "wait_ms_high",
+        "level",
+    ]
     voltage = table.loc["voltage"]
     assert voltage["n"] == 3
     # per repetition the mean of the two devices: 101, 201, 301

@@ -67,16 +67,29 @@ def free_ports(count: int) -> list[int]:
 def method_run(case: str, bundle: Path | None, inferences: int = 1) -> MethodRun:
     method, params = METHODS[case]
     uses_bundle = method in ("astra", "trace-b", "trace-nb")
-    return MethodRun(id=case, method=method, params=params,
-                     bundle=bundle if uses_bundle else None, inferences=inferences)  # fmt: skip
+    return MethodRun(
+        id=case,
+        method=method,
+        params=params,
+        bundle=bundle if uses_bundle else None,
+        inferences=inferences,
+    )
 
 
 def write_spec(
     tmp_path: Path, rank: int, peers: list[str], runs: list[MethodRun], **extra: Any
 ) -> Path:
-    fields = dict(rank=rank, peers=peers, model=MODEL, runs=runs, batch=BATCH, threads=1,
-                  out=tmp_path / f"device{rank}", connect_timeout_s=30,
-                  recv_timeout_s=20)  # fmt: skip
+    fields = dict(
+        rank=rank,
+        peers=peers,
+        model=MODEL,
+        runs=runs,
+        batch=BATCH,
+        threads=1,
+        out=tmp_path / f"device{rank}",
+        connect_timeout_s=30,
+        recv_timeout_s=20,
+    )
     fields.update(extra)
     tmp_path.mkdir(parents=True, exist_ok=True)
     return RunSpec(**fields).write(tmp_path / f"spec{rank}.json")
@@ -195,8 +208,10 @@ def check_arrivals(records: list, run: str) -> None:
     its arrival, which precedes the receiver thread's read and the receiver's attention."""
     departed = {
         (rank, b.inference, b.block): b.departed_ns
-        for rank, r in enumerate(records) for b in r.blocks if b.run == run
-    }  # fmt: skip
+        for rank, r in enumerate(records)
+        for b in r.blocks
+        if b.run == run
+    }
     for r in records:
         waits = {(b.inference, b.block): b.wait_end_ns for b in r.blocks if b.run == run}
         arrivals = [a for a in r.arrivals if a.run == run]
@@ -268,8 +283,13 @@ def test_auto_level_starts_coarsest_on_a_slow_link_then_follows_the_messages(
     stamped messages' one-way times on loopback; whatever it chose, the logits of every
     inference are the simulation's at the level that inference recorded, and the estimate
     it chose from is recorded. Two threads, recorded."""
-    run = MethodRun(id="auto", method="trace-b", params={"K": K, "level_k": "auto"},
-                    bundle=bundle_path, inferences=3)  # fmt: skip
+    run = MethodRun(
+        id="auto",
+        method="trace-b",
+        params={"K": K, "level_k": "auto"},
+        bundle=bundle_path,
+        inferences=3,
+    )
     results = run_session(tmp_path, 2, [run], rate_mbit=0.0001, threads=2, warmup=0)
     for rank, (status, stderr) in enumerate(results):
         assert status == 0, f"worker {rank} failed: {stderr}"
@@ -290,8 +310,9 @@ def test_auto_level_starts_coarsest_on_a_slow_link_then_follows_the_messages(
         assert device.session.bytes["stamps"]["sent"] == STAMP.size * model.config.depth * 3
     # each device chooses its own level; the simulation has one level for all, so inferences
     # where the two chose alike are checked (the first always: both start at level 0)
-    levels = [[r.level for r in read_records(tmp_path / f"device{rank}").inferences]
-              for rank in range(2)]  # fmt: skip
+    levels = [
+        [r.level for r in read_records(tmp_path / f"device{rank}").inferences] for rank in range(2)
+    ]
     for index, (level, peer_level) in enumerate(zip(*levels, strict=True)):
         if level != peer_level:
             continue

@@ -72,9 +72,17 @@ def make_spec(
     run = RUNS[case]
     if run.method != "voltage" and run.method != "prism":
         run = run.model_copy(update={"bundle": bundle})
-    return RunSpec(rank=rank, peers=peers, model=MODEL, runs=[run], batch=BATCH,
-                   out=tmp_path / f"device{rank}", connect_timeout_s=CONNECT_TIMEOUT_S,
-                   recv_timeout_s=10, **extra)  # fmt: skip
+    return RunSpec(
+        rank=rank,
+        peers=peers,
+        model=MODEL,
+        runs=[run],
+        batch=BATCH,
+        out=tmp_path / f"device{rank}",
+        connect_timeout_s=CONNECT_TIMEOUT_S,
+        recv_timeout_s=10,
+        **extra,
+    )
 
 
 class Worker:
@@ -144,25 +152,35 @@ HELLO_CASES = {
     "overflowing-float": (lambda h: with_batch(h, "1e999"), "overflows a double"),
     "deep-nesting": (lambda h: frame(b"[" * 200_000 + b"]" * 200_000), "nested too deeply"),
     "nested-field": (lambda h: frame({**h, "runs": nested(500)}), r"malformed hello: runs\.0"),
-    "missing-key": (lambda h: frame({k: v for k, v in h.items() if k != "runs"}),
-                    "malformed hello: runs: Field required"),
-    "string-rank": (lambda h: frame({**h, "rank": "1"}), "malformed hello: rank: Input should "
-                    "be a valid integer"),
+    "missing-key": (
+        lambda h: frame({k: v for k, v in h.items() if k != "runs"}),
+        "malformed hello: runs: Field required",
+    ),
+    "string-rank": (
+        lambda h: frame({**h, "rank": "1"}),
+        "malformed hello: rank: Input should be a valid integer",
+    ),
     "bool-batch": (lambda h: frame({**h, "batch": True}), "malformed hello: batch"),
     "huge-int": (lambda h: frame({**h, "rank": 10**4000}), "rank: Input should be less than"),
     "too-many-digits": (lambda h: with_batch(h, "9" * 5000), "handshake frame is not JSON"),
-    "huge-string": (lambda h: frame({**h, "model": "x" * 500_000}), "model: String should have "
-                    "at most"),
+    "huge-string": (
+        lambda h: frame({**h, "model": "x" * 500_000}),
+        "model: String should have at most",
+    ),
     "unknown-key": (lambda h: frame({**h, "extra": {}}), "extra: Extra inputs are not permitted"),
-    "params-not-scalar": (lambda h: frame({**h, "runs": [{**h["runs"][0], "params": {"K": [1]}}]}),
-                          r"runs\.0\.params\.K"),
+    "params-not-scalar": (
+        lambda h: frame({**h, "runs": [{**h["runs"][0], "params": {"K": [1]}}]}),
+        r"runs\.0\.params\.K",
+    ),
     "wrong-rank": (lambda h: frame({**h, "rank": 0}), "says it is device 0, expected device 1"),
-    "wrong-protocol": (lambda h: frame({**h, "protocol": [[[]]]}),
-                       "speaks protocol version a JSON list"),
+    "wrong-protocol": (
+        lambda h: frame({**h, "protocol": [[[]]]}),
+        "speaks protocol version a JSON list",
+    ),
     "truncated-frame": (lambda h: frame(h)[:40], "closed the connection during the handshake"),
     "silence": (lambda h: b"", r"did not finish in time"),
     "trickle": (lambda h: FRAME_HEADER.pack(1000), r"did not finish in time"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(HELLO_CASES))
@@ -226,8 +244,10 @@ def test_a_peer_from_another_address_is_refused(tmp_path, model, bundle_path):
         sock.sendall(frame(valid_hello(worker, 1)))
         error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
-    assert f"device 1 ({peers[1]}) connects from 127.0.0.1, but the spec gives that device " \
-        "127.0.0.9" in str(error)  # fmt: skip
+    assert (
+        f"device 1 ({peers[1]}) connects from 127.0.0.1, but the spec gives that device "
+        "127.0.0.9" in str(error)
+    )
 
 
 @pytest.mark.parametrize(
@@ -235,15 +255,24 @@ def test_a_peer_from_another_address_is_refused(tmp_path, model, bundle_path):
     [
         ({"ok": "yes", "error": None}, None, "malformed verdict: ok: Input should be a valid"),
         ({"ok": False, "error": "x" * 100_000}, None, "malformed verdict: error: String"),
-        (None, {"offset_ns": 1.5, "uncertainty_ns": 0, "round_trips_ns": [0] * CLOCK_ROUNDS},
-         "malformed clock estimate: offset_ns"),
-        (None, {"offset_ns": 0, "uncertainty_ns": 0, "round_trips_ns": [0] * 10**5},
-         "malformed clock estimate: round_trips_ns"),
-        (None, {"offset_ns": 2**70, "uncertainty_ns": 0, "round_trips_ns": [0] * CLOCK_ROUNDS},
-         "malformed clock estimate: offset_ns"),
+        (
+            None,
+            {"offset_ns": 1.5, "uncertainty_ns": 0, "round_trips_ns": [0] * CLOCK_ROUNDS},
+            "malformed clock estimate: offset_ns",
+        ),
+        (
+            None,
+            {"offset_ns": 0, "uncertainty_ns": 0, "round_trips_ns": [0] * 10**5},
+            "malformed clock estimate: round_trips_ns",
+        ),
+        (
+            None,
+            {"offset_ns": 2**70, "uncertainty_ns": 0, "round_trips_ns": [0] * CLOCK_ROUNDS},
+            "malformed clock estimate: offset_ns",
+        ),
     ],
     ids=["verdict-type", "verdict-huge", "offset-float", "round-trips-long", "offset-huge"],
-)  # fmt: skip
+)
 def test_a_malformed_verdict_or_clock_estimate_is_refused(
     tmp_path, model, bundle_path, verdict, estimate, expected
 ):
@@ -273,22 +302,39 @@ def voltage_with(value: float) -> bytes:
 
 
 MESSAGE_CASES = {
-    "voltage-nan": ("voltage", voltage_with(float("nan")),
-                    "voltage message from {peer} for block 0: 1 values are not finite"),
+    "voltage-nan": (
+        "voltage",
+        voltage_with(float("nan")),
+        "voltage message from {peer} for block 0: 1 values are not finite",
+    ),
     "voltage-inf": ("voltage", voltage_with(float("-inf")), "1 values are not finite"),
-    "prism-nan": ("prism", np.full((BATCH, 2, 64), np.nan, dtype="<f4").tobytes(),
-                  "prism message from {peer} for block 0: 256 values are not finite"),
-    "astra-word": ("astra", np.full(BATCH * 8, 40_000, dtype="<u2").tobytes(),
-                   "astra message from {peer} for block 0: index 40000 out of range for K = 12"),
-    "astra-random": ("astra", random.Random(3).randbytes(2 * BATCH * 8),
-                     "astra message from {peer} for block 0: index \\d+ out of range for K = 12"),
-    "astra-packed": ("astra-packed", bytes([0xFF]) * 8,
-                     "index 15 out of range for K = 12"),
-    "trace-level": ("trace-b", encode_trace_message(np.full(BATCH * 8, 3), 2, 1, 0),
-                    "trace-b message from {peer} for block 0: index 3 out of range for level 1"),
-    "trace-finest": ("trace-b", encode_trace_message(np.arange(BATCH * 8), 4, 3, 0),
-                     "index 15 out of range for level 3's K_m = 12"),
-}  # fmt: skip
+    "prism-nan": (
+        "prism",
+        np.full((BATCH, 2, 64), np.nan, dtype="<f4").tobytes(),
+        "prism message from {peer} for block 0: 256 values are not finite",
+    ),
+    "astra-word": (
+        "astra",
+        np.full(BATCH * 8, 40_000, dtype="<u2").tobytes(),
+        "astra message from {peer} for block 0: index 40000 out of range for K = 12",
+    ),
+    "astra-random": (
+        "astra",
+        random.Random(3).randbytes(2 * BATCH * 8),
+        "astra message from {peer} for block 0: index \\d+ out of range for K = 12",
+    ),
+    "astra-packed": ("astra-packed", bytes([0xFF]) * 8, "index 15 out of range for K = 12"),
+    "trace-level": (
+        "trace-b",
+        encode_trace_message(np.full(BATCH * 8, 3), 2, 1, 0),
+        "trace-b message from {peer} for block 0: index 3 out of range for level 1",
+    ),
+    "trace-finest": (
+        "trace-b",
+        encode_trace_message(np.arange(BATCH * 8), 4, 3, 0),
+        "index 15 out of range for level 3's K_m = 12",
+    ),
+}
 
 
 def session_with_scripted_peer(
@@ -364,26 +410,37 @@ def test_a_truncated_message_names_peer_block_and_inference(tmp_path, model, bun
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("voltage-nan", "voltage message from device 1 ({peer}) for block 0: 1 values are not "
-                        "finite (NaN/inf)"),
-        ("astra-word", "astra message from device 1 ({peer}) for block 0: index 40000 out of "
-                       "range for K = 12"),
-        ("trace-level", "trace-b message from device 1 ({peer}) for block 0: index 3 out of "
-                        "range for level 1's K_m = 3"),
+        (
+            "voltage-nan",
+            "voltage message from device 1 ({peer}) for block 0: 1 values are not finite (NaN/inf)",
+        ),
+        (
+            "astra-word",
+            "astra message from device 1 ({peer}) for block 0: index 40000 out of range for K = 12",
+        ),
+        (
+            "trace-level",
+            "trace-b message from device 1 ({peer}) for block 0: index 3 out of "
+            "range for level 1's K_m = 3",
+        ),
     ],
     ids=["voltage-nan", "astra-word", "trace-level"],
-)  # fmt: skip
-def test_the_worker_process_exits_non_zero_with_one_line(tmp_path, model, bundle_path, case,
-                                                          expected):  # fmt: skip
+)
+def test_the_worker_process_exits_non_zero_with_one_line(
+    tmp_path, model, bundle_path, case, expected
+):
     """`python -m devices.worker` itself: one line naming peer, block and inference, exit 1."""
     run, message, _ = MESSAGE_CASES[case]
     fake, peers = session_with_scripted_peer(tmp_path, model, bundle_path, run)
     path = make_spec(tmp_path, 0, peers, run, bundle_path).write(tmp_path / "spec0.json")
     began = time.monotonic()
     worker = subprocess.Popen(
-        [sys.executable, "-m", "devices.worker", str(path)], cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "devices.worker", str(path)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         with fake.mesh:
             open_fake(fake)
@@ -423,10 +480,11 @@ def test_devices_sharing_the_run_secret_run_and_another_secret_is_refused(
     peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     other = secret_file(tmp_path / "other.key", bytes(16))
     workers = [
-        Worker(make_spec(tmp_path / "b", rank, peers, "voltage", bundle_path, secret_file=file),
-               model)
+        Worker(
+            make_spec(tmp_path / "b", rank, peers, "voltage", bundle_path, secret_file=file), model
+        )
         for rank, file in enumerate((key, other))
-    ]  # fmt: skip
+    ]
     errors = [worker.outcome() for worker in workers]
     assert all(isinstance(error, ProtocolError) for error in errors), errors
     assert str(errors[0]).startswith(f"handshake with device 1 ({peers[1]}): its proof of the run")

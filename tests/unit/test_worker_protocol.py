@@ -27,8 +27,13 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-RUN = {"id": "t", "method": "trace-b", "params": {"K": 16}, "bundle_fingerprint": "bb",
-       "inferences": 1}  # fmt: skip
+RUN = {
+    "id": "t",
+    "method": "trace-b",
+    "params": {"K": 16},
+    "bundle_fingerprint": "bb",
+    "inferences": 1,
+}
 FIELDS = dict(
     devices=2,
     runs=[RUN],
@@ -58,9 +63,14 @@ def run_pair(
         sock.settimeout(10)
         try:
             results[index] = shake(
-                CountingSocket(sock), hello, expected, index == 1, NAMES, clocks[index],
+                CountingSocket(sock),
+                hello,
+                expected,
+                index == 1,
+                NAMES,
+                clocks[index],
                 secret=secrets[index],
-            )  # fmt: skip
+            )
         except Exception as error:  # noqa: BLE001 - the test inspects it
             results[index] = error
 

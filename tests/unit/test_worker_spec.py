@@ -11,8 +11,13 @@ from devices.errors import SpecError
 from devices.spec import MethodRun, RunSpec, load_spec, parse_spec
 from devices.worker import main
 
-BASE = {"rank": 0, "peers": "a:1,b:2", "model": "vit-tiny", "out": "o",
-        "runs": [{"id": "x", "method": "voltage"}]}  # fmt: skip
+BASE = {
+    "rank": 0,
+    "peers": "a:1,b:2",
+    "model": "vit-tiny",
+    "out": "o",
+    "runs": [{"id": "x", "method": "voltage"}],
+}
 
 
 def write(tmp_path, text: str, name: str = "run.yaml"):
@@ -29,22 +34,33 @@ def test_written_spec_reads_back_equal(tmp_path):
         runs=[MethodRun(id="t", method="trace-b", params={"K": 16, "level_k": "auto"})],
         out=tmp_path / "out",
         clock_skew_s=2.5,
-    )  # fmt: skip
+    )
     loaded = load_spec(spec.write(tmp_path / "spec.json"))
     assert loaded == spec
     assert loaded.runs[0].params == {"K": 16, "level_k": "auto"}
 
 
 def test_yaml_spec_and_peers_as_a_string(tmp_path):
-    path = write(tmp_path, "rank: 1\npeers: h:1, h:2, h:3\nmodel: vit-tiny\nout: o\n"
-                 "runs: [{id: a, method: astra, params: {K: 16}}]\n")  # fmt: skip
+    path = write(
+        tmp_path,
+        "rank: 1\npeers: h:1, h:2, h:3\nmodel: vit-tiny\nout: o\n"
+        "runs: [{id: a, method: astra, params: {K: 16}}]\n",
+    )
     spec = load_spec(path)
     assert spec.peers == ["h:1", "h:2", "h:3"] and spec.addresses[2] == ("h", 3)
 
 
 def test_runs_interleave_round_robin():
-    spec = parse_spec({**BASE, "runs": [{"id": "a", "inferences": 3}, {"id": "b", "inferences": 1},
-                                         {"id": "c", "inferences": 2}]})  # fmt: skip
+    spec = parse_spec(
+        {
+            **BASE,
+            "runs": [
+                {"id": "a", "inferences": 3},
+                {"id": "b", "inferences": 1},
+                {"id": "c", "inferences": 2},
+            ],
+        }
+    )
     assert list(spec.schedule()) == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
 
 
@@ -52,20 +68,26 @@ def test_runs_interleave_round_robin():
     ("change", "message"),
     [
         ({"inferenses": 3}, r"unknown key 'inferenses'"),
-        ({"runs": [{"id": "x", "inferenses": 3}]},
-         r"unknown key 'runs.0.inferenses' \(did you mean 'inferences'\?\)"),
+        (
+            {"runs": [{"id": "x", "inferenses": 3}]},
+            r"unknown key 'runs.0.inferenses' \(did you mean 'inferences'\?\)",
+        ),
         ({"rank": 2}, "rank 2 out of range for 2 peers"),
         ({"peers": "a:1,nonsense"}, "peer address 'nonsense' is not host:port"),
         ({"batch": 0}, "batch: Input should be greater than or equal to 1"),
         ({"runs": []}, "runs: List should have at least 1 item"),
         ({"runs": [{"id": "x"}, {"id": "x"}]}, r"ids must differ, \['x'\] repeated"),
-        ({"runs": [{"id": "t", "method": "trace-b", "params": {"K": 16, "levels": 3}}]},
-         "run 't': .*unknown parameter 'levels'"),
+        (
+            {"runs": [{"id": "t", "method": "trace-b", "params": {"K": 16, "levels": 3}}]},
+            "run 't': .*unknown parameter 'levels'",
+        ),
         ({"runs": [{"id": "v", "method": "voltge"}]}, "did you mean 'voltage'"),
-        ({"runs": [{"id": "n", "method": "trace-nb", "params": {"placement": "2 B"}}]},
-         "run 'n': method 'trace-nb': placement '2 B' is a case of 'trace-b'"),
+        (
+            {"runs": [{"id": "n", "method": "trace-nb", "params": {"placement": "2 B"}}]},
+            "run 'n': method 'trace-nb': placement '2 B' is a case of 'trace-b'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_values_are_named(change, message):
     with pytest.raises(SpecError, match=message):
         parse_spec({**BASE, **change})

@@ -92,9 +92,16 @@ def run_fit(
         families = tuple(f for f in families if f in settings.finetune.rule_families)
     calibration = splits.train.take(slice(0, codebooks.calibration_images))
     bundle = fit_bundle(
-        model, calibration, fit.K, families, fit.code_dim, codebooks.metrics[0],
-        codebooks.branching, fit.seed, codebooks.kmeans_iterations,
-    )  # fmt: skip
+        model,
+        calibration,
+        fit.K,
+        families,
+        fit.code_dim,
+        codebooks.metrics[0],
+        codebooks.branching,
+        fit.seed,
+        codebooks.kmeans_iterations,
+    )
     bundle.meta.update(task=settings.data.task, study=settings.name)
     bundle.save(settings.run_dir / fit.path)
     return {**asdict(fit), "seconds": time.perf_counter() - started}
@@ -121,9 +128,15 @@ def run_job(
         rule, _ = rule_of(settings, job.variant)
         codec = TrainingCodec(quantizers, rule, seed=job.seed)
         losses = finetune(
-            model, codec, job.family, splits.train, settings.finetune, settings.base, job.seed,
+            model,
+            codec,
+            job.family,
+            splits.train,
+            settings.finetune,
+            settings.base,
+            job.seed,
             params=job.method_params,
-        )  # fmt: skip
+        )
         info["final_loss"] = sum(losses[-10:]) / max(1, len(losses[-10:]))
         every = job.variant == default_rule and job.family == "trace-b"
         metrics = settings.codebooks.metrics if every else settings.codebooks.metrics[:1]
@@ -131,9 +144,13 @@ def run_job(
         model, job.family, quantizers, splits, settings, job.method_params
     )
     info["kv_error"] = remote_kv_error(
-        model, splits.val.take(slice(0, 200)), settings.evaluation.devices[0], job.family,
-        ExactCodec(job.family, quantizers), **job.method_params,
-    )  # fmt: skip
+        model,
+        splits.val.take(slice(0, 200)),
+        settings.evaluation.devices[0],
+        job.family,
+        ExactCodec(job.family, quantizers),
+        **job.method_params,
+    )
     bundles = {
         metric: with_trees(model, job.family, quantizers, metric, settings, fitted.meta)
         for metric in metrics

@@ -315,9 +315,14 @@ def _plot_sizes(table: pd.DataFrame, single: float, path: Path) -> None:
         for (method, variant), part in table[table["devices"] == p].groupby(["method", "variant"]):
             style = "--" if variant == "kmeans" else "-"
             axis.errorbar(
-                part["K"], part["mean"], part["std"], linestyle=style, marker="o",
-                capsize=3, label=f"{method} ({variant})",
-            )  # fmt: skip
+                part["K"],
+                part["mean"],
+                part["std"],
+                linestyle=style,
+                marker="o",
+                capsize=3,
+                label=f"{method} ({variant})",
+            )
         axis.set_xscale("log", base=2)
         axis.set_xlabel("codebook size K")
         axis.set_title(f"P = {p}")
@@ -333,9 +338,14 @@ def _plot_levels(table: pd.DataFrame, single: float, path: Path) -> None:
         for (method, variant, metric), line in part.groupby(["method", "variant", "metric"]):
             style = "--" if variant == "kmeans" else "-"
             axis.errorbar(
-                line["level_k"], line["mean"], line["std"], linestyle=style, marker=".",
-                capsize=2, label=f"{method} {variant} {metric}",
-            )  # fmt: skip
+                line["level_k"],
+                line["mean"],
+                line["std"],
+                linestyle=style,
+                marker=".",
+                capsize=2,
+                label=f"{method} {variant} {metric}",
+            )
         axis.set_xscale("log", base=2)
         axis.set_xlabel("codewords at the level, K_m (r = log2 K_m bits)")
         axis.set_title(f"P = {p}")
@@ -355,8 +365,7 @@ def _plot_placements(table: pd.DataFrame, single: float, path: Path) -> None:
             bars = part[(part["variant"] == variant) & (part["K"] == K)].set_index("case")
             bars = bars.reindex(names)
             x = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(names))]
-            axis.bar(x, bars["mean"], width, yerr=bars["std"], capsize=3,
-                     label=f"K={K}, {variant}")  # fmt: skip
+            axis.bar(x, bars["mean"], width, yerr=bars["std"], capsize=3, label=f"K={K}, {variant}")
         axis.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         low = part["min"].min()
         axis.set_ylim(max(0.0, low - 3), min(100.0, max(single, part["max"].max()) + 1))

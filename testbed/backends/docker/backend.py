@@ -203,8 +203,16 @@ class DockerBackend(Backend):
             str(self.private_dir / SECRET_FILE_NAME): {"bind": DEVICE_SECRET_FILE, "mode": "ro"},
         }
         user = f"{self.user[0]}:{self.user[1]}"
-        log.debug("docker run %s (%s, user %s, no capabilities, %d MB, %d pids, %s, %s)", name,
-                  self.image, user, spec.memory_mb, PIDS_LIMIT, limits, volumes)  # fmt: skip
+        log.debug(
+            "docker run %s (%s, user %s, no capabilities, %d MB, %d pids, %s, %s)",
+            name,
+            self.image,
+            user,
+            spec.memory_mb,
+            PIDS_LIMIT,
+            limits,
+            volumes,
+        )
         container = self.client.containers.run(
             self.image,
             ["sleep", "infinity"],

@@ -166,9 +166,14 @@ class SshBackend(Backend):
             threads=threads,
         )
         return Device(
-            rank=session.rank, name=board.name, address=board.peer_address,
-            interface=board.interface, cpus=cpus, threads=threads, cpuset=board.cpuset,
-        )  # fmt: skip
+            rank=session.rank,
+            name=board.name,
+            address=board.peer_address,
+            interface=board.interface,
+            cpus=cpus,
+            threads=threads,
+            cpuset=board.cpuset,
+        )
 
     # deployment
 
@@ -269,11 +274,17 @@ class SshBackend(Backend):
         facts = {
             "clock_offsets_s": self.clock_offsets_s,
             "boards": [
-                {"rank": s.rank, "name": s.board.name, "address": s.board.address,
-                 "run_dir": s.run_dir, "uploaded": s.uploaded, **s.facts}
+                {
+                    "rank": s.rank,
+                    "name": s.board.name,
+                    "address": s.board.address,
+                    "run_dir": s.run_dir,
+                    "uploaded": s.uploaded,
+                    **s.facts,
+                }
                 for s in self.sessions
             ],
-        }  # fmt: skip
+        }
         (self.run_dir / "ssh-boards.json").write_text(json.dumps(facts, indent=2, default=str))
 
     # running commands

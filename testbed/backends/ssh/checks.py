@@ -59,8 +59,12 @@ def check_board(session: BoardSession) -> None:
         )
     torch_version = facts["modules"]["torch"]
     if torch_pin and torch_version.split("+")[0] != torch_pin:
-        log.warning("%s has torch %s, the project pins %s: logits may differ",
-                    board.label, torch_version, torch_pin)  # fmt: skip
+        log.warning(
+            "%s has torch %s, the project pins %s: logits may differ",
+            board.label,
+            torch_version,
+            torch_pin,
+        )
     _check_tools(session)
     _check_address(session)
 

@@ -248,10 +248,16 @@ def connect(session: BoardSession, inventory: Inventory) -> None:
     log.debug("ssh %s@%s -p %d (key %s)", board.user, board.address, board.port, key_file)
     try:
         client.connect(
-            board.address, port=board.port, username=board.user, key_filename=key_file,
-            allow_agent=key_file is None, look_for_keys=key_file is None, timeout=timeout,
-            banner_timeout=timeout, auth_timeout=timeout,
-        )  # fmt: skip
+            board.address,
+            port=board.port,
+            username=board.user,
+            key_filename=key_file,
+            allow_agent=key_file is None,
+            look_for_keys=key_file is None,
+            timeout=timeout,
+            banner_timeout=timeout,
+            auth_timeout=timeout,
+        )
     except BaseException as error:
         client.close()
         if not isinstance(error, Exception):
@@ -307,8 +313,9 @@ class _HostKeyPolicy:  # a paramiko.MissingHostKeyPolicy (imported lazily)
         described = _describe_key(key)
         if not self.inventory.accept_new_host_keys:
             raise _UnknownHostKey(described)
-        log.warning("adding the host key of %s (%s) to %s", hostname, described,
-                    self.inventory.known_hosts)  # fmt: skip
+        log.warning(
+            "adding the host key of %s (%s) to %s", hostname, described, self.inventory.known_hosts
+        )
         client.get_host_keys().add(hostname, key.get_name(), key)
         path = Path(self.inventory.known_hosts)
         path.parent.mkdir(parents=True, exist_ok=True)

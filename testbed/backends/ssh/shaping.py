@@ -20,8 +20,11 @@ from testbed.kernel.shaping import clear_argv
 
 log = logging.getLogger(__name__)
 
-OFFLOADS = {"generic-segmentation-offload": "gso", "tcp-segmentation-offload": "tso",
-            "generic-receive-offload": "gro"}  # fmt: skip
+OFFLOADS = {
+    "generic-segmentation-offload": "gso",
+    "tcp-segmentation-offload": "tso",
+    "generic-receive-offload": "gro",
+}
 PROBES = {  # as testbed.kernel.support probes them
     "tbf": ["root", "handle", "1:", "tbf", "rate", "1mbit", "burst", "8000", "limit", "16000"],
     "htb": ["root", "handle", "1:", "htb", "default", "0"],
@@ -98,11 +101,11 @@ def unshape(session: BoardSession) -> None:
     if "gso_max_segs" in settings:
         segments = str(settings["gso_max_segs"])
         commands.append(["ip", "link", "set", "dev", interface, "gso_max_segs", segments])
-    offloads = [word for key in OFFLOADS.values() if key in settings
-                for word in (key, settings[key])]  # fmt: skip
+    offloads = [
+        word for key in OFFLOADS.values() if key in settings for word in (key, settings[key])
+    ]
     if offloads:
         commands.append(["ethtool", "-K", interface, *offloads])
     for argv, result in zip(commands, run_as_root(session, commands), strict=True):
         if not result.ok and argv is not commands[0]:
-            log.warning("%s: `%s` failed: %s", session.board.name, shlex.join(argv),
-                        result.tail(1))  # fmt: skip
+            log.warning("%s: `%s` failed: %s", session.board.name, shlex.join(argv), result.tail(1))

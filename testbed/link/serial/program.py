@@ -373,9 +373,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     serve.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US)
     serve.add_argument("--queue-ms", type=float, default=QUEUE_MS)
     serve.add_argument(
-        "--cpus", action="append", default=[], metavar="PORT=CPULIST",
+        "--cpus",
+        action="append",
+        default=[],
+        metavar="PORT=CPULIST",
         help="run the port's thread on these CPUs (those of the device that sends into it)",
-    )  # fmt: skip
+    )
     serve.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
     args = parser.parse_args(argv)
     try:
