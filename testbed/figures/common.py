@@ -117,7 +117,10 @@ def plain_log(ax: Axes, which: str = "y") -> None:
         ax.set_yscale("log")
     axis = ax.xaxis if which == "x" else ax.yaxis
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    # labels between the decades where the axis spans less than two of them (one on an x
+    # axis, whose labels sit side by side and run into each other sooner)
+    thresholds = (1, 0.4) if which == "x" else (2, 0.5)
+    axis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=thresholds))
     ax.grid(True, which="major", alpha=0.3)
 
 

@@ -2,7 +2,10 @@
 
 - latency.png: per method variant, a device's effective latency split into compute and the
   three parts of waiting (a peer still computing, the message on the link, the thread waking
-  up), one panel per link rate on a shared axis (the paper's Fig. 5 kind);
+  up), one panel per link rate (the paper's Fig. 5 kind). Each panel has its own scale, set
+  by the variants within `OUTLIER_FACTOR` of the panel's median: a bar far longer (Voltage
+  at 10 Mbit/s is 13x the others) is cut at the panel's edge and says its length and its
+  share on the link, so the others stay readable at every rate;
 - compression.png: payload bits per layer of Voltage over each variant's (Fig. 7 kind),
   computed from the plan, so without spread.
 """
@@ -29,10 +32,12 @@ PARTS = [
     ("wait_wakeup_ms", "waiting: thread wake-up after arrival", "#b0b0b0"),
 ]
 BAR_IN = 0.26  # figure height per bar
+OUTLIER_FACTOR = 3.0  # a bar longer than this times the panel's median is cut at the edge
+MARGIN = 1.15  # the panel's scale: its longest uncut bar (and its interval) times this
 
 
 def latency_breakdown(results: Results, path: Path) -> Path | None:
-    """Compute and wait parts per variant, one panel per link rate, sharing the time axis."""
+    """Compute and wait parts per variant, one panel per link rate, each on its own scale."""
     ok = ok_trials(results)
     if ok.empty:
         return None
@@ -40,11 +45,11 @@ def latency_breakdown(results: Results, path: Path) -> Path | None:
     rates = sorted(table["bandwidth_mbit"].unique())
     rows = _row_keys(ok)
     height = BAR_IN * len(rows) * len(rates) + 0.5 * len(rates) + 1.2
-    fig, axes = plt.subplots(len(rates), 1, sharex=True, figsize=(9, height), squeeze=False)
+    fig, axes = plt.subplots(len(rates), 1, figsize=(9, height), squeeze=False)
     for ax, rate in zip(axes[:, 0], rates, strict=True):
         _breakdown_panel(ax, table[table["bandwidth_mbit"] == rate], rows)
         ax.set_title(f"{rate:g} Mbit/s", loc="left", fontsize=9, fontweight="bold")
-    axes[-1, 0].set_xlabel("latency per inference, per device (ms)")
+    axes[-1, 0].set_xlabel("latency per inference, per device (ms; each rate on its own scale)")
     effective = Line2D(
         [],
         [],
@@ -73,13 +78,17 @@ def _row_keys(ok: pd.DataFrame) -> list[tuple[str, int]]:
 def _breakdown_panel(ax: Axes, table: pd.DataFrame, rows: list[tuple[str, int]]) -> None:
     table = table.set_index(["variant", "devices"]).reindex(rows)
     y = np.arange(len(rows))
+    effective = table["effective_ms"].to_numpy()
+    limit = panel_limit(effective, table["effective_ms_high"].to_numpy())
     left = np.zeros(len(rows))
     for column, _, colour in PARTS:
         widths = table[column].fillna(0).to_numpy()
-        ax.barh(y, widths, left=left, height=0.72, color=colour)
+        shown = np.clip(left + widths, None, limit) - np.clip(left, None, limit)
+        ax.barh(y, shown, left=np.clip(left, None, limit), height=0.72, color=colour)
         left += widths
+    cut = effective > limit
     ax.errorbar(
-        table["effective_ms"],
+        np.where(cut, np.nan, effective),
         y,
         xerr=yerr(table, "effective_ms"),
         color="black",
@@ -89,11 +98,25 @@ def _breakdown_panel(ax: Axes, table: pd.DataFrame, rows: list[tuple[str, int]])
         capsize=3,
         linewidth=1,
     )
+    for index in np.flatnonzero(cut):
+        link = table["wait_link_ms"].iloc[index] / effective[index]
+        text = f"{effective[index]:,.0f} ms ({link:.0%} on the link) \u25b8"
+        ax.text(limit, y[index], text, ha="right", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, limit)
     several = len({p for _, p in rows}) > 1
     ax.set_yticks(y, [f"{v} (P={p})" if several else v for v, p in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.4, -0.6)  # first variant on top
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_axisbelow(True)
+
+
+def panel_limit(effective: np.ndarray, high: np.ndarray) -> float:
+    """A panel's scale: its longest bar within OUTLIER_FACTOR of the median (with the bar's
+    interval) times MARGIN; longer bars are cut there."""
+    present = ~np.isnan(effective)
+    median = float(np.median(effective[present]))
+    kept = present & (effective <= OUTLIER_FACTOR * median)
+    return MARGIN * float(np.nanmax(np.fmax(effective[kept], high[kept])))
 
 
 def compression(results: Results, path: Path) -> Path | None:

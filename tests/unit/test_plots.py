@@ -1,8 +1,10 @@
 import numpy as np
 import pandas as pd
+import pytest
 
 from testbed.figures import make_figures
 from testbed.figures.common import interval_caption, styles
+from testbed.figures.latency import MARGIN, panel_limit
 from testbed.results.store import Results
 from testbed.results.variants import variant_order
 
@@ -205,3 +207,17 @@ def test_the_answer_counts_the_inferences_the_emulator_stalled_in(tmp_path):
         "(52.5 ms in all, at most 12.5 ms in one; link_stalled_ms): their communication may "
         "read longer than the link's"
     ]
+
+
+def test_a_latency_panel_cuts_only_bars_far_beyond_its_median():
+    """Table IV at 10 Mbit/s: Voltage is 13x the others. The panel's scale follows the others
+    (their longest with its interval, plus a margin); Voltage is cut at the edge."""
+    effective = np.array([3262.0, 342.0, 244.0, 287.0, 238.0, 222.0])
+    high = effective * 1.05
+    limit = panel_limit(effective, high)
+    assert limit == pytest.approx(MARGIN * 342.0 * 1.05)
+    assert (effective > limit).tolist() == [True, False, False, False, False, False]
+    # methods of one size (a tiny model at a fast rate): nothing is cut
+    alike = np.array([9.8, 4.9, 3.0, 2.5, 3.3, 3.3])
+    assert panel_limit(alike, alike) == pytest.approx(MARGIN * 9.8)
+    assert panel_limit(np.array([np.nan, 5.0]), np.array([np.nan, 6.0])) == pytest.approx(6.9)
