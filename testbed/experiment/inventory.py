@@ -56,17 +56,31 @@ class Board(Strict):
     an address the board itself holds (not one translated by NAT; an IP address rather than
     a host name that the board may resolve to 127.0.1.1)."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    address: str = Field(min_length=1)
-    port: int = Field(22, ge=1, le=65535)
-    user: str = Field(min_length=1)
-    key_file: str | None = None  # None: ssh-agent and ~/.ssh/id_*
-    python: str = Field("python3", min_length=1)
-    interface: str = Field("eth0", min_length=1, max_length=15)
-    data_address: str | None = None
-    cpus: float | None = Field(None, gt=0, le=1024)  # default: the experiment's devices.cpus
-    cpuset: str | None = Field(None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$")  # taskset -c
-    workdir: str = "~/.cache/trace-testbed"  # code and run directories on the board
+    name: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="default: board<index>"
+    )
+    address: str = Field(min_length=1, description="where the controller connects")
+    port: int = Field(22, ge=1, le=65535, description="its SSH port")
+    user: str = Field(min_length=1, description="the user to log in as (key authentication)")
+    key_file: str | None = Field(None, description="the private key; default: ssh-agent, ~/.ssh")
+    python: str = Field("python3", min_length=1, description="the interpreter of the worker")
+    interface: str = Field(
+        "eth0", min_length=1, max_length=15, description="the interface to the other boards"
+    )
+    data_address: str | None = Field(
+        None, description="where the other boards reach it (default: address)"
+    )
+    cpus: float | None = Field(
+        None, gt=0, le=1024, description="its CPUs (default: the experiment's devices.cpus)"
+    )
+    cpuset: str | None = Field(
+        None,
+        pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
+        description="the cores to pin the worker to (taskset -c)",
+    )
+    workdir: str = Field(
+        "~/.cache/trace-testbed", description="code and run directories on the board"
+    )
 
     _secrets = model_validator(mode="before")(_refuse_secrets)
 
@@ -86,10 +100,16 @@ class Board(Strict):
 
 
 class Inventory(Strict):
-    known_hosts: str = Field(min_length=1)
-    accept_new_host_keys: bool = False  # first use only: unknown keys are added to known_hosts
-    connect_timeout_s: float = Field(10.0, gt=0, le=3600)
-    boards: list[Board] = Field(min_length=1)
+    """The boards a backend runs on, in rank order, and how their host keys are checked."""
+
+    known_hosts: str = Field(
+        min_length=1, description="the file every board's host key is checked against"
+    )
+    accept_new_host_keys: bool = Field(
+        False, description="first use only: unknown keys are added to known_hosts"
+    )
+    connect_timeout_s: float = Field(10.0, gt=0, le=3600, description="per connection")
+    boards: list[Board] = Field(min_length=1, description="one device per board, rank order")
 
     @model_validator(mode="before")
     @classmethod

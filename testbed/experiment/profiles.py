@@ -31,14 +31,20 @@ PROFILE_SUFFIX = ".yaml"
 class LinkProfile(Strict):
     """One link's shape. Rates follow tc's convention: 1 mbit = 10^6 bit/s."""
 
-    name: str = Field(min_length=1)
-    description: str = ""
-    rate_mbit: float | None = Field(default=None, ge=0.01, le=10_000)
-    delay_ms: float = Field(default=0.0, ge=0, le=60_000)
-    jitter_ms: float = Field(default=0.0, ge=0, le=60_000)
-    loss_pct: float = Field(default=0.0, ge=0, le=100)
-    burst_bytes: int | None = Field(default=None, gt=0, le=1 << 30)
-    queue_latency_ms: float = Field(default=50.0, gt=0, le=60_000)
+    name: str = Field(min_length=1, description="default: the file's name")
+    description: str = Field("", description="what link it stands for, in a sentence")
+    rate_mbit: float | None = Field(
+        default=None, ge=0.01, le=10_000, description="its rate where the sweep gives none"
+    )
+    delay_ms: float = Field(default=0.0, ge=0, le=60_000, description="one-way delay (netem)")
+    jitter_ms: float = Field(default=0.0, ge=0, le=60_000, description="delay jitter (netem)")
+    loss_pct: float = Field(default=0.0, ge=0, le=100, description="random loss (netem)")
+    burst_bytes: int | None = Field(
+        default=None, gt=0, le=1 << 30, description="a larger tbf bucket than two full frames"
+    )
+    queue_latency_ms: float = Field(
+        default=50.0, gt=0, le=60_000, description="the queue's bound, as tc's tbf latency"
+    )
 
     @property
     def needs_netem(self) -> bool:

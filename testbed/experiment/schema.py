@@ -65,21 +65,46 @@ def _as_list_or_none(value: Any) -> Any:
 
 
 class ModelSection(Strict):
-    name: str = "vit-b16"
-    checkpoint: str | None = Field(None, min_length=1)  # relative: from the working directory
-    seed: int = Field(0, ge=0)
+    """The model every device runs."""
+
+    name: str = Field(
+        "vit-b16",
+        description="a model of tracevq.config: vit-b16, vivit-b, vit-tiny, vivit-tiny, "
+        "vit-digits, vit-digit-pairs, vit-glyphs",
+    )
+    checkpoint: str | None = Field(
+        None,
+        min_length=1,
+        description="trained weights (.pth, .pt, .safetensors; timm's names), relative to the "
+        "working directory; without it the weights are random (seeded): latency needs no "
+        "trained weights, accuracy does",
+    )
+    seed: int = Field(0, ge=0, description="the seed of the random weights")
 
     _known = field_validator("name")(known_model_name)
 
 
 class DevicesSection(Strict):
-    count: list[int] = Field(default_factory=lambda: [2])
+    """The devices: how many, and each one's share of the host."""
+
+    count: list[int] = Field(
+        default_factory=lambda: [2],
+        description="P, the device counts swept (a number or a list); devices start once per count",
+    )
     cpus: float = Field(
-        1.0, gt=0, le=1024
-    )  # per device; at most the host's (testbed.sweep.preflight)
-    memory_mb: int = Field(2048, ge=128, le=1_048_576)
-    # devices may ask for more CPUs each than the host has (then they share its cores)
-    oversubscribe: bool = False
+        1.0,
+        gt=0,
+        le=1024,
+        description="CPUs per device (pinned whole cores where the host has enough, else a "
+        "quota); at most the host's own",
+    )
+    memory_mb: int = Field(2048, ge=128, le=1_048_576, description="memory per device")
+    oversubscribe: bool = Field(
+        False,
+        description="let one device ask for more CPUs than the host has (then they share its "
+        "cores); devices that together ask for more are allowed anyway, and recorded as "
+        "oversubscribed",
+    )
 
     _list = field_validator("count", mode="before")(_as_list)
 
@@ -94,35 +119,65 @@ class DevicesSection(Strict):
 DEFAULT_RATE_MBIT = 10.0
 
 
+PER_DEVICE = (
+    "a mapping device rank -> Mbit/s ({0: 2.0, 3: 5.0}) or a list by rank ([2.0, 10.0]); a "
+    "given rate replaces the swept bandwidth_mbit for that device, the same in every trial "
+    "(a replayed trace scales it with the trace's rate); ranks beyond a trial's device count "
+    "are unused in it"
+)
+
+
 class LinkSection(Strict):
-    profile: str = Field("ideal", min_length=1)  # a name in netem_profiles/, or a file's path
-    # the swept rates (default 10); leave out with a trace, which gives the rates itself
-    bandwidth_mbit: list[float] | None = None
-    # a bandwidth trace replayed on every device's uplink during each session instead of a
-    # constant rate (testbed.link.replay): a file in netem_profiles/ or a path; a CSV `t_s,mbit` or
-    # Mahimahi's packet-delivery format (`.mahimahi`); looped. The trials' bandwidth_mbit is
-    # its time-weighted mean; every inference records the rate in force when it started.
-    trace: str | None = Field(None, min_length=1)
-    trace_stretch: float = Field(1.0, gt=0, le=1000)  # play it this many times slower
-    # traffic per rate probe, in seconds at the target rate (timed after its first tenth)
-    probe_s: float = Field(0.5, gt=0, le=60)
-    # what shapes the links: `serial` clocks every frame out at the rate in a userspace link
-    # between the devices (a lone small message takes its wire time, as on a real link);
-    # `tbf` is the kernel's token bucket on each device's egress (holds the rate, but lets a
-    # small message through at once). Default: the backend's (serial, except on ssh boards:
-    # tbf). The names are checked against the emulator table by testbed.sweep.preflight.
-    emulator: str | None = Field(None, min_length=1)
-    # Per-device rates (Mbit/s), each a mapping device rank -> rate ({0: 2.0, 3: 5.0}) or a
-    # list by rank ([2.0, 10.0]). A given rate replaces the swept bandwidth_mbit for that
-    # device and direction, in every trial; devices not named keep the swept rate as their
-    # uplink and an unshaped downlink. A replayed bandwidth trace scales every rate by the
-    # trace's rate over the swept one (testbed.link.rates). Ranks beyond a trial's device
-    # count are unused in that trial.
-    uplink_mbit: dict[int, float] = Field(default_factory=dict)  # what the device sends
-    downlink_mbit: dict[int, float] = Field(default_factory=dict)  # what it receives
-    # Per directed pair, "SRC->DST": Mbit/s ({"0->1": 2.0}): a cap on what SRC sends to DST,
-    # inside SRC's uplink and DST's downlink (the pair gets the least of the three).
-    pair_mbit: dict[str, float] = Field(default_factory=dict)
+    """The devices' links: their shape (a profile), their rates, what emulates them."""
+
+    profile: str = Field(
+        "ideal",
+        min_length=1,
+        description="a link profile: a name in netem_profiles/ (ideal, wifi, lte, ...) or a "
+        "YAML file's path; see Link profiles below",
+    )
+    bandwidth_mbit: list[float] | None = Field(
+        None,
+        description="the swept rates, every device's uplink (a number or a list; default 10, "
+        "tc's Mbit: 10^6 bit/s of whole frames); leave out with a trace, which gives them",
+    )
+    trace: str | None = Field(
+        None,
+        min_length=1,
+        description="a bandwidth trace replayed on every device's links during each session "
+        "instead of a constant rate: a file in netem_profiles/ or a path; a CSV `t_s,mbit` or "
+        "Mahimahi's packet-delivery format (`.mahimahi`), looped. The trials' bandwidth_mbit "
+        "is its time-weighted mean; every inference records the rate in force at its start",
+    )
+    trace_stretch: float = Field(
+        1.0, gt=0, le=1000, description="play the trace this many times slower"
+    )
+    probe_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="traffic per rate probe after every shaping, in seconds at the target "
+        "rate (timed after its first tenth)",
+    )
+    emulator: str | None = Field(
+        None,
+        min_length=1,
+        description="what shapes the links, an emulator of the table below (serial, tbf); "
+        "default: the backend's (serial, except on ssh boards: tbf)",
+    )
+    uplink_mbit: dict[int, float] = Field(
+        default_factory=dict, description="what each named device sends at: " + PER_DEVICE
+    )
+    downlink_mbit: dict[int, float] = Field(
+        default_factory=dict,
+        description="what each named device receives at (unshaped where not named): " + PER_DEVICE,
+    )
+    pair_mbit: dict[str, float] = Field(
+        default_factory=dict,
+        description='per directed pair "SRC->DST": Mbit/s ({"0->1": 2.0}), a cap on what SRC '
+        "sends to DST inside SRC's uplink and DST's downlink (the pair gets the least of the "
+        "three)",
+    )
 
     _list = field_validator("bandwidth_mbit", mode="before")(_as_list_or_none)
 
@@ -228,12 +283,26 @@ def _pair(key: Any) -> tuple[int, int]:
 class BundleSection(Strict):
     """Where codebooks come from: a bundle file, or fitted by k-means on calibration inputs."""
 
-    path: str | None = Field(None, min_length=1)  # relative: from the working directory
-    K: int | None = Field(None, ge=2, le=65536)  # default: the largest K any method asks for
-    calibration_inputs: int = Field(8, ge=1, le=100_000)
-    code_dim: int | None = Field(None, ge=1)
-    metric: Literal["euclidean", "cosine", "frequency"] = "euclidean"
-    seed: int = Field(0, ge=0)
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="a bundle file (what `python -m tracevq.fit` or the accuracy study "
+        "writes), relative to the working directory; without it the codebooks are fitted "
+        "and cached",
+    )
+    K: int | None = Field(
+        None, ge=2, le=65536, description="codewords to fit; default: each K a method asks for"
+    )
+    calibration_inputs: int = Field(
+        8, ge=1, le=100_000, description="seeded random inputs whose activations k-means fits"
+    )
+    code_dim: int | None = Field(
+        None, ge=1, description="the quantisers' projection d_q (default: none)"
+    )
+    metric: Literal["euclidean", "cosine", "frequency"] = Field(
+        "euclidean", description="the distance of the codebook trees' k-medoids"
+    )
+    seed: int = Field(0, ge=0, description="the seed of the fit")
 
 
 class EvaluationSection(Strict):
@@ -243,18 +312,27 @@ class EvaluationSection(Strict):
     run the first `limit` inputs (all by default), cut to whole batches, instead of
     `repeats` generated inputs, and record the correct predictions."""
 
-    inputs: str = Field(min_length=1)  # relative: from the working directory
-    limit: int | None = Field(None, ge=1)
+    inputs: str = Field(min_length=1, description="the .pt file, relative to the working directory")
+    limit: int | None = Field(None, ge=1, description="the first inputs to run (default: all)")
 
 
 class ReportSection(Strict):
     """What the answer and the figures set beside the measurements
     (testbed.results.level_accuracy)."""
 
-    # the accuracy study's per-level table (results/accuracy/<task>/table7_levels.csv or
-    # results.csv); relative: from the working directory
-    level_accuracy: str | None = Field(None, min_length=1)
-    variant: str | None = Field(None, min_length=1)  # its rows' variant (default: see there)
+    level_accuracy: str | None = Field(
+        None,
+        min_length=1,
+        description="the accuracy study's per-level table (results/accuracy/<task>/"
+        "table7_levels.csv or results.csv), relative to the working directory: every Trace "
+        "row gets the study's top-1 at the level it used",
+    )
+    variant: str | None = Field(
+        None,
+        min_length=1,
+        description="the table's rows to take (kmeans, ema, ...); default: the one fine-tuned "
+        "variant for a given bundle.path, else kmeans",
+    )
 
     @field_validator("variant")
     @classmethod
@@ -265,21 +343,47 @@ class ReportSection(Strict):
 
 
 class Experiment(Strict):
-    name: str
-    description: str = ""
+    """An experiment: what runs where, over which links, how often."""
+
+    name: str = Field(description="its name, a slug: the results go to results/<name>/")
+    description: str = Field("", description="free text, kept with the results")
     model: ModelSection = ModelSection()
     devices: DevicesSection = DevicesSection()
-    backend: str = Field("auto", min_length=1)  # a backend of testbed.backends.table, or auto
-    inventory: Inventory | None = None  # the ssh backend's boards: a YAML file's path, or inline
+    backend: str = Field(
+        "auto",
+        min_length=1,
+        description="where devices live: a backend of the table below, or auto (docker when "
+        "an engine answers, else local)",
+    )
+    inventory: Inventory | None = Field(
+        None,
+        description="the boards of a backend that needs them (ssh): a YAML file's path, or "
+        "inline; see Inventory below",
+    )
     link: LinkSection = LinkSection()
-    methods: list[dict[str, Any]]
+    methods: list[dict[str, Any]] = Field(
+        description="the method variants: each a mapping with a `name` and its parameters "
+        "(see Methods below); a list anywhere in an entry expands into a grid",
+    )
     bundle: BundleSection = BundleSection()
-    batch: int = Field(1, ge=1, le=4096)
-    repeats: int = Field(3, ge=1, le=100_000)
-    warmup: int = Field(1, ge=0, le=10_000)
-    evaluation: EvaluationSection | None = None
+    batch: int = Field(1, ge=1, le=4096, description="inputs per inference")
+    repeats: int = Field(
+        3,
+        ge=1,
+        le=100_000,
+        description="measured inferences per trial, interleaved across the trials of a session",
+    )
+    warmup: int = Field(1, ge=0, le=10_000, description="unmeasured inferences first")
+    evaluation: EvaluationSection | None = Field(
+        None, description="labelled inputs instead of generated ones (accuracy per trial)"
+    )
     report: ReportSection = ReportSection()
-    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="per trial: a session gets this times its trials before its workers are killed",
+    )
 
     _inventory = field_validator("inventory", mode="before")(inventory_input)
 

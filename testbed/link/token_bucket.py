@@ -1,4 +1,6 @@
-"""`tbf`: the kernel's token bucket on each device's egress, as an emulator.
+"""The kernel's token bucket (tbf) on each device's egress: it holds a bulk rate within 0.1%,
+but its bucket lets a lone small message through at line rate, faster than a real link would;
+netem under it adds delay, jitter and loss where the kernel has `sch_netem`.
 
 Each device's interface gets the shaping plan of its rates (`testbed.kernel.shaping`): a root
 tbf at its uplink, or an htb with a class per capped peer, and an ifb with a tbf for its

@@ -1,11 +1,13 @@
-"""`serial`: the userspace serial link as an emulator (`testbed.link.serial.switch`).
+"""A userspace serial link between the devices that clocks every frame out at its rate, so that
+a lone small message takes its wire time as on a real link (bulk holds the rate within 0.01%);
+it adds no delay, jitter or loss, and needs the devices on this host and root.
 
-It joins the devices through a switch namespace of its own, so it needs their network
-namespaces on this host (a backend whose devices are `on_this_host`) and root. Each device
-gets a second interface, `sl0`, on a /24 of its own, and the devices' addresses become those,
-so that the workers' and the probe's traffic crosses the emulator. It clocks every frame out
-at the least of its sender's uplink, its receiver's downlink and its pair's rate; it adds no
-delay, jitter or loss.
+This is the emulator as the table sees it; the link itself is `testbed.link.serial.switch`
+(and its program). It joins the devices through a switch namespace of its own, so it needs
+their network namespaces on this host (a backend whose devices are `on_this_host`). Each
+device gets a second interface, `sl0`, on a /24 of its own, and the devices' addresses become
+those, so that the workers' and the probe's traffic crosses the emulator. It clocks every
+frame out at the least of its sender's uplink, its receiver's downlink and its pair's rate.
 """
 
 from __future__ import annotations
