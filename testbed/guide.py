@@ -177,7 +177,7 @@ def emulators() -> list[str]:
         "|---|---|",
     ]
     for name, emulator in EMULATORS.items():
-        lines.append(f"| `{name}` | {summary(sys.modules[emulator.__module__])} |")
+        lines.append(f"| `{name}` | {cell(emulator.description())} |")
     return [*lines, ""]
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from testbed.errors import TestbedError
+from testbed.link.emulators import EMULATORS
 from testbed.results.stats import by_repetition, paired_ratio_interval, summarize
 from testbed.results.store import Results, load, write_text
 from testbed.sweep.plan import PAPER_MEGABIT
@@ -408,18 +409,12 @@ def table_v(results: Results) -> list[str]:
     return lines + ["", *notes, ""]
 
 
-EMULATORS = {
-    "serial": "a userspace serial link that clocks every frame out at the rate (an isolated "
-    "small message takes its wire time, as on a real link)",
-    "tbf": "the kernel's token bucket (tbf) on each device's egress (it holds the rate but "
-    "lets a small message through at once, faster than the link would)",
-}
-
-
 def conventions(latency: Results) -> list[str]:
     env = latency.environment
     emulators = sorted(set(latency.trials["emulator"].dropna()))
-    shaped = "; ".join(f"{e}: {EMULATORS.get(e, e)}" for e in emulators)
+    shaped = "; ".join(
+        f"{e}: {EMULATORS[e].description() if e in EMULATORS else e}" for e in emulators
+    )
     return [
         "# Reproduction of the Trace paper's latency study",
         "",

@@ -81,19 +81,11 @@ def htb_params(
 
 def htb_root_argv(interface: str) -> list[str]:
     """The root htb, unclassified traffic to class 1:2."""
-    return [
-        "tc",
-        "qdisc",
-        "replace",
-        "dev",
-        interface,
-        "root",
-        "handle",
-        HTB_HANDLE,
-        "htb",
-        "default",
-        f"{DEFAULT_MINOR:x}",
-    ]
+    return (
+        ["tc", "qdisc", "replace", "dev", interface]
+        + ["root", "handle", HTB_HANDLE]
+        + ["htb", "default", f"{DEFAULT_MINOR:x}"]
+    )
 
 
 def htb_class_argv(
@@ -102,28 +94,12 @@ def htb_class_argv(
     """A class as `tc class add|change`; the uplink class hangs from the root, the others
     from the uplink class."""
     parent = HTB_HANDLE if klass.minor == UPLINK_MINOR else f"1:{UPLINK_MINOR:x}"
-    return [
-        "tc",
-        "class",
-        action,
-        "dev",
-        interface,
-        "parent",
-        parent,
-        "classid",
-        f"1:{klass.minor:x}",
-        "htb",
-        "rate",
-        f"{klass.rate_bit_s}bit",
-        "ceil",
-        f"{klass.ceil_bit_s}bit",
-        "burst",
-        str(klass.burst_bytes),
-        "cburst",
-        str(klass.burst_bytes),
-        "quantum",
-        str(mtu),
-    ]
+    return (
+        ["tc", "class", action, "dev", interface, "parent", parent]
+        + ["classid", f"1:{klass.minor:x}", "htb"]
+        + ["rate", f"{klass.rate_bit_s}bit", "ceil", f"{klass.ceil_bit_s}bit"]
+        + ["burst", str(klass.burst_bytes), "cburst", str(klass.burst_bytes), "quantum", str(mtu)]
+    )
 
 
 def htb_argv(interface: str, htb: HtbParams) -> list[list[str]]:

@@ -11,6 +11,8 @@ The table of emulators is `testbed.link.emulators`.
 from __future__ import annotations
 
 import abc
+import inspect
+import sys
 from dataclasses import dataclass
 
 from testbed.backends.base import Backend
@@ -39,6 +41,12 @@ class Emulator(abc.ABC):
     """The links of `backend`'s started devices, shaped after `profile`."""
 
     name: str = ""
+
+    @classmethod
+    def description(cls) -> str:
+        """What it is, in a paragraph: the first of its module's docstring."""
+        text = inspect.getdoc(sys.modules[cls.__module__]) or cls.name
+        return " ".join(text.split("\n\n")[0].split())
 
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         self.backend, self.profile, self.run_id = backend, profile, run_id
