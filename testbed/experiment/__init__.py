@@ -1,7 +1,8 @@
-"""What the user writes, read and checked: the experiment file (`schema`), link profiles
-(`profiles`), the ssh backend's inventory of boards (`inventory`), and what they share: strict
-pydantic models with one-line errors (`strict`), the YAML reader (`yamlfile`) and the names
-that become path components (`names`).
+"""What the user writes, read and checked: the experiment file (`schema`, with its `link`
+section in `link_section` and its method grid in `method_grid`), link profiles (`profiles`),
+the inventory of boards (`inventory`), and what they share: strict pydantic models with
+one-line errors (`strict`), the YAML reader (`yamlfile`) and the names that become path
+components (`names`).
 
 Nothing here knows where a run happens: what depends on the host, the backend or the
 emulator is checked by `testbed.sweep.preflight`.

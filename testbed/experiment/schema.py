@@ -14,10 +14,6 @@ host, its files and the backend is checked by `testbed.sweep.preflight`.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import math
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,37 +27,22 @@ from pydantic import (
 
 from testbed.errors import ConfigError
 from testbed.experiment.inventory import Inventory, inventory_input
+from testbed.experiment.link_section import LinkSection
+from testbed.experiment.method_grid import (
+    MAX_TRIALS,
+    check_level,
+    check_method,
+    expand_method,
+    grid_size,
+    short,
+)
 from testbed.experiment.names import check_slug
-from testbed.experiment.strict import Strict, describe
+from testbed.experiment.strict import Strict, as_list, describe, distinct
 from testbed.experiment.yamlfile import load_yaml
-from tracevq.codec import level_sizes_for
 from tracevq.config import known_model_name, model_config
-from tracevq.spec import MethodSpec, method_spec
 
-MAX_TRIALS = 10_000  # device counts x bandwidths x method variants, counted before expanding
 MAX_DEVICES = 254  # hosts of one /24 (the local backend's network)
-RATE_RANGE_MBIT = (0.01, 10_000.0)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-FITTED_BRANCHING = 2  # codebooks the testbed fits get a binary tree (testbed.sweep.bundles)
-FLAG_PARAMS = {f.name for f in dataclasses.fields(MethodSpec) if isinstance(f.default, bool)}
-
-
-def _as_list(value: Any) -> Any:
-    return value if isinstance(value, list) else [value]
-
-
-def _distinct(values: list[Any], what: str) -> list[Any]:
-    """`values`, or ValueError naming the first repeated one (two trials would share an id)."""
-    seen = set()
-    for value in values:
-        if value in seen:
-            raise ValueError(f"{what} {value!r} is listed twice; each trial must be distinct")
-        seen.add(value)
-    return values
-
-
-def _as_list_or_none(value: Any) -> Any:
-    return None if value is None else _as_list(value)
 
 
 class ModelSection(Strict):
@@ -106,178 +87,14 @@ class DevicesSection(Strict):
         "oversubscribed",
     )
 
-    _list = field_validator("count", mode="before")(_as_list)
+    _list = field_validator("count", mode="before")(as_list)
 
     @field_validator("count")
     @classmethod
     def _in_range(cls, counts: list[int]) -> list[int]:
         if not counts or any(not 1 <= c <= MAX_DEVICES for c in counts):
             raise ValueError(f"every device count must be in 1..{MAX_DEVICES}, got {counts}")
-        return _distinct(counts, "device count")
-
-
-DEFAULT_RATE_MBIT = 10.0
-
-
-PER_DEVICE = (
-    "a mapping device rank -> Mbit/s ({0: 2.0, 3: 5.0}) or a list by rank ([2.0, 10.0]); a "
-    "given rate replaces the swept bandwidth_mbit for that device, the same in every trial "
-    "(a replayed trace scales it with the trace's rate); ranks beyond a trial's device count "
-    "are unused in it"
-)
-
-
-class LinkSection(Strict):
-    """The devices' links: their shape (a profile), their rates, what emulates them."""
-
-    profile: str = Field(
-        "ideal",
-        min_length=1,
-        description="a link profile: a name in netem_profiles/ (ideal, wifi, lte, ...) or a "
-        "YAML file's path; see Link profiles below",
-    )
-    bandwidth_mbit: list[float] | None = Field(
-        None,
-        description="the swept rates, every device's uplink (a number or a list; default 10, "
-        "tc's Mbit: 10^6 bit/s of whole frames); leave out with a trace, which gives them",
-    )
-    trace: str | None = Field(
-        None,
-        min_length=1,
-        description="a bandwidth trace replayed on every device's links during each session "
-        "instead of a constant rate: a file in netem_profiles/ or a path; a CSV `t_s,mbit` or "
-        "Mahimahi's packet-delivery format (`.mahimahi`), looped. The trials' bandwidth_mbit "
-        "is its time-weighted mean; every inference records the rate in force at its start",
-    )
-    trace_stretch: float = Field(
-        1.0, gt=0, le=1000, description="play the trace this many times slower"
-    )
-    probe_s: float = Field(
-        0.5,
-        gt=0,
-        le=60,
-        description="traffic per rate probe after every shaping, in seconds at the target "
-        "rate (timed after its first tenth)",
-    )
-    emulator: str | None = Field(
-        None,
-        min_length=1,
-        description="what shapes the links, an emulator of the table below (serial, tbf); "
-        "default: the backend's (serial, except on ssh boards: tbf)",
-    )
-    uplink_mbit: dict[int, float] = Field(
-        default_factory=dict, description="what each named device sends at: " + PER_DEVICE
-    )
-    downlink_mbit: dict[int, float] = Field(
-        default_factory=dict,
-        description="what each named device receives at (unshaped where not named): " + PER_DEVICE,
-    )
-    pair_mbit: dict[str, float] = Field(
-        default_factory=dict,
-        description='per directed pair "SRC->DST": Mbit/s ({"0->1": 2.0}), a cap on what SRC '
-        "sends to DST inside SRC's uplink and DST's downlink (the pair gets the least of the "
-        "three)",
-    )
-
-    _list = field_validator("bandwidth_mbit", mode="before")(_as_list_or_none)
-
-    @field_validator("uplink_mbit", "downlink_mbit", mode="before")
-    @classmethod
-    def _rates_by_rank(cls, value: Any) -> dict[int, float]:
-        if isinstance(value, list):
-            value = dict(enumerate(value))
-        if not isinstance(value, dict):
-            raise ValueError(
-                "a mapping device rank -> Mbit/s ({0: 2.0}) or a list of Mbit/s by rank, "
-                f"got {value!r}"
-            )
-        rates = {}
-        for key, rate in value.items():
-            rank = int(key) if isinstance(key, str) and key.isdigit() else key  # JSON's keys
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-                raise ValueError(f"device {rank!r}: a device is named by its rank (0, 1, ...)")
-            rates[rank] = _rate(rate, f"device {rank}")
-        return rates
-
-    @field_validator("pair_mbit", mode="before")
-    @classmethod
-    def _pair_rates(cls, value: Any) -> dict[str, float]:
-        if not isinstance(value, dict):
-            raise ValueError(f'a mapping "SRC->DST" -> Mbit/s ({{"0->1": 2.0}}), got {value!r}')
-        rates = {}
-        for key, rate in value.items():
-            source, target = _pair(key)
-            rates[f"{source}->{target}"] = _rate(rate, f"pair {key}")
-        return rates
-
-    def pairs(self) -> dict[tuple[int, int], float]:
-        """`pair_mbit` by (sending rank, receiving rank)."""
-        return {_pair(key): rate for key, rate in self.pair_mbit.items()}
-
-    def ranks_named(self) -> dict[str, list[int]]:
-        """Every rank each per-device field names (pairs: both ends)."""
-        pair_ranks = sorted({rank for pair in self.pairs() for rank in pair})
-        return {
-            "uplink_mbit": sorted(self.uplink_mbit),
-            "downlink_mbit": sorted(self.downlink_mbit),
-            "pair_mbit": pair_ranks,
-        }
-
-    @field_validator("bandwidth_mbit")
-    @classmethod
-    def _in_range(cls, rates: list[float] | None) -> list[float] | None:
-        if rates is None:
-            return None
-        low, high = RATE_RANGE_MBIT
-        wrong = [r for r in rates if not low <= r <= high]
-        if not rates or wrong:
-            raise ValueError(
-                f"every bandwidth must be positive, in {low:g}..{high:,.0f} Mbit/s; "
-                f"got {wrong[0] if wrong else 'none'}"
-            )
-        return _distinct(rates, "bandwidth")
-
-    @model_validator(mode="after")
-    def _trace_or_rates(self) -> LinkSection:
-        if self.trace is not None and self.bandwidth_mbit is not None:
-            raise ValueError(
-                "link.bandwidth_mbit: a trace gives the rates (link.trace); leave "
-                "bandwidth_mbit out"
-            )
-        return self
-
-    @field_validator("profile")
-    @classmethod
-    def _profile_name(cls, profile: str) -> str:
-        looks_like_path = "/" in profile or profile.endswith((".yaml", ".yml"))
-        return profile if looks_like_path else check_slug(profile, "profile name")
-
-
-def _rate(rate: Any, where: str) -> float:
-    """A per-device or per-pair rate: a finite number of Mbit/s in RATE_RANGE_MBIT."""
-    low, high = RATE_RANGE_MBIT
-    number = isinstance(rate, int | float) and not isinstance(rate, bool)
-    if not number or not math.isfinite(rate) or not low <= rate <= high:
-        raise ValueError(
-            f"{where}: a rate is a number of Mbit/s in {low:g}..{high:,.0f}, got {rate!r}"
-        )
-    return float(rate)
-
-
-PAIR_PATTERN = re.compile(r"^\s*(\d+)\s*->\s*(\d+)\s*$")
-
-
-def _pair(key: Any) -> tuple[int, int]:
-    """'0->1' -> (0, 1): a directed pair of distinct device ranks."""
-    found = PAIR_PATTERN.match(key) if isinstance(key, str) else None
-    if found is None:
-        raise ValueError(
-            f'pair {key!r}: a pair is written "SRC->DST" with device ranks, e.g. "0->1"'
-        )
-    source, target = int(found.group(1)), int(found.group(2))
-    if source == target:
-        raise ValueError(f"pair {key!r}: a device does not send to itself")
-    return source, target
+        return distinct(counts, "device count")
 
 
 class BundleSection(Strict):
@@ -412,17 +229,17 @@ class Experiment(Strict):
         seen: dict[str, int] = {}
         for index, entry in enumerate(self.methods):
             for variant in expand_method(entry, index):
-                _check_method(variant, index)
+                check_method(variant, index)
                 key = repr(sorted(variant.items()))
                 if key in seen:
                     where = "" if seen[key] == index else f" (as methods[{seen[key]}])"
                     raise ValueError(
-                        f"methods[{index}]: the variant {_short(variant)} is listed twice"
+                        f"methods[{index}]: the variant {short(variant)} is listed twice"
                         f"{where}; each trial must be distinct"
                     )
                 seen[key] = index
                 if self.bundle.path is None:  # a given bundle's tree is checked when loaded
-                    _check_level(variant, index)
+                    check_level(variant, index)
         _check_devices_fit(self.devices.count, self.model.name)
         _check_ranks(self.link, max(self.devices.count))
         return self
@@ -430,78 +247,6 @@ class Experiment(Strict):
     def method_variants(self) -> list[dict[str, Any]]:
         """Every method entry with its list-valued parameters expanded into a grid."""
         return [v for i, entry in enumerate(self.methods) for v in expand_method(entry, i)]
-
-
-def _short(variant: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" if k != "name" else str(v) for k, v in variant.items())
-
-
-def expand_method(entry: Any, index: int) -> list[dict[str, Any]]:
-    if not isinstance(entry, dict) or "name" not in entry:
-        raise ValueError(f"methods[{index}]: needs a 'name' (e.g. {{name: trace-b, K: 1024}})")
-    keys = list(entry)
-    values = [_as_list(entry[k]) for k in keys]
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
-
-
-def _length(value: Any) -> int:
-    return len(value) if isinstance(value, list) else 1
-
-
-def grid_size(data: Any) -> int:
-    """Trials the raw experiment mapping would expand into (0 where its shape is wrong)."""
-    if not isinstance(data, dict):
-        return 0
-    devices, link, methods = data.get("devices"), data.get("link"), data.get("methods")
-    counts = _length(devices.get("count")) if isinstance(devices, dict) else 1
-    rates = _length(link.get("bandwidth_mbit")) if isinstance(link, dict) else 1
-    entries = methods if isinstance(methods, list) else []
-    variants = sum(
-        math.prod(_length(value) for value in entry.values())
-        for entry in entries
-        if isinstance(entry, dict)
-    )
-    return counts * rates * variants
-
-
-def _check_method(variant: dict[str, Any], index: int) -> None:
-    from tracevq.errors import ConfigError as TraceConfigError
-
-    if not isinstance(variant["name"], str):
-        raise ValueError(
-            f"methods[{index}].name: a method's name is text such as 'trace-b', "
-            f"got {variant['name']!r}"
-        )
-    params = {k: v for k, v in variant.items() if k != "name"}
-    for key, value in params.items():
-        if isinstance(value, bool) and key not in FLAG_PARAMS:
-            raise ValueError(f"methods[{index}].{key}: takes a number, got {value!r}")
-    try:
-        method_spec(variant["name"], **params)
-    except TraceConfigError as error:
-        field = f".{error.field}" if error.field else ""
-        raise ValueError(f"methods[{index}]{field}: {error}") from None
-
-
-def variant_spec(variant: dict[str, Any]) -> MethodSpec:
-    """The method spec of one expanded method entry ({"name": ..., parameters ...})."""
-    return method_spec(variant["name"], **{k: v for k, v in variant.items() if k != "name"})
-
-
-def _check_level(variant: dict[str, Any], index: int) -> None:
-    """A trace method's `level_k` and `level_min_k` must be levels of the tree fitted over
-    its K codewords."""
-    spec = variant_spec(variant)
-    if not spec.is_trace:
-        return
-    levels = level_sizes_for(spec.K, FITTED_BRANCHING)
-    for field, size in (("level_k", spec.level_k), ("level_min_k", spec.level_min_k)):
-        if size not in (None, "auto") and size not in levels:
-            raise ValueError(
-                f"methods[{index}].{field}: {size} is not a level of the K={spec.K} codebook "
-                f"tree (branching {FITTED_BRANCHING}); its levels are "
-                f"{', '.join(map(str, levels))}"
-            )
 
 
 def _check_devices_fit(counts: list[int], model: str) -> None:

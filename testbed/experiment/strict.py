@@ -50,3 +50,22 @@ def _short_repr(value: Any) -> str | None:
         return None
     text = repr(value)
     return text if len(text) <= 60 else None
+
+
+def as_list(value: Any) -> Any:
+    """A value where a list is expected: itself if it is one, else a list of it."""
+    return value if isinstance(value, list) else [value]
+
+
+def distinct(values: list[Any], what: str) -> list[Any]:
+    """`values`, or ValueError naming the first repeated one (two trials would share an id)."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"{what} {value!r} is listed twice; each trial must be distinct")
+        seen.add(value)
+    return values
+
+
+def as_list_or_none(value: Any) -> Any:
+    return None if value is None else as_list(value)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from testbed.experiment.schema import LinkSection
+    from testbed.experiment.link_section import LinkSection
 
 
 @dataclass(frozen=True)

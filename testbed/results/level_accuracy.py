@@ -37,7 +37,8 @@ import pandas as pd
 import yaml
 
 from testbed.errors import ConfigError
-from testbed.experiment.schema import Experiment, variant_spec
+from testbed.experiment.method_grid import variant_spec
+from testbed.experiment.schema import Experiment
 
 FIELD = "report.level_accuracy"
 KEYS = ["method", "devices", "K", "level_k"]

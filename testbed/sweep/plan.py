@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.errors import ConfigError
-from testbed.experiment.schema import DEFAULT_RATE_MBIT, Experiment, LinkSection
+from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
+from testbed.experiment.schema import Experiment
 from testbed.kernel.tbf import BIT_PER_MBIT  # tc's `mbit`, what the testbed shapes
 from testbed.link.traces import RateTrace, load_trace
 from testbed.results.facts import PlanRow

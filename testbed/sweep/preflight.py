@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 from testbed.backends.base import Backend
 from testbed.backends.table import BACKENDS, backend_class
 from testbed.errors import ConfigError
+from testbed.experiment.method_grid import FITTED_BRANCHING, variant_spec
 from testbed.experiment.profiles import LinkProfile, load_profile
-from testbed.experiment.schema import FITTED_BRANCHING, Experiment, variant_spec
+from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
 from testbed.link.emulators import emulator_class
 from testbed.results.level_accuracy import check_covered, load_level_accuracy

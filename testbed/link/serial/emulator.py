@@ -70,9 +70,8 @@ class SerialEmulator(Emulator):
         paths = [d.netns_path for d in backend.devices if d.netns_path is not None]
         rate = self.profile.rate_mbit or DEFAULT_RATE_MBIT
         cpusets = [d.cpuset for d in backend.devices]
-        self.switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, cpusets=cpusets)
-        self.switch.start()
-        switch = self.switch
+        switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, cpusets=cpusets)
+        self.switch = switch.start()  # a switch that fails to start removes what it made
         backend.devices = [
             replace(d, address=switch.address(d.rank), interface=switch.interface)
             for d in backend.devices

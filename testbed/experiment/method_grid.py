@@ -1,0 +1,90 @@
+"""The `methods` of an experiment: entries whose list-valued parameters expand into a grid of
+variants, each checked against the method table (`tracevq.spec`) and, for Trace, against the
+levels of the tree the testbed fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+from testbed.experiment.strict import as_list
+from tracevq.codec import level_sizes_for
+from tracevq.spec import MethodSpec, method_spec
+
+MAX_TRIALS = 10_000  # device counts x bandwidths x method variants, counted before expanding
+FITTED_BRANCHING = 2  # codebooks the testbed fits get a binary tree (testbed.sweep.bundles)
+FLAG_PARAMS = {f.name for f in dataclasses.fields(MethodSpec) if isinstance(f.default, bool)}
+
+
+def short(variant: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" if k != "name" else str(v) for k, v in variant.items())
+
+
+def expand_method(entry: Any, index: int) -> list[dict[str, Any]]:
+    if not isinstance(entry, dict) or "name" not in entry:
+        raise ValueError(f"methods[{index}]: needs a 'name' (e.g. {{name: trace-b, K: 1024}})")
+    keys = list(entry)
+    values = [as_list(entry[k]) for k in keys]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+
+
+def _length(value: Any) -> int:
+    return len(value) if isinstance(value, list) else 1
+
+
+def grid_size(data: Any) -> int:
+    """Trials the raw experiment mapping would expand into (0 where its shape is wrong)."""
+    if not isinstance(data, dict):
+        return 0
+    devices, link, methods = data.get("devices"), data.get("link"), data.get("methods")
+    counts = _length(devices.get("count")) if isinstance(devices, dict) else 1
+    rates = _length(link.get("bandwidth_mbit")) if isinstance(link, dict) else 1
+    entries = methods if isinstance(methods, list) else []
+    variants = sum(
+        math.prod(_length(value) for value in entry.values())
+        for entry in entries
+        if isinstance(entry, dict)
+    )
+    return counts * rates * variants
+
+
+def check_method(variant: dict[str, Any], index: int) -> None:
+    from tracevq.errors import ConfigError as TraceConfigError
+
+    if not isinstance(variant["name"], str):
+        raise ValueError(
+            f"methods[{index}].name: a method's name is text such as 'trace-b', "
+            f"got {variant['name']!r}"
+        )
+    params = {k: v for k, v in variant.items() if k != "name"}
+    for key, value in params.items():
+        if isinstance(value, bool) and key not in FLAG_PARAMS:
+            raise ValueError(f"methods[{index}].{key}: takes a number, got {value!r}")
+    try:
+        method_spec(variant["name"], **params)
+    except TraceConfigError as error:
+        field = f".{error.field}" if error.field else ""
+        raise ValueError(f"methods[{index}]{field}: {error}") from None
+
+
+def variant_spec(variant: dict[str, Any]) -> MethodSpec:
+    """The method spec of one expanded method entry ({"name": ..., parameters ...})."""
+    return method_spec(variant["name"], **{k: v for k, v in variant.items() if k != "name"})
+
+
+def check_level(variant: dict[str, Any], index: int) -> None:
+    """A trace method's `level_k` and `level_min_k` must be levels of the tree fitted over
+    its K codewords."""
+    spec = variant_spec(variant)
+    if not spec.is_trace:
+        return
+    levels = level_sizes_for(spec.K, FITTED_BRANCHING)
+    for field, size in (("level_k", spec.level_k), ("level_min_k", spec.level_min_k)):
+        if size not in (None, "auto") and size not in levels:
+            raise ValueError(
+                f"methods[{index}].{field}: {size} is not a level of the K={spec.K} codebook "
+                f"tree (branching {FITTED_BRANCHING}); its levels are "
+                f"{', '.join(map(str, levels))}"
+            )
