@@ -1,7 +1,7 @@
 # Set-up, tests, lint and the worker image of the Trace edge testbed.
 #
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
-#   make smoke        the same pipeline on a tiny model in about a minute
+#   make smoke        the same pipeline on a tiny model in seconds
 #   make trace-replay Trace-b with fixed and live (level_k auto) levels over a 20-1-20 Mbit/s trace
 #   make trace-replay-digits  the same with the accuracy study's vit-digits, and the accuracy
 #                     of the levels used (runs the digits study first if its results are missing)

@@ -16,17 +16,28 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tracevq.codec import HEADER_BYTES, index_bits
 
-if TYPE_CHECKING:
-    from tracevq.spec import MethodSpec
-
 HEADER_BITS = 8 * HEADER_BYTES
 ASTRA_WORD_BITS = 16  # the paper's Astra figures imply 16-bit indices (docs/method.md)
-# what a device sends for one layer: (spec, its tokens, model width, batch) -> bits
-MessageBits = Callable[["MethodSpec", int, int, int], int]
+
+
+class Parameters(Protocol):
+    """What the payload functions read of a method's parameters (`tracevq.spec.MethodSpec`)."""
+
+    K: int
+    segment: int
+    mean_bits: int
+    packed: bool
+
+    @property
+    def resolved_level_k(self) -> int: ...
+
+
+# what a device sends for one layer: (parameters, its tokens, model width, batch) -> bits
+MessageBits = Callable[[Parameters, int, int, int], int]
 
 
 @dataclass(frozen=True)
@@ -44,23 +55,23 @@ class MethodEntry:
         return getattr(importlib.import_module(module), name)
 
 
-def _nothing(spec: MethodSpec, tokens: int, dim: int, batch: int) -> int:
+def _nothing(spec: Parameters, tokens: int, dim: int, batch: int) -> int:
     return 0
 
 
-def _activations(spec: MethodSpec, tokens: int, dim: int, batch: int) -> int:
+def _activations(spec: Parameters, tokens: int, dim: int, batch: int) -> int:
     return 32 * tokens * batch * dim
 
 
-def _segment_means(spec: MethodSpec, tokens: int, dim: int, batch: int) -> int:
+def _segment_means(spec: Parameters, tokens: int, dim: int, batch: int) -> int:
     return spec.mean_bits * math.ceil(tokens / spec.segment) * batch * dim
 
 
-def _codeword_indices(spec: MethodSpec, tokens: int, dim: int, batch: int) -> int:
+def _codeword_indices(spec: Parameters, tokens: int, dim: int, batch: int) -> int:
     return tokens * batch * (index_bits(spec.K) if spec.packed else ASTRA_WORD_BITS)
 
 
-def _level_indices(spec: MethodSpec, tokens: int, dim: int, batch: int) -> int:
+def _level_indices(spec: Parameters, tokens: int, dim: int, batch: int) -> int:
     return tokens * batch * index_bits(spec.resolved_level_k) + HEADER_BITS
 
 
