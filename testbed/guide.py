@@ -23,7 +23,13 @@ from pydantic_core import PydanticUndefined
 
 from testbed.backends.table import AUTO, BACKENDS
 from testbed.experiment.inventory import Board, Inventory
-from testbed.experiment.profiles import LinkProfile, available_profiles, load_profile
+from testbed.experiment.profiles import (
+    GeModel,
+    LinkProfile,
+    StateModel,
+    available_profiles,
+    load_profile,
+)
 from testbed.experiment.schema import Experiment
 from testbed.link.emulators import EMULATORS
 from testbed.source import EXPERIMENTS_DIR
@@ -183,6 +189,8 @@ def emulators() -> list[str]:
 
 def profiles() -> list[str]:
     lines = section("Link profiles", LinkProfile, "")
+    lines += section("`loss_gemodel`", GeModel, "loss_gemodel.")
+    lines += section("`loss_state`", StateModel, "loss_state.")
     lines += [
         "Shipped in netem_profiles/ (`link.profile` names them):",
         "",

@@ -53,6 +53,7 @@ class ImpairmentError(ValueError):
 def checked(parameters: Mapping[str, Any]) -> dict[str, Any]:
     """Every parameter, defaults filled in, plus `loss_model` (random, gemodel or state).
     Raises ImpairmentError naming the parameter."""
+    parameters = {k: v for k, v in parameters.items() if k != "loss_model"}  # checked again
     unknown = sorted(set(parameters) - set(NAMES))
     if unknown:
         raise ImpairmentError(f"{unknown[0]}: not an impairment (they are {', '.join(NAMES)})")

@@ -16,9 +16,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from testbed.errors import ConfigError
+from testbed.experiment.impairments import NAMES as IMPAIRMENTS
+from testbed.experiment.impairments import ImpairmentError, checked, impaired
 from testbed.experiment.strict import Strict, describe
 from testbed.experiment.yamlfile import load_yaml
 from testbed.source import PROFILES_DIR
@@ -28,17 +30,64 @@ log = logging.getLogger(__name__)
 PROFILE_SUFFIX = ".yaml"
 
 
+class GeModel(Strict):
+    """netem's `loss gemodel p r 1-h 1-k` (tc's defaults where left out)."""
+
+    p_pct: float = Field(description="good -> bad per frame")
+    r_pct: float | None = Field(None, description="bad -> good per frame (default 100 - p)")
+    one_minus_h_pct: float | None = Field(None, description="loss in the bad state (100)")
+    one_minus_k_pct: float | None = Field(None, description="loss in the good state (0)")
+
+
+class StateModel(Strict):
+    """netem's `loss state p13 p31 p32 p23 p14` (tc's defaults where left out)."""
+
+    p13_pct: float = Field(description="gap -> burst (a loss) per frame")
+    p31_pct: float | None = Field(None, description="burst -> gap (default 100 - p13)")
+    p32_pct: float | None = Field(None, description="lost -> sent within a burst (0)")
+    p23_pct: float | None = Field(None, description="sent -> lost within a burst (100)")
+    p14_pct: float | None = Field(None, description="an isolated loss in a gap (0)")
+
+
 class LinkProfile(Strict):
-    """One link's shape. Rates follow tc's convention: 1 mbit = 10^6 bit/s."""
+    """One link's shape. Rates follow tc's convention: 1 mbit = 10^6 bit/s. Impairments are
+    netem's (tc-netem(8)), each device's on what it sends, so a round trip sees the delay
+    twice; the serial emulator draws them itself, tbf needs the kernel's `sch_netem`."""
 
     name: str = Field(min_length=1, description="default: the file's name")
     description: str = Field("", description="what link it stands for, in a sentence")
     rate_mbit: float | None = Field(
         default=None, ge=0.01, le=10_000, description="its rate where the sweep gives none"
     )
-    delay_ms: float = Field(default=0.0, ge=0, le=60_000, description="one-way delay (netem)")
-    jitter_ms: float = Field(default=0.0, ge=0, le=60_000, description="delay jitter (netem)")
-    loss_pct: float = Field(default=0.0, ge=0, le=100, description="random loss (netem)")
+    delay_ms: float = Field(default=0.0, description="one-way delay")
+    jitter_ms: float = Field(default=0.0, description="the delay's jitter, about it")
+    delay_correlation_pct: float = Field(
+        default=0.0, description="each delay's weight on the last one (netem's correlation)"
+    )
+    delay_distribution: str = Field(
+        default="uniform", description="the jitter's: uniform, normal, pareto or paretonormal"
+    )
+    loss_pct: float = Field(default=0.0, description="random loss")
+    loss_correlation_pct: float = Field(default=0.0, description="its correlation")
+    loss_gemodel: GeModel | None = Field(
+        default=None, description="Gilbert-Elliott loss instead (below)"
+    )
+    loss_state: StateModel | None = Field(
+        default=None, description="4-state Markov loss instead (below)"
+    )
+    duplicate_pct: float = Field(default=0.0, description="frames sent twice")
+    duplicate_correlation_pct: float = Field(default=0.0, description="its correlation")
+    reorder_pct: float = Field(default=0.0, description="frames that skip the delay")
+    reorder_correlation_pct: float = Field(default=0.0, description="its correlation")
+    reorder_gap: int = Field(
+        default=0, description="every gap-th frame may be reordered (default 1 with reorder)"
+    )
+    seed: int = Field(
+        default=0,
+        ge=0,
+        description="what the serial emulator's draws start from (with the device count, "
+        "the rate and the device): the same seed, the same realisation",
+    )
     burst_bytes: int | None = Field(
         default=None, gt=0, le=1 << 30, description="a larger tbf bucket than two full frames"
     )
@@ -46,10 +95,22 @@ class LinkProfile(Strict):
         default=50.0, gt=0, le=60_000, description="the queue's bound, as tc's tbf latency"
     )
 
+    @model_validator(mode="after")
+    def _impairments_valid(self) -> LinkProfile:
+        try:
+            checked(self.impairments())
+        except ImpairmentError as error:
+            raise ValueError(str(error)) from None
+        return self
+
+    def impairments(self) -> dict[str, Any]:
+        """The profile's netem parameters (testbed.experiment.impairments), as written."""
+        return self.model_dump(include=set(IMPAIRMENTS), exclude_none=True)
+
     @property
     def needs_netem(self) -> bool:
-        """Whether the profile asks for an impairment only `sch_netem` can emulate."""
-        return self.delay_ms > 0 or self.jitter_ms > 0 or self.loss_pct > 0
+        """Whether the profile asks for any impairment (netem's work)."""
+        return impaired(checked(self.impairments()))
 
 
 def available_profiles(directory: Path = PROFILES_DIR) -> list[str]:

@@ -1,28 +1,41 @@
-"""netem, delay, jitter and loss: a profile's impairments become parameters (pure, no kernel).
+"""netem, a profile's impairments as the kernel's qdisc (pure, no kernel): delay, jitter and its
+distribution, loss (random, Gilbert-Elliott or 4-state), duplication and reordering, with
+their correlations, as the `tc qdisc add ... netem` command that asks for them
+(tc-netem(8); the parameters are checked by `testbed.experiment.impairments`).
 
 netem sits under the root tbf (class 1:1); a kernel without `sch_netem` cannot have it
-(`testbed.kernel.shaping.check_support` says so rather than dropping the impairment).
+(`testbed.kernel.shaping.check_support` says so rather than dropping the impairment). The
+command goes through `tc` (it names distribution tables, which pyroute2 cannot load), and no
+kernel of this project's machines has `sch_netem`: this path is tested by its argv only. netem
+draws from the kernel's own generator, so unlike the serial emulator's its realisation is not
+repeatable.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from testbed.experiment.impairments import checked, impaired
 from testbed.experiment.profiles import LinkProfile
-from testbed.kernel.tbf import ETHERNET_FRAME_BYTES, TBF_CLASS, TbfParams
+from testbed.kernel.tbf import ETHERNET_FRAME_BYTES, TbfParams
 
 NETEM_DEFAULT_LIMIT_PACKETS = 1000  # the kernel's own default
-NETEM_HANDLE = 0x100000  # "10:"
 
 
 @dataclass(frozen=True)
 class NetemParams:
-    delay_us: int
-    jitter_us: int
-    loss_pct: float
     limit_packets: int
+    impairments: dict[str, Any] = field(default_factory=dict)  # checked, defaults filled
+
+    @property
+    def delay_us(self) -> int:
+        return round(self.impairments["delay_ms"] * 1000)
+
+    @property
+    def jitter_us(self) -> int:
+        return round(self.impairments["jitter_ms"] * 1000)
 
 
 def netem_params(
@@ -34,46 +47,70 @@ def netem_params(
     keep tbf's latency bound: tbf's byte limit plus what the delay (and jitter) keeps in
     flight, in full frames. Without `tbf` the kernel's default of 1000 packets is kept.
     """
-    if not profile.needs_netem:
+    values = checked(profile.impairments())
+    if not impaired(values):
         return None
     limit = NETEM_DEFAULT_LIMIT_PACKETS
     if tbf is not None:
-        in_flight_bytes = tbf.rate_bit_s / 8 * (profile.delay_ms + profile.jitter_ms) / 1000
+        flight_ms = values["delay_ms"] + values["jitter_ms"]
+        in_flight_bytes = tbf.rate_bit_s / 8 * flight_ms / 1000
         limit = math.ceil((tbf.limit_bytes + in_flight_bytes) / mtu)
-    return NetemParams(
-        delay_us=round(profile.delay_ms * 1000),
-        jitter_us=round(profile.jitter_ms * 1000),
-        loss_pct=profile.loss_pct,
-        limit_packets=limit,
-    )
+    return NetemParams(limit, values)
 
 
 def netem_argv(interface: str, netem: NetemParams) -> list[str]:
     """netem under the root tbf's class 1:1 as a `tc qdisc add` command."""
     argv = ["tc", "qdisc", "add", "dev", interface, "parent", "1:1", "handle", "10:", "netem"]
-    argv += ["limit", str(netem.limit_packets)]
-    if netem.delay_us or netem.jitter_us:
-        argv += ["delay", _tc_time(netem.delay_us)]
-        if netem.jitter_us:
-            argv.append(_tc_time(netem.jitter_us))
-    if netem.loss_pct:
-        argv += ["loss", f"{netem.loss_pct:g}%"]
-    return argv
+    return argv + ["limit", str(netem.limit_packets)] + netem_options(netem.impairments)
 
 
-def netem_keywords(netem: NetemParams) -> dict[str, Any]:
-    """netem under the root tbf as pyroute2 `tc(..., "netem", index, **keywords)` keywords."""
-    return {
-        "parent": TBF_CLASS,
-        "handle": NETEM_HANDLE,
-        "delay": netem.delay_us,
-        "jitter": netem.jitter_us,
-        "loss": netem.loss_pct,
-        "limit": netem.limit_packets,
-    }
+def netem_options(values: dict[str, Any]) -> list[str]:
+    """tc's words for checked impairments, in tc-netem(8)'s order."""
+    words: list[str] = []
+    if values["delay_ms"] or values["jitter_ms"]:
+        words += ["delay", _tc_time(values["delay_ms"])]
+        if values["jitter_ms"]:
+            words.append(_tc_time(values["jitter_ms"]))
+            if values["delay_correlation_pct"]:
+                words.append(_pct(values["delay_correlation_pct"]))
+        if values["delay_distribution"] != "uniform":
+            words += ["distribution", values["delay_distribution"]]
+    words += _loss(values)
+    if values["duplicate_pct"]:
+        words += ["duplicate", _pct(values["duplicate_pct"])]
+        if values["duplicate_correlation_pct"]:
+            words.append(_pct(values["duplicate_correlation_pct"]))
+    if values["reorder_pct"]:
+        words += ["reorder", _pct(values["reorder_pct"])]
+        if values["reorder_correlation_pct"]:
+            words.append(_pct(values["reorder_correlation_pct"]))
+        words += ["gap", str(values["reorder_gap"])]
+    return words
 
 
-def _tc_time(microseconds: int) -> str:
+def _loss(values: dict[str, Any]) -> list[str]:
+    if values["loss_model"] == "gemodel":
+        ge = values["loss_gemodel"]
+        keys = ("p_pct", "r_pct", "one_minus_h_pct", "one_minus_k_pct")
+        return ["loss", "gemodel", *(_pct(ge[key]) for key in keys)]
+    if values["loss_model"] == "state":
+        state = values["loss_state"]
+        keys = ("p13_pct", "p31_pct", "p32_pct", "p23_pct", "p14_pct")
+        return ["loss", "state", *(_pct(state[key]) for key in keys)]
+    if not values["loss_pct"]:
+        return []
+    words = ["loss", "random", _pct(values["loss_pct"])]
+    if values["loss_correlation_pct"]:
+        words.append(_pct(values["loss_correlation_pct"]))
+    return words
+
+
+def _pct(value: float) -> str:
+    return f"{value:g}%"
+
+
+def _tc_time(milliseconds: float) -> str:
+    microseconds = round(milliseconds * 1000)
     if microseconds % 1000 == 0:
         return f"{microseconds // 1000}ms"
     return f"{microseconds}us"

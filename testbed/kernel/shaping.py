@@ -33,7 +33,7 @@ from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.htb import HtbParams, htb_argv, htb_change_argv, htb_params
 from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
 from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
-from testbed.kernel.netem import NetemParams, netem_argv, netem_keywords, netem_params
+from testbed.kernel.netem import NetemParams, netem_argv, netem_params
 from testbed.kernel.tbf import TbfParams, tbf_argv, tbf_keywords, tbf_params
 from testbed.kernel.u32 import u32_redirect_argv
 
@@ -57,8 +57,8 @@ class ShapingPlan:
 
     @property
     def is_tbf_only(self) -> bool:
-        """A root tbf (and netem) alone: applied through pyroute2, as every plan once was."""
-        return self.htb is None and self.downlink is None
+        """A root tbf alone: applied through pyroute2; every other plan goes as `tc` argv."""
+        return self.htb is None and self.downlink is None and self.netem is None
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain data, to be saved with the results."""
@@ -116,8 +116,8 @@ def check_support(shaping: ShapingPlan, support: Mapping[str, bool]) -> None:
         raise ShapingError("this kernel has no ingress qdisc (sch_ingress): downlink rates need it")
     if shaping.needs_netem and not support.get("netem", False):
         raise ShapingError(
-            f"profile '{shaping.profile_name}' needs delay/jitter/loss emulation (sch_netem), "
-            "which this kernel does not have; use a rate-only profile such as 'ideal'"
+            f"profile '{shaping.profile_name}' needs netem's impairments (sch_netem), which "
+            "this kernel does not have; the serial emulator draws them itself"
         )
 
 
@@ -209,8 +209,4 @@ def netlink_requests(
     Each entry is (what it does, the equivalent tc command, qdisc kind, keywords).
     """
     commands = tc_argv(interface, shaping)
-    requests = [("adding the tbf root qdisc", commands[0], "tbf", tbf_keywords(shaping.tbf))]
-    if shaping.netem is not None:
-        keywords = netem_keywords(shaping.netem)
-        requests.append(("adding the netem qdisc under tbf", commands[1], "netem", keywords))
-    return requests
+    return [("adding the tbf root qdisc", commands[0], "tbf", tbf_keywords(shaping.tbf))]

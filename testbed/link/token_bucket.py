@@ -56,8 +56,8 @@ class TokenBucket(Emulator):
             return None
         return Refusal(
             "link.profile",
-            f"'{profile.name}' needs delay/jitter/loss emulation (sch_netem), which this kernel "
-            "does not have; use a rate-only profile such as 'ideal'",
+            f"'{profile.name}' needs netem's impairments (sch_netem), which this kernel does "
+            "not have; the serial emulator draws them itself (link: {emulator: serial})",
         )
 
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:

@@ -211,7 +211,31 @@ CASES: list[tuple[str, str, str]] = [
     ("profile-no-file", exp("link: {profile: ../nope.yaml}\n"), "link.profile: "),
     ("profile-bad-rate", exp("link: {profile: {tmp}/nan.yaml}\n"), "link.profile: "),
     ("profile-duplicate", exp("link: {profile: {tmp}/dup.yaml}\n"), "duplicate key 'delay_ms'"),
-    ("profile-serial-delay", exp("link: {profile: lte}\n"), "serial emulator does not add"),
+    (
+        "profile-jitter-alone",
+        exp("link: {profile: {tmp}/jitter.yaml}\n"),
+        "link.profile: {tmp}/jitter.yaml: invalid link profile: jitter_ms: jitter needs a delay",
+    ),
+    (
+        "profile-ge-range",
+        exp("link: {profile: {tmp}/ge.yaml}\n"),
+        "loss_gemodel.p_pct: must lie in 0..100, got 120",
+    ),
+    (
+        "profile-reorder-no-delay",
+        exp("link: {profile: {tmp}/reorder.yaml}\n"),
+        "reorder_pct: reordering needs a delay",
+    ),
+    (
+        "profile-distribution",
+        exp("link: {profile: {tmp}/dist.yaml}\n"),
+        "delay_distribution: 'gamma' is not one of uniform, normal, pareto, paretonormal",
+    ),
+    (
+        "profile-delay-nan",
+        exp("link: {profile: {tmp}/delay-nan.yaml}\n"),
+        "delay_ms: Input should be a finite number",
+    ),
     ("rate-twice", exp("link: {bandwidth_mbit: [10, 5, 10]}\n"), "bandwidth 10.0 is listed twice"),
     ("count-twice", exp("devices: {count: [2, 2]}\n"), "device count 2 is listed twice"),
     (
@@ -318,6 +342,11 @@ CASES: list[tuple[str, str, str]] = [
 AUXILIARY = {
     "nan.yaml": "rate_mbit: .nan\n",
     "dup.yaml": "delay_ms: 1\ndelay_ms: 2\n",
+    "jitter.yaml": "jitter_ms: 2\n",
+    "ge.yaml": "loss_gemodel: {p_pct: 120}\n",
+    "reorder.yaml": "reorder_pct: 5\n",
+    "dist.yaml": "delay_ms: 5\njitter_ms: 1\ndelay_distribution: gamma\n",
+    "delay-nan.yaml": "delay_ms: .nan\n",
     "neg.csv": "t_s,mbit\n0,5\n10,-1\n20,\n",
     "empty.csv": "",
     "cols.csv": "method,devices,level_k,top1\ntrace-b,2,64,50\n",
@@ -407,7 +436,7 @@ def test_a_profile_needing_netem_on_a_kernel_without_it(capsys, tmp_path):
         pytest.skip("this kernel has sch_netem")
     path = tmp_path / "bad.yaml"
     path.write_text(exp("link: {profile: lte, emulator: tbf}\n"))
-    assert "link.profile: 'lte' needs delay/jitter/loss" in refused(capsys, tmp_path, [str(path)])
+    assert "link.profile: 'lte' needs netem's impairments" in refused(capsys, tmp_path, [str(path)])
 
 
 def test_an_unexpected_error_prints_one_line_naming_the_log(capsys, tmp_path, monkeypatch):

@@ -64,7 +64,7 @@ def test_plan_with_impairments_has_netem_child() -> None:
     shaping = plan(WIFI, rate_mbit=5)
     assert shaping.netem is not None
     assert (shaping.netem.delay_us, shaping.netem.jitter_us) == (4000, 2000)
-    assert shaping.netem.loss_pct == 0.1
+    assert shaping.netem.impairments["loss_pct"] == 0.1
 
 
 def test_netem_limit_keeps_the_latency_bound() -> None:
@@ -84,8 +84,8 @@ def test_plan_without_any_rate_fails() -> None:
 
 def test_netem_needed_but_unsupported_fails_loudly() -> None:
     expected = (
-        "profile 'wifi' needs delay/jitter/loss emulation (sch_netem), which this kernel "
-        "does not have; use a rate-only profile such as 'ideal'"
+        "profile 'wifi' needs netem's impairments (sch_netem), which this kernel does not "
+        "have; the serial emulator draws them itself"
     )
     with pytest.raises(ShapingError) as raised:
         plan(WIFI, rate_mbit=10, support=NO_NETEM)
@@ -116,13 +116,13 @@ def test_tc_argv_with_netem() -> None:
     # limit: (9,278 B + 125,000 B/s x 37.5 ms) / 1514 B -> 10 packets
     assert commands[1] == (
         ["tc", "qdisc", "add", "dev", "veth0", "parent", "1:1", "handle", "10:", "netem"]
-        + ["limit", "10", "delay", "30ms", "7500us", "loss", "0.5%"]
+        + ["limit", "10", "delay", "30ms", "7500us", "loss", "random", "0.5%"]
     )
 
 
 def test_tc_argv_netem_loss_only() -> None:
     commands = tc_argv("eth0", plan(LinkProfile(name="lossy", loss_pct=1), rate_mbit=1))
-    assert commands[1][-4:] == ["limit", "7", "loss", "1%"]
+    assert commands[1][-5:] == ["limit", "7", "loss", "random", "1%"]
 
 
 def test_clear_offload_and_gso_argv() -> None:
@@ -132,15 +132,45 @@ def test_clear_offload_and_gso_argv() -> None:
 
 
 def test_netlink_requests_match_the_plan() -> None:
-    shaping = plan(WIFI, rate_mbit=20)
+    """A rate alone goes through pyroute2; a plan with netem goes as tc's argv (it may name a
+    distribution table, which pyroute2 cannot load)."""
+    shaping = plan(IDEAL, rate_mbit=20)
     requests = netlink_requests("eth0", shaping)
-    assert [kind for _, _, kind, _ in requests] == ["tbf", "netem"]
+    assert [kind for _, _, kind, _ in requests] == ["tbf"]
     _, argv, _, tbf = requests[0]
     assert argv == tc_argv("eth0", shaping)[0]
     assert tbf == {"handle": 0x10000, "rate": "20000000bit", "burst": 3028, "limit": 128_028}
-    netem = requests[1][3]
-    assert (netem["parent"], netem["handle"]) == (0x10001, 0x100000)
-    assert (netem["delay"], netem["jitter"], netem["loss"]) == (4000, 2000, 0.1)
+    assert shaping.is_tbf_only and not plan(WIFI, rate_mbit=20).is_tbf_only
+
+
+def test_every_impairment_has_its_tc_words() -> None:
+    """netem's argv for each parameter, as tc-netem(8) spells it (this machine has no
+    sch_netem: the tbf path is tested by its argv only)."""
+    profile = LinkProfile(
+        name="all",
+        delay_ms=20,
+        jitter_ms=2.5,
+        delay_correlation_pct=25,
+        delay_distribution="normal",
+        loss_gemodel={"p_pct": 1, "r_pct": 30},
+        duplicate_pct=0.5,
+        duplicate_correlation_pct=10,
+        reorder_pct=5,
+        reorder_gap=4,
+    )
+    words = " ".join(tc_argv("eth0", plan(profile, rate_mbit=10))[1][10:])
+    assert words == (
+        "limit 62 delay 20ms 2500us 25% distribution normal loss gemodel 1% 30% 100% 0% "
+        "duplicate 0.5% 10% reorder 5% gap 4"
+    )
+    state = LinkProfile(name="s", loss_state={"p13_pct": 2}, reorder_pct=0)
+    assert " ".join(tc_argv("eth0", plan(state, rate_mbit=1))[1][12:]) == (
+        "loss state 2% 98% 0% 100% 0%"
+    )
+    random = LinkProfile(name="r", delay_ms=5, loss_pct=1, loss_correlation_pct=25, reorder_pct=1)
+    assert " ".join(tc_argv("eth0", plan(random, rate_mbit=1))[1][12:]) == (
+        "delay 5ms loss random 1% 25% reorder 1% gap 1"
+    )
 
 
 def test_plan_as_dict_is_plain_data() -> None:

@@ -1,6 +1,7 @@
 """A userspace serial link between the devices that clocks every frame out at its rate, so that
-a lone small message takes its wire time as on a real link (bulk holds the rate within 0.01%);
-it adds no delay, jitter or loss, and needs the devices on this host and root.
+a lone small message takes its wire time as on a real link (bulk holds the rate within 0.01%),
+and draws netem's delay, jitter, loss, duplication and reordering itself, seeded, on any
+kernel; it needs the devices on this host and root.
 
 This is the emulator as the table sees it; the link itself is `testbed.link.serial.switch`
 (and its program). It joins the devices through a switch namespace of its own, so it needs
@@ -12,6 +13,7 @@ frame out at the least of its sender's uplink, its receiver's downlink and its p
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import replace
 from ipaddress import ip_network
@@ -28,12 +30,19 @@ from testbed.link.serial.switch import SerialSwitch
 DEFAULT_RATE_MBIT = 10.0  # the ports' rate until the first shaping
 
 
+def port_seed(seed: int, devices: int, rate_mbit: float, rank: int) -> int:
+    """A port's seed: 63 bits of SHA-256 over what identifies its session and its place."""
+    text = f"{seed}:{devices}:{rate_mbit!r}:{rank}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
 class SerialEmulator(Emulator):
     name = "serial"
 
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         super().__init__(backend, profile, run_id)
         self.switch: SerialSwitch | None = None
+        self.seeds: dict[int, int] = {}  # each port's seed in the current session
 
     @classmethod
     def refusal(
@@ -47,12 +56,6 @@ class SerialEmulator(Emulator):
                 "link.emulator",
                 f"serial needs the devices on this host (the {here} backend); the "
                 f"{backend.name} backend's devices are shaped with {backend.default_emulator}",
-            )
-        if profile.needs_netem:
-            return Refusal(
-                "link.profile",
-                f"'{profile.name}' asks for delay, jitter or loss, which the serial emulator "
-                "does not add; use a rate-only profile such as 'ideal', or link: {emulator: tbf}",
             )
         return None
 
@@ -79,9 +82,21 @@ class SerialEmulator(Emulator):
 
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
         """The ports' rates, changed in place whatever `in_place` says (the emulator has no
-        other way: a port is never unshaped)."""
+        other way: a port is never unshaped). Shaping anew (a session's first step) also
+        gives every port its impairments with a fresh generator, seeded by the profile's
+        seed, the device count, the swept rate and the port: a session that repeats another's
+        traffic meets the same draws."""
         assert self.switch is not None
         self.switch.set_rates(rates.uplink_mbit, rates.downlink_mbit, dict(rates.pair_mbit))
+        if in_place:
+            return
+        parameters = self.profile.impairments()
+        self.seeds = {
+            rank: port_seed(self.profile.seed, rates.devices, rates.swept_mbit, rank)
+            for rank in range(rates.devices)
+        }
+        for rank, seed in self.seeds.items():
+            self.switch.impair(rank, parameters, seed)
 
     def counters(self) -> dict[int, LinkCounters]:
         """Bytes carried (each device's `sl0` qdisc) and every port's stalls so far."""

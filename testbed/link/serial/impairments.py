@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.experiment.impairments import ImpairmentError, checked
+from testbed.experiment.impairments import ImpairmentError, checked, impaired
 
 U32 = 1 << 32
 DIST_SCALE = 8192  # NETEM_DIST_SCALE: a table value t stands for t / 8192 standard deviations
@@ -210,6 +210,7 @@ class Impairments:
     def __init__(self, parameters: Mapping[str, Any], seed: int):
         values = checked(parameters)
         self.parameters, self.seed = values, seed
+        self.impairing = impaired(values)
         rng = random.Random(seed)
         distribution = values["delay_distribution"]
         table = None if distribution == "uniform" else distribution_table(str(distribution))

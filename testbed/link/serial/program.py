@@ -66,9 +66,12 @@ JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import sys
@@ -81,8 +84,16 @@ from typing import Any
 
 from devices.clock import ANCILLARY_BYTES, enable_rx_timestamps, kernel_timestamp_ns
 from testbed.errors import ShapingError
+from testbed.link.serial.impairments import Copy, Impairments
 from testbed.link.serial.protocol import parse_command, parse_port, parse_port_cpus
-from testbed.link.wire import QUEUE_MS, departure_s, queue_frames, rcvbuf_request_bytes
+from testbed.link.wire import (
+    MIN_QUEUE_FRAMES,
+    QUEUE_MS,
+    departure_s,
+    queue_frames,
+    rcvbuf_request_bytes,
+    wire_time_s,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +116,7 @@ STALL_LOG = 10_000  # stalls kept with their times (a run sees one every few sec
 SWITCH_INTERVAL_S = 50e-6
 FIFO_PRIORITY = 10  # above every normal task, below the kernel's threaded interrupts (50)
 TIMESTAMP_SANITY_S = 60.0
+UNIMPAIRED = (Copy(0.0),)  # a frame sent once, without delay
 
 
 # The program ---------------------------------------------------------------------------------
@@ -137,6 +149,10 @@ class PortCounters:
     frames: int = 0
     bytes: int = 0
     drops: int = 0  # the queue was full (PACKET_STATISTICS)
+    queue_drops: int = 0  # likewise, while frames are read ahead (reordering)
+    lost: int = 0  # frames the impairments' loss model dropped
+    duplicated: int = 0  # frames sent twice
+    reordered: int = 0  # copies sent ahead of the delayed ones
     send_errors: int = 0
     queued_s_sum: float = 0.0  # start - arrival: waiting behind earlier frames
     queued_s_max: float = 0.0
@@ -149,6 +165,10 @@ class PortCounters:
     stalled_s: float = 0.0
     stalling: bool = False
     stall_log: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=STALL_LOG))
+
+    def impaired(self, lost: bool, duplicated: bool) -> None:
+        self.lost += lost
+        self.duplicated += duplicated
 
     def record(self, frame_bytes: int, queued_s: float, late_s: float, due_s: float) -> None:
         """A frame sent `late_s` after `due_s`, its scheduled end (time.time())."""
@@ -169,7 +189,10 @@ class PortCounters:
         return {
             "frames": self.frames,
             "bytes": self.bytes,
-            "drops": self.drops,
+            "drops": self.drops + self.queue_drops,
+            "lost": self.lost,
+            "duplicated": self.duplicated,
+            "reordered": self.reordered,
             "send_errors": self.send_errors,
             "queued_us_mean": round(1e6 * self.queued_s_sum / frames, 1),
             "queued_us_max": round(1e6 * self.queued_s_max, 1),
@@ -198,6 +221,10 @@ class Port:
         self.sock: socket.socket | None = None
         self.free_at_s = 0.0
         self.counters = PortCounters()
+        self.impairments: Impairments | None = None
+        self.pending: list[tuple[float, int, bytes, float]] = []  # (send at, order, frame, queued)
+        self.order = itertools.count()
+        self.queue_limit = MIN_QUEUE_FRAMES
         self._warned_clock = False
 
     def open(self) -> None:
@@ -215,9 +242,24 @@ class Port:
         """Applies to frames scheduled from now on; resizes the queue."""
         assert self.sock is not None
         self.rate_bit_s = rate_bit_s
-        frames = queue_frames(rate_bit_s, self.queue_ms)
+        self._size_queue()
+
+    def impair(self, parameters: dict[str, Any], seed: int) -> None:
+        """netem's impairments on the frames of this port from now on, drawn from `seed`
+        (none: parameters that impair nothing); resizes the queue for the delay."""
+        impairments = Impairments(parameters, seed)
+        self.impairments = impairments if impairments.impairing else None
+        self._size_queue()
+
+    def _size_queue(self) -> None:
+        """The queue holds `queue_ms` at the rate, and the frames in flight during the
+        longest delay the port may draw (they wait in it while their delay runs)."""
+        assert self.sock is not None
+        delay_ms = 0.0 if self.impairments is None else 1e3 * self.impairments.max_delay_s
+        frames = queue_frames(self.rate_bit_s, self.queue_ms + delay_ms)
+        self.queue_limit = frames
         self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_request_bytes(frames))
-        log.debug("%s: rate %.0f bit/s, queue %d frames", self.name, rate_bit_s, frames)
+        log.debug("%s: rate %.0f bit/s, queue %d frames", self.name, self.rate_bit_s, frames)
 
     def transmit(self, frame: bytes) -> None:
         assert self.sock is not None
@@ -241,27 +283,58 @@ class Port:
         return now_s
 
     def serve(self, forward: Any, frame_rate: Any = None) -> None:
-        """Reads, clocks out and forwards this port's frames, forever; `frame_rate(port,
-        frame)` gives a frame's rate (else the port's)."""
+        """Reads, schedules, clocks out and forwards this port's frames, forever;
+        `frame_rate(port, frame)` gives a frame's rate (else the port's). Frames leave in the
+        order of their schedule (`pending`); without reordering a frame is read only once the
+        one before it has left (it waits in the socket's queue, with its kernel timestamp),
+        with reordering frames are read as they come, so that one may overtake."""
         assert self.sock is not None
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)  # this thread only
         buffer = bytearray(FRAME_BUFFER_BYTES)
         view = memoryview(buffer)
-        ancillary_bytes = ANCILLARY_BYTES
         while True:
-            size, ancillary, _, address = self.sock.recvmsg_into([buffer], ancillary_bytes)
-            if address[2] == socket.PACKET_OUTGOING:
+            if not self.pending:
+                self._read(buffer, view, frame_rate)
                 continue
-            arrival_s = self.arrival_s(ancillary)
-            rate_bit_s = frame_rate(self, view) if frame_rate else self.rate_bit_s
-            start_s, end_s = departure_s(arrival_s, self.free_at_s, size, rate_bit_s)
-            self.free_at_s = end_s
-            frame = bytes(view[:size])
-            wait_until(end_s, self.spin_s)
-            late_s = time.time() - end_s
+            due_s = self.pending[0][0]
+            if self.impairments is not None and self.impairments.reorder:
+                wait_s = due_s - time.time()
+                if wait_s > 0 and select.select([self.sock], [], [], wait_s)[0]:
+                    self._read(buffer, view, frame_rate)
+                    continue
+            else:
+                wait_until(due_s, self.spin_s)
+            _, _, frame, queued_s = heapq.heappop(self.pending)
+            late_s = time.time() - due_s
             forward(self, frame)
-            self.counters.record(size, start_s - arrival_s, late_s, end_s)
+            self.counters.record(len(frame), queued_s, late_s, due_s)
+
+    def _read(self, buffer: bytearray, view: memoryview, frame_rate: Any) -> None:
+        """One frame from the socket, scheduled: each copy it is sent as gets its time."""
+        assert self.sock is not None
+        size, ancillary, _, address = self.sock.recvmsg_into([buffer], ANCILLARY_BYTES)
+        if address[2] == socket.PACKET_OUTGOING:
+            return
+        arrival_s = self.arrival_s(ancillary)
+        rate_bit_s = frame_rate(self, view) if frame_rate else self.rate_bit_s
+        impairments = self.impairments
+        copies = UNIMPAIRED if impairments is None else impairments.frame()
+        if len(copies) != 1:
+            self.counters.impaired(lost=not copies, duplicated=len(copies) > 1)
+        if len(self.pending) + len(copies) > self.queue_limit:
+            self.counters.queue_drops += len(copies)  # reading ahead: this queue is ours
+            return
+        frame = bytes(view[:size])
+        for copy in copies:
+            if copy.reordered:  # a path of its own: no delay, the line's schedule untouched
+                self.counters.reordered += 1
+                send_s, queued_s = arrival_s + wire_time_s(size, rate_bit_s), 0.0
+            else:
+                ready_s = arrival_s + copy.delay_s
+                start_s, send_s = departure_s(ready_s, self.free_at_s, size, rate_bit_s)
+                self.free_at_s, queued_s = send_s, start_s - ready_s
+            heapq.heappush(self.pending, (send_s, next(self.order), frame, queued_s))
 
     def stats(self) -> dict[str, Any]:
         """The counters (drops read from the kernel), the rate and the queue's kernel memory."""
@@ -334,6 +407,13 @@ class Switch:
         if command.name == "stats":
             return json.dumps({name: port.stats() for name, port in self.ports.items()})
         assert command.port is not None
+        if command.name == "impair":
+            assert command.parameters is not None and command.seed is not None
+            try:
+                self.ports[command.port].impair(command.parameters, command.seed)
+            except (OSError, ValueError) as error:  # a table missing, resizing the queue
+                return f"error impair {command.port}: {error}"
+            return "ok"
         if command.name == "down":
             self.ports[command.port].down_bit_s = command.rate_bit_s
             return "ok"

@@ -1,16 +1,19 @@
 """What the serial link program (`testbed.link.serial.program`) is told: its ports on the command
 line (`IFNAME=RATE_BIT_S`, `PORT=CPULIST`) and its commands on stdin (`rate PORT BIT_S`, `down PORT
-BIT_S`, `pair SRC DST BIT_S`, `stats`), parsed and checked. Pure and stdlib only, like the program;
-every error is a ShapingError that names what is wrong.
+BIT_S`, `pair SRC DST BIT_S`, `impair PORT SEED JSON`, `stats`), parsed and checked. Pure and
+stdlib only, like the program; every error is a ShapingError that names what is wrong.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from testbed.errors import ShapingError
+from testbed.experiment.impairments import checked
 from testbed.kernel.interfaces import IFNAME_MAX_CHARS
 
 
@@ -57,13 +60,16 @@ def _rate(text: str, where: str) -> float:
 @dataclass(frozen=True)
 class Command:
     """One stdin command: `rate` or `down` (a port and a rate), `pair` (two ports and a
-    rate; `target` is the receiving port), or `stats`. A `down` or `pair` rate of None
-    removes it."""
+    rate; `target` is the receiving port), `impair` (a port, a seed and the impairments of
+    `testbed.experiment.impairments`), or `stats`. A `down` or `pair` rate of None removes
+    it."""
 
     name: str
     port: str | None = None
     rate_bit_s: float | None = None
     target: str | None = None
+    seed: int | None = None  # impair: the seed of the port's draws
+    parameters: dict[str, Any] | None = None  # impair: netem's parameters, checked
 
 
 def parse_command(line: str, ports: Iterable[str]) -> Command:
@@ -72,6 +78,8 @@ def parse_command(line: str, ports: Iterable[str]) -> Command:
     words, known = line.split(), list(ports)
     if words == ["stats"]:
         return Command("stats")
+    if words[:1] == ["impair"]:
+        return _impair(line, known)
     named = words[1:-1]
     for port in named:
         if port not in known:
@@ -85,9 +93,26 @@ def parse_command(line: str, ports: Iterable[str]) -> Command:
         return Command("pair", words[1], rate, words[2])
     raise ShapingError(
         f"unknown command {line.strip()!r}: expected 'rate PORT BIT_S', 'down PORT BIT_S', "
-        "'pair SRC DST BIT_S' or 'stats'"
+        "'pair SRC DST BIT_S', 'impair PORT SEED JSON' or 'stats'"
     )
 
 
 def _optional_rate(text: str, where: str) -> float | None:
     return None if text == "0" else _rate(text, where)
+
+
+def _impair(line: str, ports: list[str]) -> Command:
+    """`impair PORT SEED {"delay_ms": 20, ...}`: the JSON is checked here, as profiles are."""
+    words = line.split(maxsplit=3)
+    if len(words) != 4:
+        raise ShapingError("impair: expected 'impair PORT SEED JSON'")
+    _, port, seed, text = words
+    if port not in ports:
+        raise ShapingError(f"impair: unknown port {port!r} (ports: {', '.join(ports)})")
+    if not seed.isdigit():
+        raise ShapingError(f"impair {port}: the seed must be a whole number >= 0, got {seed!r}")
+    try:
+        parameters = checked(json.loads(text))
+    except (ValueError, TypeError, AttributeError) as error:  # ImpairmentError is a ValueError
+        raise ShapingError(f"impair {port}: {error}") from None
+    return Command("impair", port, seed=int(seed), parameters=parameters)

@@ -356,6 +356,14 @@ class SerialSwitch:
         for rank in self.ranks:
             self._shape(rank)
 
+    def impair(self, rank: int, parameters: dict[str, Any], seed: int) -> None:
+        """netem's impairments (testbed.experiment.impairments) on device `rank`'s frames
+        from now on, drawn from `seed`."""
+        if rank not in self.ranks:
+            raise ShapingError(f"serial switch: no rank {rank} to impair")
+        command = f"impair {self.port(rank)} {seed} {json.dumps(parameters)}"
+        self._ask(command, "ok", f"impair rank {rank}")
+
     def stats(self) -> dict[int, dict[str, Any]]:
         """Per rank: frames and bytes its device sent, queue drops, rate, lateness."""
         by_port = json.loads(self._ask("stats", "{", "read statistics"))
