@@ -19,7 +19,6 @@ device `b` as /proc/<pid>/ns/net of a process holding it (a container's kind).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import signal
@@ -28,18 +27,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from testbed.link.serial.switch import SerialSwitch
 from testbed.link.wire import FULL_FRAME_BYTES, tcp_message_wire_s
+from tests.integration.conftest import SUBNET, Devices, namespaces
 
 pytestmark = pytest.mark.netns
 
-SUBNET = ipaddress.IPv4Network("10.214.77.0/24")
 PORT = 5311
 MBIT = 1_000_000
 BULK_S = 2.0
@@ -130,48 +127,6 @@ conn.recv(1)
 mss = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
 print(json.dumps({"mss": mss, "retransmissions": retransmissions() - before}))
 """
-
-
-@dataclass(frozen=True)
-class Devices:
-    names: tuple[str, str]
-    paths: tuple[str, str]  # as given to the switch
-
-
-def namespaces() -> set[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
-    return {line.split()[0] for line in listing.stdout.splitlines() if line.strip()}
-
-
-@pytest.fixture
-def devices(root: None) -> Iterator[Devices]:
-    """Namespaces `tbsl-<pid>-a|b`, lo up; b held by a process, given by its /proc path."""
-    names = (f"tbsl-{os.getpid()}-a", f"tbsl-{os.getpid()}-b")
-    holder = None
-    try:
-        for name in names:
-            subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
-            subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, timeout=10)
-        holder = subprocess.Popen(["ip", "netns", "exec", names[1], "sleep", "120"])
-        yield Devices(names, (f"/var/run/netns/{names[0]}", f"/proc/{holder.pid}/ns/net"))
-    finally:
-        if holder is not None:
-            holder.kill()
-            holder.wait()
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
-        assert not set(names) & namespaces(), "device namespaces left behind"
-
-
-@pytest.fixture
-def switch(devices: Devices) -> Iterator[SerialSwitch]:
-    """The switch at 1 Mbit/s; stopped, and checked gone, whether the test passed or not."""
-    serial = SerialSwitch(f"{os.getpid() & 0xFFFFFFFF:08x}", devices.paths, SUBNET, rate_mbit=1)
-    try:
-        yield serial.start()
-    finally:
-        serial.stop()
-        assert serial.netns not in namespaces(), "switch namespace left behind"
 
 
 def run_pair(devices: Devices, receiver: list[str], sender: list[str]) -> tuple[str, str]:
