@@ -102,7 +102,8 @@ class InferenceRecord:
     codewords and bits per index. est_rate_mbit: with `level_k: auto`, the link rate this
     device estimated from the previous inference's messages, from which it chose the level
     (devices.level.LiveLevel; None before the first estimate). predicted: device 0's classes;
-    correct: how many matched the labels (when the inputs have labels).
+    correct: how many matched the labels (when the inputs have labels). tcp_retransmits: TCP
+    segments this device's kernel retransmitted to its peers during the inference (TCP_INFO).
     """
 
     run: str
@@ -118,6 +119,7 @@ class InferenceRecord:
     est_rate_mbit: float | None = None
     predicted: list[int] | None = None
     correct: int | None = None
+    tcp_retransmits: int | None = None  # segments the kernel resent to every peer meanwhile
 
 
 @dataclass

@@ -23,7 +23,7 @@ from devices.clock import Clock
 from devices.errors import MessageError, PeerLostError, ProtocolError
 from devices.mesh import Mesh
 from devices.records import ArrivalRecord, BlockRecord, InferenceRecord
-from devices.transport import Incoming, Outgoing
+from devices.transport import Incoming, Outgoing, total_retransmits
 from tracevq.engine import DeviceRun
 from tracevq.methods import Method, TraceMethod
 from tracevq.partition import partition_sizes
@@ -56,6 +56,7 @@ class Session:
     ) -> tuple[InferenceRecord, list[BlockRecord], list[ArrivalRecord], Tensor | None]:
         """One inference; `label` ("inference 3 of run x", "warm-up 0 ...") names it in errors."""
         now = self.clock.now_ns
+        resent = self._retransmits()
         start = now()
         device_run = DeviceRun(self.method, self.rank, self.devices, inputs, self.peer_names)
         outgoing: dict[int, Outgoing] = {}
@@ -102,7 +103,11 @@ class Session:
         ]
         for record, count in zip(blocks, unique_keys, strict=True):
             record.unique_remote_keys = count
-        return self._inference_record(run, index, start, end, blocks), blocks, arrivals, logits
+        record = self._inference_record(run, index, start, end, blocks)
+        after = self._retransmits()
+        if resent is not None and after is not None:
+            record.tcp_retransmits = after - resent
+        return record, blocks, arrivals, logits
 
     def _post(
         self, outgoing: dict[int, Outgoing], block: int, message: bytes | None, context: str
@@ -190,6 +195,12 @@ class Session:
             ffn_start_ns=ffn_start,
             ffn_end_ns=ffn_end,
         )
+
+    def _retransmits(self) -> int | None:
+        """What the kernel has retransmitted so far on every connection to a peer."""
+        counts = [total_retransmits(link.sock) for link in self.mesh.links.values()]
+        known = [count for count in counts if count is not None]
+        return sum(known) if known and len(known) == len(counts) else None
 
     def _inference_record(
         self, run: str, index: int, start: int, end: int, blocks: list[BlockRecord]

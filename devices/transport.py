@@ -136,6 +136,22 @@ class Stamped:
         return bytes(buffer)
 
 
+TCP_INFO_TOTAL_RETRANS = struct.Struct("=I")  # tcpi_total_retrans, after 8 bytes and 23 u32s
+TCP_INFO_TOTAL_RETRANS_OFFSET = 8 + 23 * 4
+
+
+def total_retransmits(sock: socket.socket) -> int | None:
+    """Segments the kernel has retransmitted on this connection (TCP_INFO's
+    tcpi_total_retrans); None where the kernel does not say."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return None
+    if len(info) < TCP_INFO_TOTAL_RETRANS_OFFSET + TCP_INFO_TOTAL_RETRANS.size:
+        return None
+    return TCP_INFO_TOTAL_RETRANS.unpack_from(info, TCP_INFO_TOTAL_RETRANS_OFFSET)[0]
+
+
 def configure(sock: socket.socket) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock

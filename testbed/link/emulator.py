@@ -31,16 +31,19 @@ class Refusal:
 @dataclass(frozen=True)
 class LinkCounters:
     """A device's link so far: bytes carried, and the serial emulator's stalls of its port as
-    (start ns, length ns) by CLOCK_REALTIME (None on links the emulator does not clock)."""
+    (start ns, length ns) and the frames its impairments lost, duplicated or reordered as
+    (ns, what), by CLOCK_REALTIME (None on links whose emulator does not clock or draw)."""
 
     sent_bytes: int
     stalls: list[tuple[int, int]] | None = None
+    events: list[tuple[int, str]] | None = None
 
 
 class Emulator(abc.ABC):
     """The links of `backend`'s started devices, shaped after `profile`."""
 
     name: str = ""
+    seeds: dict[int, int]  # each port's seed in the current session, where it draws them
 
     @classmethod
     def description(cls) -> str:
@@ -50,6 +53,7 @@ class Emulator(abc.ABC):
 
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         self.backend, self.profile, self.run_id = backend, profile, run_id
+        self.seeds = {}
 
     @classmethod
     @abc.abstractmethod
@@ -67,6 +71,11 @@ class Emulator(abc.ABC):
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
         """Every device's rates: applied anew, or changed in place (`in_place`: a replayed
         trace's step, which must never leave a link unshaped for a moment)."""
+
+    def impair(self, rates: LinkRates) -> None:  # noqa: B027 - optional hook
+        """Adds the profile's impairments to links shaped at `rates` and probed: the probe
+        checks the rate alone. Emulators that put them in the shaping itself (tbf's netem)
+        leave this alone."""
 
     def counters(self) -> dict[int, LinkCounters]:
         """Per rank, what its link carried so far (its egress qdisc's counter)."""

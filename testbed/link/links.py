@@ -21,7 +21,9 @@ from typing import Any
 
 from testbed.backends.base import Backend
 from testbed.errors import ShapingError
+from testbed.experiment.impairments import checked
 from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.netem import netem_options
 from testbed.link.emulator import Emulator, LinkCounters
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.rates import LinkRates, RateOverrides, probe_plan
@@ -48,6 +50,11 @@ class LinkState:
     transfers: dict[str, dict[str, float]] = field(default_factory=dict)
     uplink_probe: dict[int, str] = field(default_factory=dict)
     downlink_probe: dict[int, str] = field(default_factory=dict)
+    # the profile's impairments as tc-netem's words ("delay 30ms 10ms loss random 0.5%"),
+    # its one-way delay, and each port's seed where the emulator draws them itself
+    impairments: str = ""
+    delay_ms: float = 0.0
+    impairment_seeds: dict[int, int] = field(default_factory=dict)
 
     def wire_mbit(self, rank: int) -> float | None:
         """The uplink probe's payload rate as the frame rate tbf enforces (headers included)."""
@@ -108,6 +115,10 @@ class Links:
             pair_mbit={f"{s}->{d}": cap for (s, d), cap in rates.pair_mbit.items()},
         )
         self._probe(rates, probe_seconds, state)
+        self.emulator.impair(rates)  # after the probe, which checks the rate alone
+        values = checked(self.profile.impairments())
+        state.impairments, state.delay_ms = " ".join(netem_options(values)), values["delay_ms"]
+        state.impairment_seeds = dict(self.emulator.seeds)
         for device in devices:
             state.qdisc[device.rank] = self.backend.qdisc_stats(device)
         state.emulator_stats = self.emulator.stats()

@@ -1,12 +1,15 @@
 """The answer a run prints when it ends: per device count, every method variant at every
-rate with its effective latency (median over repetitions of the slowest device, 95% interval),
-its communication (median of the devices' mean) and its speedup over Voltage (median of the
-per-repetition ratios, the repetitions paired in time), in the figures' variant order. Over
-a replayed trace the rows are the rates in force when the inferences started, with the mean
-codewords of the levels used. With an accuracy study's table (`report.level_accuracy`), a
-last column gives the mean over the group's rows (every device's every inference) of the
-study's top-1 at the level each used (`level_accuracy_pct`, testbed.results.level_accuracy). A
-last line counts the inferences during which the serial emulator stalled, if any.
+rate with its effective latency (median over repetitions of the slowest device, 95% interval), its
+communication (median of the devices' mean) and its speedup over Voltage (median of the
+per-repetition ratios, the repetitions paired in time), in the figures' variant order. Over a
+replayed trace the rows are the rates in force when the inferences started, with the mean codewords
+of the levels used. Over impaired links (delay, jitter, loss: `impairments`) two columns give the
+95th and 99th percentiles of the slowest device's effective latency, and a line the frames the
+emulator lost, duplicated and reordered and TCP's retransmissions. With an accuracy study's table
+(`report.level_accuracy`), a last column gives the mean over the group's rows (every device's every
+inference) of the study's top-1 at the level each used (`level_accuracy_pct`,
+testbed.results.level_accuracy). A last line counts the inferences during which the serial emulator
+stalled, if any.
 
     P=2 vit-b16 (6 repetitions)   effective ms [95% CI]      comm ms   vs voltage
     1 Mbit/s  voltage             14,210 [14,102, 14,305]     13,402       1.00x
@@ -105,7 +108,31 @@ def answer_lines(results: Results) -> list[str]:
             f"{LEVEL_ACCURACY}: the accuracy study's top-1 at the level each inference "
             f"used ({table}; the rows matched: level_accuracy.csv)",
         ]
-    return lines + _stall_lines(ok)
+    return lines + _impairment_lines(ok) + _stall_lines(ok)
+
+
+def _impairment_lines(ok: pd.DataFrame) -> list[str]:
+    """What the impairments did over the run, where it had any."""
+    if not impaired(ok):
+        return []
+    links = ", ".join(sorted(set(ok["impairments"].fillna("").astype(str)) - {""}))
+    counted = ["link_lost_frames", "link_duplicated_frames", "link_reordered_frames"]
+    per = ok.groupby(["trial_id", "repeat"])[counted].max()  # each device sees every port
+    frames = ", ".join(
+        f"{int(per[column].sum())} {column.split('_')[1]}"
+        for column in counted
+        if per[column].notna().any()
+    )
+    resent = ok["tcp_retransmits"].dropna() if "tcp_retransmits" in ok else pd.Series([])
+    lines = [f"impaired links ({links}): p95 and p99 over repetitions of the slowest device"]
+    if frames:
+        lines.append(f"  frames the emulator {frames} (over all inferences)")
+    if len(resent):
+        lines.append(
+            f"  TCP retransmissions: {int(resent.sum())} in all, at most "
+            f"{int(resent.max())} in one device's inference"
+        )
+    return ["", *lines]
 
 
 def _stall_lines(ok: pd.DataFrame) -> list[str]:
@@ -122,10 +149,19 @@ def _stall_lines(ok: pd.DataFrame) -> list[str]:
     return ["", note]
 
 
+def impaired(ok: pd.DataFrame) -> bool:
+    """Whether the run's links had impairments (the answer then shows the tail)."""
+    return "impairments" in ok and ok["impairments"].fillna("").astype(str).str.len().any()
+
+
 def _extra_columns(ok: pd.DataFrame, keys: list[str], traced: bool) -> dict[str, pd.Series]:
-    """Columns after the speedup, by heading: over a trace the mean codewords of the levels
+    """Columns after the speedup, by heading: over impaired links the 95th and 99th
+    percentiles of the effective latency; over a trace the mean codewords of the levels
     used; with an accuracy study's table the mean accuracy of those levels."""
     extra = {}
+    if impaired(ok):
+        tail = stats.tails(ok, keys, "effective_ms").set_index(keys)
+        extra["p95 ms"], extra["p99 ms"] = tail["effective_ms_p95"], tail["effective_ms_p99"]
     if traced:
         extra["mean K used"] = ok.groupby(keys)["level_k"].mean()
     if "level_accuracy_pct" in ok and ok["level_accuracy_pct"].notna().any():

@@ -153,6 +153,19 @@ CONTEXT = _table(
                                                   frames that left more than 1 ms late; a message
                                                   behind one arrives up to that much later); empty
                                                   on tbf links
+    impairments                  string   -       the link's impairments as tc-netem's words (delay
+                                                  30ms 10ms loss random 0.5%); empty: none
+    link_delay_ms                float64  ms      the link's configured one-way delay (each
+                                                  direction's)
+    link_lost_frames             Int64    -       serial emulator: frames its impairments lost
+                                                  during this inference, every port's; empty on
+                                                  tbf links (netem's are not counted per frame)
+    link_duplicated_frames       Int64    -       serial emulator: frames it sent twice during
+                                                  this inference
+    link_reordered_frames        Int64    -       serial emulator: frames that skipped the delay
+                                                  during this inference
+    tcp_retransmits              Int64    -       TCP segments this device's kernel resent to its
+                                                  peers during this inference (TCP_INFO)
     clock_offset_ms              float64  ms      device 0's clock minus this device's, from the
                                                   handshake; added to this device's marks
     clock_uncertainty_ms         float64  ms      half the best round trip of that measurement

@@ -62,4 +62,7 @@ class HostSessionFacts:
     # the serial emulator's stalls of every port within the session, (start ns, length ns)
     # sorted; None where the emulator does not clock frames
     stalls: list[tuple[int, int]] | None = None
+    # what the serial emulator's impairments did within the session, (ns, lost / duplicated /
+    # reordered) sorted; None where the emulator does not draw them itself
+    events: list[tuple[int, str]] | None = None
     replay: TraceReplay | None = None  # the trace played on the links during the session

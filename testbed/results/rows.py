@@ -16,6 +16,7 @@ the link's state and the devices' records; nothing adds to a row afterwards.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -146,6 +147,8 @@ def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
         "rate_flagged": link.flagged(rank) if plan.devices > 1 else False,
         "session_s": session.session_s,
         "link_sent_bytes": session.sent_bytes.get(rank),
+        "impairments": link.impairments,
+        "link_delay_ms": link.delay_ms,
     }
 
 
@@ -204,7 +207,9 @@ def _measured_rows(
                     **context,
                     **link,
                     "est_rate_mbit": record.est_rate_mbit,
+                    "tcp_retransmits": record.tcp_retransmits,
                     "link_stalled_ms": stalled_ms(session.stalls, record.start_ns, record.end_ns),
+                    **impairment_counts(session.events, record.start_ns, record.end_ns),
                     **totals(by_inference[record.inference]),
                     **levels.get(record.inference, {}),
                     "repeat": record.inference,
@@ -217,6 +222,28 @@ def _measured_rows(
                 }
             )
     return trials, layers
+
+
+IMPAIRMENT_COLUMNS = {
+    "lost": "link_lost_frames",
+    "duplicated": "link_duplicated_frames",
+    "reordered": "link_reordered_frames",
+}
+
+
+def impairment_counts(
+    events: list[tuple[int, str]] | None, start_ns: int, end_ns: int
+) -> dict[str, int | None]:
+    """Frames the emulator's impairments lost, duplicated and reordered within [start_ns,
+    end_ns] (every port's); None without an event log."""
+    if events is None:
+        return dict.fromkeys(IMPAIRMENT_COLUMNS.values())
+    counts = dict.fromkeys(IMPAIRMENT_COLUMNS.values(), 0)
+    for at_ns, what in events[bisect.bisect_left(events, (start_ns, "")) :]:
+        if at_ns > end_ns:
+            break
+        counts[IMPAIRMENT_COLUMNS[what]] += 1
+    return counts
 
 
 def stalled_ms(stalls: list[tuple[int, int]] | None, start_ns: int, end_ns: int) -> float | None:

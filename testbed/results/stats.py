@@ -113,6 +113,17 @@ def by_repetition(
     return grouped.agg(how).reset_index()
 
 
+def tails(frame: pd.DataFrame, keys: list[str], value: str, how: Aggregate = "max") -> pd.DataFrame:
+    """Per group of `keys`, the 95th and 99th percentiles over repetitions of `value`
+    (aggregated over each repetition's devices): `<value>_p95`, `<value>_p99` (linear
+    interpolation; with few repetitions the 99th is close to the largest)."""
+    per = by_repetition(frame, keys, [value], how)
+    grouped = per.groupby(keys, dropna=False)[value]
+    return pd.DataFrame(
+        {f"{value}_p95": grouped.quantile(0.95), f"{value}_p99": grouped.quantile(0.99)}
+    ).reset_index()
+
+
 def summarize(
     frame: pd.DataFrame,
     keys: list[str],

@@ -108,7 +108,9 @@ class Results:
         """Per trial (method, params, devices, bandwidth_mbit) the median over repetitions of
         each latency and rate, a repetition's devices averaged first, with 95% intervals
         (`testbed.results.stats.summarize`: n, v, v_low, v_high, level; successful rows only),
-        and the top-1 accuracy (device 0's correct predictions) where the inputs had labels."""
+        over impaired links the 95th and 99th percentiles of the slowest device's effective
+        latency, and the top-1 accuracy (device 0's correct predictions) where the inputs had
+        labels."""
         ok = self.trials[self.trials["status"] == "ok"]
         keys = ["method", "params", "devices", "bandwidth_mbit"]
         values = [
@@ -124,6 +126,9 @@ class Results:
             "measured_mbit",
         ]
         table = stats.summarize(ok, keys, values).set_index(keys)
+        if "impairments" in ok and ok["impairments"].fillna("").astype(str).str.len().any():
+            tail = stats.tails(ok, keys, "effective_ms").set_index(keys)
+            table = table.join(tail)  # the slowest device's, per repetition
         labelled = ok[(ok["rank"] == 0) & ok["correct"].notna()]
         if len(labelled):
             sums = labelled.groupby(keys, dropna=False)[["correct", "batch"]].sum()

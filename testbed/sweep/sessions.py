@@ -186,6 +186,7 @@ def run_session(
         session_s=session_s,
         sent_bytes={rank: after[rank].sent_bytes - before[rank].sent_bytes for rank in after},
         stalls=_session_stalls(after, started_ns),
+        events=_session_events(after, started_ns),
         replay=replay,
     )
     failures = [r for r in results if not r.ok]
@@ -219,6 +220,17 @@ def only_run(records: DeviceRecords, run: str) -> DeviceRecords:
         [r for r in records.blocks if r.run == run],
         [r for r in records.arrivals if r.run == run],
     )
+
+
+def _session_events(
+    counters: dict[int, LinkCounters], since_ns: int
+) -> list[tuple[int, str]] | None:
+    """Every port's impairment events since `since_ns`, sorted; None where the emulator does
+    not draw impairments itself."""
+    logs = [c.events for c in counters.values()]
+    if any(log is None for log in logs):
+        return None
+    return sorted(e for log in logs for e in log or [] if e[0] >= since_ns)
 
 
 def _session_stalls(

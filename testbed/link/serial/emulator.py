@@ -42,7 +42,6 @@ class SerialEmulator(Emulator):
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         super().__init__(backend, profile, run_id)
         self.switch: SerialSwitch | None = None
-        self.seeds: dict[int, int] = {}  # each port's seed in the current session
 
     @classmethod
     def refusal(
@@ -82,14 +81,19 @@ class SerialEmulator(Emulator):
 
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
         """The ports' rates, changed in place whatever `in_place` says (the emulator has no
-        other way: a port is never unshaped). Shaping anew (a session's first step) also
-        gives every port its impairments with a fresh generator, seeded by the profile's
-        seed, the device count, the swept rate and the port: a session that repeats another's
-        traffic meets the same draws."""
+        other way: a port is never unshaped). Shaping anew removes the impairments, so that
+        the probe measures the rate alone; `impair` adds them again."""
         assert self.switch is not None
         self.switch.set_rates(rates.uplink_mbit, rates.downlink_mbit, dict(rates.pair_mbit))
-        if in_place:
-            return
+        if not in_place:
+            for rank in range(rates.devices):
+                self.switch.impair(rank, {}, 0)
+
+    def impair(self, rates: LinkRates) -> None:
+        """Every port's impairments, with a fresh generator seeded by the profile's seed, the
+        device count, the swept rate and the port: a session that repeats another's traffic
+        meets the same draws."""
+        assert self.switch is not None
         parameters = self.profile.impairments()
         self.seeds = {
             rank: port_seed(self.profile.seed, rates.devices, rates.swept_mbit, rank)
@@ -99,13 +103,15 @@ class SerialEmulator(Emulator):
             self.switch.impair(rank, parameters, seed)
 
     def counters(self) -> dict[int, LinkCounters]:
-        """Bytes carried (each device's `sl0` qdisc) and every port's stalls so far."""
+        """Bytes carried (each device's `sl0` qdisc), every port's stalls and impairment
+        events so far."""
         assert self.switch is not None
         ports = self.switch.stats()
         return {
             rank: LinkCounters(
                 counter.sent_bytes,
                 [(round(start * 1e9), round(ms * 1e6)) for start, ms in ports[rank]["stall_log"]],
+                [(round(at * 1e9), what) for at, what in ports[rank]["event_log"]],
             )
             for rank, counter in super().counters().items()
         }

@@ -113,6 +113,8 @@ SPIN_SHARE = 0.125
 # a frame this late was held up by the machine, not by a wake-up (those are 5-150 us late)
 STALL_S = 1e-3
 STALL_LOG = 10_000  # stalls kept with their times (a run sees one every few seconds at most)
+EVENT_LOG = 100_000  # impairment events kept with their times
+IMPAIRED = ("lost", "duplicated", "reordered")
 SWITCH_INTERVAL_S = 50e-6
 FIFO_PRIORITY = 10  # above every normal task, below the kernel's threaded interrupts (50)
 TIMESTAMP_SANITY_S = 60.0
@@ -165,10 +167,17 @@ class PortCounters:
     stalled_s: float = 0.0
     stalling: bool = False
     stall_log: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=STALL_LOG))
+    # what the impairments did and when (time.time(), a code of IMPAIRED), the last EVENT_LOG
+    event_log: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=EVENT_LOG))
 
-    def impaired(self, lost: bool, duplicated: bool) -> None:
+    def impaired(self, arrival_s: float, lost: bool, duplicated: bool) -> None:
         self.lost += lost
         self.duplicated += duplicated
+        self.event_log.append((arrival_s, IMPAIRED.index("lost" if lost else "duplicated")))
+
+    def reorder(self, arrival_s: float) -> None:
+        self.reordered += 1
+        self.event_log.append((arrival_s, IMPAIRED.index("reordered")))
 
     def record(self, frame_bytes: int, queued_s: float, late_s: float, due_s: float) -> None:
         """A frame sent `late_s` after `due_s`, its scheduled end (time.time())."""
@@ -201,6 +210,7 @@ class PortCounters:
             "stalls": self.stalls,
             "stalled_ms": round(1e3 * self.stalled_s, 3),
             "stall_log": [[round(start, 6), round(1e3 * s, 3)] for start, s in self.stall_log],
+            "event_log": [[round(at, 6), IMPAIRED[code]] for at, code in self.event_log],
         }
 
 
@@ -321,14 +331,14 @@ class Port:
         impairments = self.impairments
         copies = UNIMPAIRED if impairments is None else impairments.frame()
         if len(copies) != 1:
-            self.counters.impaired(lost=not copies, duplicated=len(copies) > 1)
+            self.counters.impaired(arrival_s, lost=not copies, duplicated=len(copies) > 1)
         if len(self.pending) + len(copies) > self.queue_limit:
             self.counters.queue_drops += len(copies)  # reading ahead: this queue is ours
             return
         frame = bytes(view[:size])
         for copy in copies:
             if copy.reordered:  # a path of its own: no delay, the line's schedule untouched
-                self.counters.reordered += 1
+                self.counters.reorder(arrival_s)
                 send_s, queued_s = arrival_s + wire_time_s(size, rate_bit_s), 0.0
             else:
                 ready_s = arrival_s + copy.delay_s
