@@ -92,6 +92,9 @@ TIMING = _table(
                                              exact-embedding placements: one fewer): the paper's
                                              model (payload bits only)
     analytic_comm_ms_paper  float64  ms      the same with the paper's 1 Mbit/s = 2^20 bit/s
+    analytic_delay_ms       float64  ms      messages x the link's one-way delay: what the
+                                             delay adds to comm_ms (each message crosses it
+                                             once on its way to the slowest peer)
 """
 )
 
@@ -215,6 +218,7 @@ _PER_BLOCK = {
     "effective_ms",
     "analytic_comm_ms",
     "analytic_comm_ms_paper",
+    "analytic_delay_ms",
     "payload_bits_per_layer",
     "correct",
 }

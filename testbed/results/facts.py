@@ -37,6 +37,7 @@ class PlanRow:
     payload_bits_per_layer: int
     analytic_comm_ms: float
     analytic_comm_ms_paper: float
+    analytic_delay_ms: float
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,6 +13,7 @@ from typing import Any
 
 from testbed.errors import ConfigError
 from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
+from testbed.experiment.profiles import load_profile
 from testbed.experiment.schema import Experiment
 from testbed.kernel.tbf import BIT_PER_MBIT  # tc's `mbit`, what the testbed shapes
 from testbed.link.traces import RateTrace, load_trace
@@ -99,6 +100,7 @@ def analytic_comm_ms(
 def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
     """One row per trial and rank: the identifying columns and the analytic payload."""
     config = model_config(experiment.model.name)
+    delay_ms = load_profile(experiment.link.profile).delay_ms
     rows = []
     for trial in trials:
         spec = trial.spec
@@ -126,6 +128,7 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
                     payload_bits_per_layer=rank_bits,
                     analytic_comm_ms=comm_ms(),
                     analytic_comm_ms_paper=comm_ms(PAPER_MEGABIT),
+                    analytic_delay_ms=messages * delay_ms if trial.devices > 1 else 0.0,
                 )
             )
     return rows

@@ -21,20 +21,21 @@ def row_facts(devices: int = 2, rate_mbit: float = 1.0) -> RowFacts:
     """The facts of a voltage trial at `rate_mbit` (no probe: nothing measured the link)."""
     plan = {
         rank: PlanRow(
-            "t",
-            "e",
-            "vit-tiny",
-            "voltage",
-            devices,
-            rank,
-            rate_mbit,
-            None,
-            None,
-            None,
-            "",
-            0,
-            0.0,
-            0.0,
+            trial_id="t",
+            experiment="e",
+            model="vit-tiny",
+            method="voltage",
+            devices=devices,
+            rank=rank,
+            bandwidth_mbit=rate_mbit,
+            K=None,
+            level_k=None,
+            r_bits=None,
+            params="",
+            payload_bits_per_layer=0,
+            analytic_comm_ms=0.0,
+            analytic_comm_ms_paper=0.0,
+            analytic_delay_ms=0.0,
         )
         for rank in range(devices)
     }
