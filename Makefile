@@ -1,6 +1,7 @@
 # Set-up, tests, lint and the worker image of the Trace edge testbed.
 #
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
+#   make sweep-delay, sweep-loss  every method at 10 Mbit/s over delayed and lossy links
 #   make smoke        the same pipeline on a tiny model in seconds
 #   make trace-replay Trace-b with fixed and live (level_k auto) levels over a 20-1-20 Mbit/s trace
 #   make trace-replay-digits  the same with the accuracy study's vit-digits, and the accuracy
@@ -26,6 +27,7 @@ IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
 .PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
+	sweep-delay sweep-loss \
 	reproduce reproduce-quick bench trace-replay trace-replay-digits
 
 venv: $(VENV_STAMP)
@@ -79,6 +81,13 @@ sweep-bandwidth: venv host-setup
 
 trace-replay: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/trace-replay.yaml $(RUN_ARGS)
+
+# Every method over delayed (0-50 ms) and lossy (0-5%, bursty) links at 10 Mbit/s.
+sweep-delay: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/sweep-delay.yaml $(RUN_ARGS)
+
+sweep-loss: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/sweep-loss.yaml $(RUN_ARGS)
 
 # The study's fine-tuned Trace-b K=64 (seed 0) and its per-level accuracy, from the digits
 # study of `make accuracy` (results.csv is written last, after every model and bundle).

@@ -24,6 +24,7 @@ one loss model, and a number that is not finite or lies outside its range.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -50,13 +51,16 @@ class ImpairmentError(ValueError):
     """A bad impairment; the message starts with the parameter's name."""
 
 
-def checked(parameters: Mapping[str, Any]) -> dict[str, Any]:
+def checked(parameters: Mapping[str, Any], whole: bool = True) -> dict[str, Any]:
     """Every parameter, defaults filled in, plus `loss_model` (random, gemodel or state).
-    Raises ImpairmentError naming the parameter."""
+    Raises ImpairmentError naming the parameter. `whole` false: each parameter alone, not how
+    they go together (a variant laid over a profile is checked whole once laid)."""
     parameters = {k: v for k, v in parameters.items() if k != "loss_model"}  # checked again
     unknown = sorted(set(parameters) - set(NAMES))
     if unknown:
-        raise ImpairmentError(f"{unknown[0]}: not an impairment (they are {', '.join(NAMES)})")
+        close = difflib.get_close_matches(unknown[0], NAMES, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"they are {', '.join(NAMES)}"
+        raise ImpairmentError(f"{unknown[0]}: not an impairment ({hint})")
     values: dict[str, Any] = {name: _number(parameters, name, *NUMBERS[name]) for name in NUMBERS}
     values["delay_distribution"] = parameters.get("delay_distribution") or "uniform"
     if values["delay_distribution"] not in DISTRIBUTIONS:
@@ -71,7 +75,8 @@ def checked(parameters: Mapping[str, Any]) -> dict[str, Any]:
     values["loss_gemodel"] = _gemodel(parameters.get("loss_gemodel"))
     values["loss_state"] = _state(parameters.get("loss_state"))
     values["loss_model"] = _loss_model(values)
-    _combinations(values)
+    if whole:
+        _combinations(values)
     return values
 
 

@@ -3,12 +3,14 @@ and rates per device and per pair (`testbed.link.rates` combines them per trial)
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from testbed.experiment.impairments import ImpairmentError, checked
 from testbed.experiment.names import check_slug
 from testbed.experiment.strict import Strict, as_list_or_none, distinct
 
@@ -69,6 +71,12 @@ class LinkSection(Strict):
         default_factory=dict,
         description="what each named device receives at (unshaped where not named): " + PER_DEVICE,
     )
+    impairments: list[dict[str, Any]] | None = Field(
+        None,
+        description="impairment variants swept like the rates: each a mapping of netem's "
+        "parameters (as a link profile names them: delay_ms, jitter_ms, loss_pct, "
+        "loss_gemodel, ...) laid over the profile's, e.g. [{delay_ms: 0}, {delay_ms: 20}]",
+    )
     pair_mbit: dict[str, float] = Field(
         default_factory=dict,
         description='per directed pair "SRC->DST": Mbit/s ({"0->1": 2.0}), a cap on what SRC '
@@ -77,6 +85,21 @@ class LinkSection(Strict):
     )
 
     _list = field_validator("bandwidth_mbit", mode="before")(as_list_or_none)
+
+    @field_validator("impairments")
+    @classmethod
+    def _impairments_checked(cls, variants: list[dict[str, Any]] | None) -> Any:
+        if variants is None:
+            return None
+        if not variants:
+            raise ValueError("give at least one variant, or leave impairments out")
+        for index, variant in enumerate(variants):
+            try:
+                checked(variant, whole=False)  # whole once laid over the profile
+            except ImpairmentError as error:
+                raise ValueError(f"variant {index}: {error}") from None
+        distinct([json.dumps(v, sort_keys=True) for v in variants], "impairment variant")
+        return variants
 
     @field_validator("uplink_mbit", "downlink_mbit", mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from testbed.source import PROFILES_DIR
 log = logging.getLogger(__name__)
 
 PROFILE_SUFFIX = ".yaml"
+LOSS_MODELS = {"loss_pct", "loss_gemodel", "loss_state"}  # a variant naming one replaces them
 
 
 class GeModel(Strict):
@@ -106,6 +107,18 @@ class LinkProfile(Strict):
     def impairments(self) -> dict[str, Any]:
         """The profile's netem parameters (testbed.experiment.impairments), as written."""
         return self.model_dump(include=set(IMPAIRMENTS), exclude_none=True)
+
+    def with_impairments(self, variant: dict[str, Any]) -> LinkProfile:
+        """This profile with a variant's impairments laid over its own; a variant that names
+        a loss model (loss_pct, loss_gemodel, loss_state) replaces the profile's. Raises
+        ImpairmentError naming the parameter where the two do not go together."""
+        base = self.model_dump(exclude_none=True)
+        if LOSS_MODELS & set(variant):
+            for name in (*LOSS_MODELS, "loss_correlation_pct"):
+                base.pop(name, None)
+        merged = {**base, **variant}
+        checked({k: v for k, v in merged.items() if k in IMPAIRMENTS})
+        return LinkProfile.model_validate(merged)
 
     @property
     def needs_netem(self) -> bool:

@@ -8,13 +8,16 @@ every figure states n.
   compression.png (payload bits against Voltage's: Fig. 7);
 - `rates`: effective_vs_bandwidth.png, comm_vs_bandwidth.png (Fig. 6) and
   measured_vs_analytic.png;
-- `trace`: trace.png, for a run over a replayed bandwidth trace.
+- `trace`: trace.png, for a run over a replayed bandwidth trace;
+- `impairments`: effective_vs_delay.png and tail_by_link.png, for a run that swept
+  impairments (`link.impairments`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from testbed.figures.impairments import effective_vs_delay, tail_by_link
 from testbed.figures.latency import compression, latency_breakdown
 from testbed.figures.rates import comm_vs_bandwidth, effective_vs_bandwidth, measured_vs_analytic
 from testbed.figures.trace import trace_timeline
@@ -31,5 +34,7 @@ def make_figures(results: Results) -> list[Path]:
         measured_vs_analytic(results, directory / "measured_vs_analytic.png"),
         compression(results, directory / "compression.png"),
         trace_timeline(results, directory / "trace.png"),
+        effective_vs_delay(results, directory / "effective_vs_delay.png"),
+        tail_by_link(results, directory / "tail_by_link.png"),
     ]
     return [p for p in made if p is not None]

@@ -2,7 +2,8 @@
 
 - latency.png: per method variant, a device's effective latency split into compute and the
   three parts of waiting (a peer still computing, the message on the link, the thread waking
-  up), one panel per link rate (the paper's Fig. 5 kind). Each panel has its own scale, set
+  up), one panel per link (rate, and impairments where the run swept them: the paper's
+  Fig. 5 kind). Each panel has its own scale, set
   by the variants within `OUTLIER_FACTOR` of the panel's median: a bar far longer (Voltage
   at 10 Mbit/s is 13x the others) is cut at the panel's edge and says its length and its
   share on the link, so the others stay readable at every rate;
@@ -21,9 +22,10 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from testbed.figures.common import interval_caption, intervals, save, styles, yerr
+from testbed.figures.common import CONFIDENCE, interval_caption, save, styles, yerr
+from testbed.results import stats
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant, variant_order
+from testbed.results.variants import link_labels, ok_trials, variant, variant_order
 
 PARTS = [
     ("compute_ms", "compute", "#2f5d8a"),
@@ -41,14 +43,15 @@ def latency_breakdown(results: Results, path: Path) -> Path | None:
     ok = ok_trials(results)
     if ok.empty:
         return None
-    table = intervals(ok, [part for part, _, _ in PARTS] + ["effective_ms"])
-    rates = sorted(table["bandwidth_mbit"].unique())
+    ok["link"], links = link_labels(ok, "bandwidth_mbit")
+    values = [part for part, _, _ in PARTS] + ["effective_ms"]
+    table = stats.summarize(ok, ["variant", "devices", "link"], values, "mean", CONFIDENCE)
     rows = _row_keys(ok)
-    height = BAR_IN * len(rows) * len(rates) + 0.5 * len(rates) + 1.2
-    fig, axes = plt.subplots(len(rates), 1, figsize=(9, height), squeeze=False)
-    for ax, rate in zip(axes[:, 0], rates, strict=True):
-        _breakdown_panel(ax, table[table["bandwidth_mbit"] == rate], rows)
-        ax.set_title(f"{rate:g} Mbit/s", loc="left", fontsize=9, fontweight="bold")
+    height = BAR_IN * len(rows) * len(links) + 0.5 * len(links) + 1.2
+    fig, axes = plt.subplots(len(links), 1, figsize=(9, height), squeeze=False)
+    for ax, link in zip(axes[:, 0], links, strict=True):
+        _breakdown_panel(ax, table[table["link"] == link], rows)
+        ax.set_title(link, loc="left", fontsize=9, fontweight="bold")
     axes[-1, 0].set_xlabel("latency per inference, per device (ms; each rate on its own scale)")
     effective = Line2D(
         [],

@@ -10,6 +10,9 @@ it).
   variant's wire time (dashed) and the paper's analytic time (dotted) (Fig. 6 kind);
 - measured_vs_analytic.png: measured communication against the wire time and against the
   analytic time, coloured by rate, with the line y = x.
+
+None of them for a run that swept impairments (`link.impairments`): they would pool its links;
+the figures of `impairments` take their place.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from testbed.figures.common import (
 )
 from testbed.results.stats import Aggregate
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant_order
+from testbed.results.variants import ok_trials, swept_impairments, variant_order
 
 REFERENCE_LINES = [
     Line2D([], [], color="grey", linestyle=style, label=label)
@@ -50,7 +53,7 @@ def _by_rate(
 ) -> Path | None:
     """A figure of `value` against the link rate, one panel per device count."""
     ok = ok_trials(results)
-    if ok.empty or ok["bandwidth_mbit"].nunique() < 2:
+    if ok.empty or ok["bandwidth_mbit"].nunique() < 2 or swept_impairments(ok):
         return None
     references = ["wire_comm_ms", "analytic_comm_ms"] if value == "comm_ms" else []
     table = intervals(ok, [value] + references, how)
@@ -129,7 +132,7 @@ def measured_vs_analytic(results: Results, path: Path) -> Path | None:
     """Measured communication against the wire time (left) and the analytic time (right)."""
     ok = ok_trials(results)
     ok = ok[ok["analytic_comm_ms"] > 0]
-    if ok.empty:
+    if ok.empty or swept_impairments(ok):
         return None
     table = intervals(ok, ["comm_ms", "wire_comm_ms", "analytic_comm_ms"])
     rates = sorted(table["bandwidth_mbit"].unique())

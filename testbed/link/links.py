@@ -101,9 +101,14 @@ class Links:
         self.emulator = emulator(backend, profile, run_id)
         self.emulator.start()
 
-    def shape(self, rate_mbit: float, probe_seconds: float) -> LinkState:
+    def shape(
+        self, rate_mbit: float, probe_seconds: float, profile: LinkProfile | None = None
+    ) -> LinkState:
         """Every device's rates at the swept `rate_mbit` (with the experiment's per-device
-        and per-pair rates), then every shaped direction probed."""
+        and per-pair rates), then every shaped direction probed, then the impairments of
+        `profile` (a trial's variant of the run's profile; the run's by default) added."""
+        if profile is not None:
+            self.set_profile(profile)
         devices = self.backend.devices
         rates = self.overrides.resolve(rate_mbit, len(devices))
         self.emulator.set_rates(rates, in_place=False)
@@ -145,6 +150,13 @@ class Links:
         for rank, (source, target) in probes.downlink.items():
             state.downlink_probe[rank] = key = f"{source}->{target}"
             state.downlink_measured_mbit[rank] = state.transfers[key]["measured_mbit"]
+
+    def set_profile(self, profile: LinkProfile) -> None:
+        """Shape after `profile` from the next `shape` on; refused like the run's profile."""
+        refused = self.emulator.refusal(profile, type(self.backend), bool(self.overrides.pair_mbit))
+        if refused is not None:
+            raise ShapingError(f"{refused.field}: {refused.why}")
+        self.profile = self.emulator.profile = profile
 
     def set_rate(self, rate_mbit: float) -> None:
         """Every rate scaled to the swept rate `rate_mbit` from now on (`LinkRates.scaled`),

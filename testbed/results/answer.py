@@ -24,7 +24,7 @@ import pandas as pd
 
 from testbed.results import stats
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant_order
+from testbed.results.variants import link_labels, ok_trials, variant_order
 
 BASELINE = "voltage"
 EXTRA_WIDTH = 13
@@ -37,19 +37,17 @@ def _ms(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.1f}"
 
 
-def _speedups(ok: pd.DataFrame, rate_column: str) -> dict[tuple, float]:
+def _speedups(ok: pd.DataFrame) -> dict[tuple, float]:
     """Median over repetitions of Voltage's effective time over each variant's, per (devices,
-    rate, variant); empty where the run has no Voltage."""
-    slowest = stats.by_repetition(
-        ok, ["devices", rate_column, "variant"], ["effective_ms"], how="max"
-    )
+    link, variant); empty where the run has no Voltage."""
+    slowest = stats.by_repetition(ok, ["devices", "link", "variant"], ["effective_ms"], "max")
     gains = {}
-    for (devices, rate), part in slowest.groupby(["devices", rate_column]):
+    for (devices, link), part in slowest.groupby(["devices", "link"]):
         per = {v: p.set_index("repeat")["effective_ms"] for v, p in part.groupby("variant")}
         if BASELINE not in per:
             continue
         for name, series in per.items():
-            gains[(devices, rate, name)] = stats.paired_ratio_interval(per[BASELINE], series).median
+            gains[(devices, link, name)] = stats.paired_ratio_interval(per[BASELINE], series).median
     return gains
 
 
@@ -60,11 +58,12 @@ def answer_lines(results: Results) -> list[str]:
     # over a replayed trace, the rate is the one in force when each inference started
     traced = "trace" in ok and ok["trace"].fillna("").astype(str).str.len().any()
     rate_column = "link_rate_mbit" if traced else "bandwidth_mbit"
-    keys = ["devices", rate_column, "variant"]
+    ok["link"], links = link_labels(ok, rate_column)
+    keys = ["devices", "link", "variant"]
     effective = stats.summarize(ok, keys, ["effective_ms"], "max").set_index(keys)
     comm = stats.summarize(ok, keys, ["comm_ms"], "mean").set_index(keys)
     extra = _extra_columns(ok, keys, traced)
-    gains = _speedups(ok, rate_column)
+    gains = _speedups(ok)
     order = variant_order(ok)
     width = max(len(v) for v in order) + 2
     model = results.config["model"]["name"]
@@ -79,25 +78,30 @@ def answer_lines(results: Results) -> list[str]:
             f"{title:<{10 + width}}{'effective ms [95% CI]':>26}{'comm ms':>11}"
             f"{'vs ' + BASELINE:>13}{heads}",
         ]
-        for rate in sorted(ok.loc[ok["devices"] == devices, rate_column].unique()):
+        for link in (
+            link for link in links if (ok.loc[ok["devices"] == devices, "link"] == link).any()
+        ):
             first = True
+            if len(link) > 9:  # a link with impairments: a line of its own
+                lines.append(link)
+                first = False
             for name in order:
-                if (rate, name) not in at.index:
+                if (link, name) not in at.index:
                     continue
-                cell = at.loc[(rate, name)]
+                cell = at.loc[(link, name)]
                 interval = (
                     f"{_ms(cell['effective_ms'])} [{_ms(cell['effective_ms_low'])}, "
                     f"{_ms(cell['effective_ms_high'])}]"
                 )
-                gain = gains.get((devices, rate, name), math.nan)
+                gain = gains.get((devices, link, name), math.nan)
                 cells = "".join(
-                    f"{_ms(means.get((devices, rate, name), math.nan)):>{EXTRA_WIDTH}}"
+                    f"{_ms(means.get((devices, link, name), math.nan)):>{EXTRA_WIDTH}}"
                     for means in extra.values()
                 )
-                rate_text = f"{rate:g} Mbit/s" if first else ""
+                link_text = link if first else ""
                 lines.append(
-                    f"{rate_text:<10}{name:<{width}}{interval:>26}"
-                    f"{_ms(comm.loc[(devices, rate, name), 'comm_ms']):>11}"
+                    f"{link_text:<10}{name:<{width}}{interval:>26}"
+                    f"{_ms(comm.loc[(devices, link, name), 'comm_ms']):>11}"
                     f"{'-' if math.isnan(gain) else f'{gain:,.2f}x':>13}{cells}"
                 )
                 first = False
@@ -115,18 +119,19 @@ def _impairment_lines(ok: pd.DataFrame) -> list[str]:
     """What the impairments did over the run, where it had any."""
     if not impaired(ok):
         return []
-    links = ", ".join(sorted(set(ok["impairments"].fillna("").astype(str)) - {""}))
+    words = ok.sort_values("link_delay_ms")["impairments"].fillna("").astype(str)
+    links = "; ".join(dict.fromkeys(word for word in words if word))
     counted = ["link_lost_frames", "link_duplicated_frames", "link_reordered_frames"]
     per = ok.groupby(["trial_id", "repeat"])[counted].max()  # each device sees every port
     frames = ", ".join(
-        f"{int(per[column].sum())} {column.split('_')[1]}"
+        f"{column.split('_')[1]} {int(per[column].sum())}"
         for column in counted
         if per[column].notna().any()
     )
     resent = ok["tcp_retransmits"].dropna() if "tcp_retransmits" in ok else pd.Series([])
     lines = [f"impaired links ({links}): p95 and p99 over repetitions of the slowest device"]
     if frames:
-        lines.append(f"  frames the emulator {frames} (over all inferences)")
+        lines.append(f"  frames the serial emulator {frames} (over all inferences)")
     if len(resent):
         lines.append(
             f"  TCP retransmissions: {int(resent.sum())} in all, at most "

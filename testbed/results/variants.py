@@ -1,7 +1,8 @@
-"""The names and order of method variants, shared by the printed answer, the report and every
-figure: a variant is a method with its parameters ('trace-b K=1024 level_k=32'), and variants
-go in one order (`variant_order`: voltage, prism, astra, trace-nb, trace-b, each by decreasing
-tree level), so that a variant has the same place in every table and figure.
+"""The names and order of method variants and links, shared by the printed answer, the report
+and every figure: a variant is a method with its parameters ('trace-b K=1024 level_k=32'), and
+variants go in one order (`variant_order`: voltage, prism, astra, trace-nb, trace-b, each by
+decreasing tree level), so that a variant has the same place in every table and figure; a link
+is a rate with the impairments a run swept (`link_labels`).
 """
 
 from __future__ import annotations
@@ -55,3 +56,24 @@ def ok_trials(results: Results) -> pd.DataFrame:
     ok = trials[trials["status"] == "ok"].copy()
     ok["variant"] = variant(ok)
     return ok
+
+
+def link_labels(ok: pd.DataFrame, rate_column: str) -> tuple[pd.Series, list[str]]:
+    """Each row's link as the answer and the figures name it ("10 Mbit/s", with its
+    impairments where the run swept them) and the links in order (rate, then one-way
+    delay)."""
+    rates = ok[rate_column].map(lambda rate: f"{rate:g} Mbit/s")
+    words = ok["impairments"].fillna("").astype(str) if "impairments" in ok else None
+    if words is not None and words.nunique() > 1:
+        rates = rates + ", " + words.replace("", "no impairment")
+    labels = rates
+    delay = ok["link_delay_ms"].fillna(0) if "link_delay_ms" in ok else 0.0
+    order = pd.DataFrame({"label": labels, "rate": ok[rate_column], "delay": delay})
+    order = order.drop_duplicates("label").sort_values(["rate", "delay", "label"])
+    return labels, list(order["label"])
+
+
+def swept_impairments(ok: pd.DataFrame) -> bool:
+    """Whether the rows span several impairment variants (`link.impairments`): figures
+    against the rate alone would pool them, the impairment figures take their place."""
+    return "impairments" in ok and ok["impairments"].fillna("").astype(str).nunique() > 1

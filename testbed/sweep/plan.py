@@ -1,19 +1,22 @@
 """The trial plan: an experiment expanded into trials, each with its analytic payload.
 
 Order: device count (devices start once per count), then bandwidth (the link is reshaped
-between bandwidths, not restarted), then method. A trial is one worker session on P devices
-running `warmup` + `repeats` inferences of one method at one bandwidth.
+between bandwidths, not restarted), then impairment variant (`link.impairments`, laid over
+the profile), then method. A trial is one method at one device count, bandwidth and
+impairment variant; the trials that share the first three run in one worker session.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.errors import ConfigError
+from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
-from testbed.experiment.profiles import load_profile
+from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
 from testbed.kernel.tbf import BIT_PER_MBIT  # tc's `mbit`, what the testbed shapes
 from testbed.link.traces import RateTrace, load_trace
@@ -33,6 +36,7 @@ class Trial:
     bandwidth_mbit: float
     method: str
     params: tuple[tuple[str, Any], ...] = field(default=())
+    impairment: str = ""  # a variant of link.impairments as canonical JSON; empty: the profile's
 
     @property
     def method_params(self) -> dict[str, Any]:
@@ -47,7 +51,45 @@ class Trial:
         parts = [f"p{self.devices}", self.method]
         parts += [f"{key}{_short(value)}" for key, value in self.params]
         parts.append(f"{_short(self.bandwidth_mbit)}mbit")
+        if self.impairment:
+            parts.append(impairment_label(self.impairments))
         return "-".join(parts).replace("_", "")
+
+    @property
+    def impairments(self) -> dict[str, Any]:
+        """The impairment variant laid over the profile (empty: none)."""
+        return json.loads(self.impairment) if self.impairment else {}
+
+
+def impairment_label(variant: dict[str, Any]) -> str:
+    """A variant in a trial's name: {"delay_ms": 5, "loss_pct": 1} -> "delay5ms-loss1pct"."""
+    words = []
+    for key, value in variant.items():
+        if isinstance(value, dict):
+            inner = "".join(f"{k.removesuffix('_pct')}{_short(v)}" for k, v in value.items())
+            words.append(f"{key.removeprefix('loss_')}{inner}")
+            continue
+        for unit in ("_ms", "_pct"):
+            if key.endswith(unit):
+                words.append(f"{key.removesuffix(unit)}{_short(value)}{unit[1:]}")
+                break
+        else:
+            words.append(f"{key}{_short(value)}")
+    return "-".join(words).replace("_", "") or "none"
+
+
+def link_profile(experiment: Experiment, trial: Trial) -> LinkProfile:
+    """The trial's link: the experiment's profile with the trial's impairment variant over it.
+    Raises ConfigError naming link.impairments where the two do not go together."""
+    profile = load_profile(experiment.link.profile)
+    if not trial.impairment:
+        return profile
+    try:
+        return profile.with_impairments(trial.impairments)
+    except ImpairmentError as error:
+        raise ConfigError(
+            f"link.impairments: variant {trial.impairment} over profile '{profile.name}': {error}"
+        ) from None
 
 
 def _short(value: Any) -> str:
@@ -78,10 +120,19 @@ def plan_trials(experiment: Experiment) -> list[Trial]:
     trials = []
     for count in experiment.devices.count:
         for rate in link_rates(experiment.link):
-            for variant in experiment.method_variants():
-                params = tuple((k, v) for k, v in variant.items() if k != "name")
-                trials.append(Trial(experiment.name, count, rate, variant["name"], params))
+            for impairment in impairment_variants(experiment.link):
+                for variant in experiment.method_variants():
+                    params = tuple((k, v) for k, v in variant.items() if k != "name")
+                    name = variant["name"]
+                    trials.append(Trial(experiment.name, count, rate, name, params, impairment))
     return trials
+
+
+def impairment_variants(link: LinkSection) -> list[str]:
+    """The link's impairment variants as canonical JSON ([""]: the profile alone)."""
+    if link.impairments is None:
+        return [""]
+    return [json.dumps(variant, sort_keys=True) for variant in link.impairments]
 
 
 def analytic_comm_ms(
@@ -100,9 +151,9 @@ def analytic_comm_ms(
 def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
     """One row per trial and rank: the identifying columns and the analytic payload."""
     config = model_config(experiment.model.name)
-    delay_ms = load_profile(experiment.link.profile).delay_ms
     rows = []
     for trial in trials:
+        delay_ms = link_profile(experiment, trial).delay_ms
         spec = trial.spec
         bits = payload_bits(
             config, trial.method, trial.devices, experiment.batch, **trial.method_params

@@ -24,7 +24,7 @@ from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
 from testbed.link.emulators import emulator_class
 from testbed.results.level_accuracy import check_covered, load_level_accuracy
-from testbed.sweep.plan import link_trace
+from testbed.sweep.plan import Trial, impairment_variants, link_profile, link_trace
 from tracevq.codec import level_sizes_for
 
 if TYPE_CHECKING:
@@ -53,10 +53,31 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
     emulator = _emulator(experiment, backend, source)
     _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
-    refused = emulator.refusal(profile, backend, bool(experiment.link.pair_mbit))
-    if refused is not None:
-        raise ConfigError(f"{source}: {refused.field}: {refused.why}")
+    for field, variant in _variants(experiment, profile, source):
+        refused = emulator.refusal(variant, backend, bool(experiment.link.pair_mbit))
+        if refused is not None:
+            field = field if refused.field == "link.profile" else refused.field
+            raise ConfigError(f"{source}: {field}: {refused.why}")
     return Checked(profile, backend, emulator)
+
+
+def _variants(
+    experiment: Experiment, profile: LinkProfile, source: str
+) -> list[tuple[str, LinkProfile]]:
+    """The profile, or each variant of link.impairments laid over it (named for a refusal),
+    with the field that gave it."""
+    if experiment.link.impairments is None:
+        return [("link.profile", profile)]
+    variants = []
+    for index, impairment in enumerate(impairment_variants(experiment.link)):
+        trial = Trial(experiment.name, 2, 1.0, "voltage", impairment=impairment)
+        try:
+            laid = link_profile(experiment, trial)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {error}") from None
+        name = f"variant {index} over {profile.name}"
+        variants.append(("link.impairments", laid.model_copy(update={"name": name})))
+    return variants
 
 
 def _backend(name: str, source: str) -> type[Backend]:

@@ -55,7 +55,8 @@ class TrialProgress:
         )
         trials, link_s = self.sessions[key]
         link = voice.duration(link_s)
-        voice.say(f"{what}: {trials} trials interleaved, {guess} (of it link time {link})")
+        trials_are = "1 trial" if trials == 1 else f"{trials} trials interleaved"
+        voice.say(f"{what}: {trials_are}, {guess} (of it link time {link})")
         self.bar.set_postfix_str(self.remaining())
         self.started = time.monotonic()
 

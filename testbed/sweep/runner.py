@@ -40,7 +40,14 @@ from testbed.results.store import (
 from testbed.sweep import environment, interrupts
 from testbed.sweep.bundles import RunFiles, prepare_run_files
 from testbed.sweep.lock import RunLock
-from testbed.sweep.plan import Trial, link_trace, plan_rows, plan_trials
+from testbed.sweep.plan import (
+    Trial,
+    impairment_label,
+    link_profile,
+    link_trace,
+    plan_rows,
+    plan_trials,
+)
 from testbed.sweep.preflight import check_experiment
 from testbed.sweep.progress import TrialProgress
 from testbed.sweep.sessions import WORKER_PORT, run_session, session_id
@@ -129,13 +136,15 @@ class Runner:
 
     def _link_times(
         self, trials: list[Trial], plan: PlanRows, files: RunFiles
-    ) -> dict[tuple[int, float], tuple[int, float]]:
-        """Per session (device count, rate): its trials and its analytic link time (s)."""
+    ) -> dict[tuple[int, float, str], tuple[int, float]]:
+        """Per session (device count, rate, impairment): its trials and its analytic link time
+        (s: serialisation and delay)."""
         inferences = self.experiment.warmup + (files.batches or self.experiment.repeats)
-        sessions: dict[tuple[int, float], tuple[int, float]] = {}
+        sessions: dict[tuple[int, float, str], tuple[int, float]] = {}
         for trial in trials:
-            key = (trial.devices, trial.bandwidth_mbit)
-            slowest = max(plan[(trial.trial_id, r)].analytic_comm_ms for r in range(key[0]))
+            key = (trial.devices, trial.bandwidth_mbit, trial.impairment)
+            rows = [plan[(trial.trial_id, rank)] for rank in range(trial.devices)]
+            slowest = max(row.analytic_comm_ms + row.analytic_delay_ms for row in rows)
             count, link_s = sessions.get(key, (0, 0.0))
             sessions[key] = (count + 1, link_s + inferences * slowest / 1000)
         return sessions
@@ -161,19 +170,23 @@ class Runner:
             overrides = rate_overrides(self.experiment.link)
             with Links(backend, self.profile, self.emulator, self.run_id, overrides) as links:
                 self._write_environment(backend, count)
-                for rate, grouped in itertools.groupby(trials, key=lambda t: t.bandwidth_mbit):
+                by_link = itertools.groupby(trials, key=lambda t: (t.bandwidth_mbit, t.impairment))
+                for (rate, impairment), grouped in by_link:
                     group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
                     if self.trace is not None:
                         what = f"P={count} trace {self.trace.name} (mean {rate:g} Mbit/s)"
+                    if impairment:
+                        what += f" {impairment_label(group[0].impairments)}"
                     interrupts.check()
-                    progress.start((count, rate), what)
+                    progress.start((count, rate, impairment), what)
                     # a trace's link is shaped and probed at its first step
                     shaped = rate if self.trace is None else self.trace.rates_mbit[0]
-                    link = links.shape(shaped, self.experiment.link.probe_s)
-                    self._save_link(link, count)
+                    profile = link_profile(self.experiment, group[0])
+                    link = links.shape(shaped, self.experiment.link.probe_s, profile)
+                    self._save_link(link, count, group[0])
                     voice.say(f"{what}: {self.emulator.name} link, {_probed(link, count)}")
                     ok = self._run_session(links, group, plan, files, link, outcome)
-                    progress.finish((count, rate), what, "ok" if ok else "FAILED")
+                    progress.finish((count, rate, impairment), what, "ok" if ok else "FAILED")
                     interrupts.check()
 
     def _run_session(
@@ -185,7 +198,7 @@ class Runner:
         link: LinkState,
         outcome: RunOutcome,
     ) -> bool:
-        name = session_id(trials[0].devices, trials[0].bandwidth_mbit)
+        name = session_id(trials[0])
         directory = self.run_dir / "sessions" / name
         if directory.exists():  # a resumed run: keep the earlier session's files
             name += f"-{secrets.token_hex(2)}"
@@ -249,6 +262,6 @@ class Runner:
         }
         write_text(self.run_dir / "sessions" / session / "replay.json", json.dumps(steps))
 
-    def _save_link(self, link: LinkState, count: int) -> None:
-        path = self.run_dir / "links" / f"p{count}-{link.rate_mbit:g}mbit.json"
+    def _save_link(self, link: LinkState, count: int, trial: Trial) -> None:
+        path = self.run_dir / "links" / f"{session_id(trial)}.json"
         write_text(path, json.dumps(link.__dict__, indent=2, default=str))

@@ -32,7 +32,7 @@ from testbed.link.replay import TraceReplay
 from testbed.results.facts import HostSessionFacts
 from testbed.results.store import write_text
 from testbed.sweep.bundles import RunFiles
-from testbed.sweep.plan import Trial
+from testbed.sweep.plan import Trial, impairment_label
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,10 @@ class SessionOutcome:
         return (None if error else self.runs[trial_id]), error
 
 
-def session_id(count: int, rate_mbit: float) -> str:
-    return f"p{count}-{rate_mbit:g}mbit"
+def session_id(trial: Trial) -> str:
+    """The session a trial runs in: its device count, rate and impairment variant."""
+    name = f"p{trial.devices}-{trial.bandwidth_mbit:g}mbit"
+    return f"{name}-{impairment_label(trial.impairments)}" if trial.impairment else name
 
 
 def device_spec(

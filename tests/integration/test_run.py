@@ -326,3 +326,58 @@ def test_evaluation_inputs_give_the_in_process_accuracy(tmp_path):
         assert summary.loc[method, "accuracy"] == pytest.approx(expected)
     rows = results.trials[(results.trials["rank"] == 0)]
     assert len(rows) == 2 * 4  # two methods x four batches
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_impairment_variants_on_the_serial_link(tmp_path):
+    """link.impairments swept on the local backend's serial link: one session per variant,
+    each row names its link, Voltage pays its messages x the one-way delay, and loss shows as
+    frames the emulator dropped and TCP's retransmissions."""
+    variants = [{"delay_ms": 0}, {"delay_ms": 20}, {"delay_ms": 5, "loss_pct": 5}]
+    path = small_experiment(
+        tmp_path,
+        link={
+            "profile": "ideal",
+            "emulator": "serial",
+            "bandwidth_mbit": [5],
+            "impairments": variants,
+        },
+        methods=[{"name": "voltage"}],
+        repeats=3,
+    )
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    trials = load(run_dir).trials
+    assert (trials["status"] == "ok").all(), trials[["trial_id", "error"]]
+    assert sorted(trials["trial_id"].unique()) == [
+        "p2-voltage-5mbit-delay0ms",
+        "p2-voltage-5mbit-delay20ms",
+        "p2-voltage-5mbit-delay5ms-loss5pct",
+    ]
+    links = sorted(p.name for p in (run_dir / "links").glob("*.json"))
+    assert links == [
+        "p2-5mbit-delay0ms.json",
+        "p2-5mbit-delay20ms.json",
+        "p2-5mbit-delay5ms-loss5pct.json",
+    ]
+    by_delay = trials.groupby("link_delay_ms")
+    assert set(by_delay.groups) == {0.0, 5.0, 20.0}
+    depth = 4  # vit-tiny: Voltage sends one message a block
+    delayed = trials[trials["link_delay_ms"] == 20]
+    assert (delayed["analytic_delay_ms"] == depth * 20).all()
+    assert (delayed["impairments"] == "delay 20ms").all()
+    # every message waits for the delay: the slowest device's median grows by messages x delay
+    slowest = trials.groupby(["link_delay_ms", "repeat"])["effective_ms"].max()
+    grown = slowest[20.0].median() - slowest[0.0].median()
+    assert 0.9 * depth * 20 <= grown <= 1.3 * depth * 20 + 10, grown
+    clean = trials[trials["link_delay_ms"] < 5]
+    assert (clean["link_lost_frames"] == 0).all() and (clean["tcp_retransmits"] == 0).all()
+    lossy = trials[trials["link_delay_ms"] == 5]
+    assert lossy["link_lost_frames"].sum() > 0
+    assert lossy["tcp_retransmits"].sum() > 0
+    for name in ("effective_vs_delay", "tail_by_link", "latency"):
+        assert (run_dir / "figures" / f"{name}.png").stat().st_size > 10_000
+    assert "p99" in done.stdout and "no impairment" in done.stdout

@@ -211,6 +211,35 @@ CASES: list[tuple[str, str, str]] = [
     ("profile-no-file", exp("link: {profile: ../nope.yaml}\n"), "link.profile: "),
     ("profile-bad-rate", exp("link: {profile: {tmp}/nan.yaml}\n"), "link.profile: "),
     ("profile-duplicate", exp("link: {profile: {tmp}/dup.yaml}\n"), "duplicate key 'delay_ms'"),
+    # impairment variants: the variant named, alone and over the profile
+    ("variants-empty", exp("link: {impairments: []}\n"), "link.impairments: give at least one"),
+    ("variants-not-list", exp("link: {impairments: 5}\n"), "link.impairments: Input should be"),
+    (
+        "variant-misspelt",
+        exp("link: {impairments: [{delay_ms: 0}, {dlay_ms: 1}]}\n"),
+        "link.impairments: variant 1: dlay_ms: not an impairment (did you mean 'delay_ms'?)",
+    ),
+    (
+        "variant-out-of-range",
+        exp("link: {impairments: [{loss_pct: 120}]}\n"),
+        "link.impairments: variant 0: loss_pct: must lie in 0..100, got 120",
+    ),
+    (
+        "impairment-variant-twice",
+        exp("link: {impairments: [{delay_ms: 1}, {delay_ms: 1}]}\n"),
+        "link.impairments: impairment variant '{\"delay_ms\": 1}' is listed twice",
+    ),
+    (
+        "variant-jitter-over-ideal",
+        exp("link: {impairments: [{jitter_ms: 2}]}\n"),
+        "link.impairments: variant {\"jitter_ms\": 2} over profile 'ideal': jitter_ms: jitter "
+        "needs a delay",
+    ),
+    (
+        "variant-pair-rates-tbf",
+        exp("link: {impairments: [{delay_ms: 5}], emulator: tbf, pair_mbit: {'0->1': 3}}\n"),
+        "link.pair_mbit: per-pair rates with profile 'variant 0 over ideal'",
+    ),
     (
         "profile-jitter-alone",
         exp("link: {profile: {tmp}/jitter.yaml}\n"),

@@ -6,7 +6,7 @@ from testbed.figures import make_figures
 from testbed.figures.common import interval_caption, styles
 from testbed.figures.latency import MARGIN, panel_limit
 from testbed.results.store import Results
-from testbed.results.variants import variant_order
+from testbed.results.variants import link_labels, variant_order
 
 VARIANTS = [  # method, params, K, level_k, payload bits per layer (deliberately shuffled)
     ("trace-b", "K=64,level_k=4", 64, 4, 26),
@@ -221,3 +221,46 @@ def test_a_latency_panel_cuts_only_bars_far_beyond_its_median():
     alike = np.array([9.8, 4.9, 3.0, 2.5, 3.3, 3.3])
     assert panel_limit(alike, alike) == pytest.approx(MARGIN * 9.8)
     assert panel_limit(np.array([np.nan, 5.0]), np.array([np.nan, 6.0])) == pytest.approx(6.9)
+
+
+def delay_results(tmp_path, delays=(0.0, 5.0, 20.0)) -> Results:
+    """The toy run at 5 Mbit/s over links that differ in their one-way delay: Voltage's
+    messages wait for it (24 a device), Trace-b's hide."""
+    toy = toy_results(tmp_path)
+    base = toy.trials[toy.trials["bandwidth_mbit"] == 5.0]
+    parts = []
+    for delay in delays:
+        part = base.copy()
+        waits = part["method"] == "voltage"
+        part["impairments"] = f"delay {delay:g}ms" if delay else ""
+        part["link_delay_ms"] = delay
+        part["analytic_delay_ms"] = 24 * delay
+        part.loc[waits, "effective_ms"] += 24 * delay
+        parts.append(part)
+    trials = pd.concat(parts, ignore_index=True)
+    plan = trials[trials["repeat"] == 0].drop(columns=["repeat"])
+    return Results(tmp_path, trials, pd.DataFrame(), plan, {"name": "toy"}, {})
+
+
+def test_a_delay_sweep_draws_the_impairment_figures_instead_of_the_rate_ones(tmp_path):
+    paths = make_figures(delay_results(tmp_path))
+    assert [p.name for p in paths] == [
+        "latency.png",
+        "compression.png",
+        "effective_vs_delay.png",
+        "tail_by_link.png",
+    ]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_links_are_named_with_their_impairments_in_order_of_delay(tmp_path):
+    ok = delay_results(tmp_path, delays=(20.0, 0.0, 5.0)).trials
+    labels, order = link_labels(ok, "bandwidth_mbit")
+    assert order == [
+        "5 Mbit/s, no impairment",
+        "5 Mbit/s, delay 5ms",
+        "5 Mbit/s, delay 20ms",
+    ]
+    assert set(labels) == set(order)
+    plain = toy_results(tmp_path).trials
+    assert link_labels(plain, "bandwidth_mbit")[1] == ["1 Mbit/s", "5 Mbit/s", "20 Mbit/s"]

@@ -5,8 +5,10 @@ from pathlib import Path
 import pytest
 
 from testbed.errors import ConfigError
+from testbed.experiment.profiles import load_profile
 from testbed.experiment.schema import load_experiment, parse_experiment
-from testbed.sweep.plan import plan_rows, plan_trials
+from testbed.sweep.plan import impairment_label, plan_rows, plan_trials
+from testbed.sweep.sessions import session_id
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "x", "methods": [{"name": "voltage"}]}
@@ -150,3 +152,42 @@ def test_per_device_and_per_pair_rates_in_either_form():
     assert rates.uplink_mbit == (2.0, 10.5) and rates.downlink_mbit == (None, None)
     assert rates.pair_mbit == {(0, 1): 1.0}
     assert parse_experiment(MINIMAL).link.uplink_mbit == {}
+
+
+def test_impairment_variants_expand_between_rate_and_method():
+    experiment = parse_experiment(
+        with_(
+            link={"bandwidth_mbit": [1, 10], "impairments": [{"delay_ms": 0}, {"delay_ms": 20}]},
+            methods=[{"name": "voltage"}, {"name": "trace-b", "K": 1024}],
+        )
+    )
+    trials = plan_trials(experiment)
+    assert [(t.bandwidth_mbit, t.impairments, t.method) for t in trials[:4]] == [
+        (1, {"delay_ms": 0}, "voltage"),
+        (1, {"delay_ms": 0}, "trace-b"),
+        (1, {"delay_ms": 20}, "voltage"),
+        (1, {"delay_ms": 20}, "trace-b"),
+    ]
+    assert trials[2].trial_id == "p2-voltage-1mbit-delay20ms"
+    assert session_id(trials[2]) == "p2-1mbit-delay20ms"
+    rows = {(r.trial_id, r.rank): r for r in plan_rows(experiment, trials)}
+    voltage = rows[(trials[2].trial_id, 0)]
+    assert voltage.analytic_delay_ms > 0
+    assert voltage.analytic_delay_ms % 20 == 0
+    assert rows[(trials[0].trial_id, 0)].analytic_delay_ms == 0
+
+
+def test_impairment_labels():
+    assert impairment_label({"delay_ms": 5, "loss_pct": 1}) == "delay5ms-loss1pct"
+    assert impairment_label({"loss_gemodel": {"p_pct": 0.25, "r_pct": 25}}) == "gemodelp0.25r25"
+    assert impairment_label({"reorder_gap": 3}) == "reordergap3"
+    assert impairment_label({}) == "none"
+
+
+def test_a_variant_naming_a_loss_model_replaces_the_profiles():
+    lte = load_profile("lte")
+    assert lte.loss_pct > 0
+    laid = lte.with_impairments({"loss_gemodel": {"p_pct": 1, "r_pct": 20}})
+    assert laid.loss_pct == 0 and laid.loss_gemodel.r_pct == 20
+    assert laid.delay_ms == lte.delay_ms and laid.jitter_ms == lte.jitter_ms
+    assert lte.with_impairments({"delay_ms": 0, "jitter_ms": 0}).loss_pct == lte.loss_pct

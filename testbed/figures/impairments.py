@@ -1,0 +1,131 @@
+"""Figures of a run that swept impairments (`link.impairments`).
+
+- effective_vs_delay.png, where the links differ in their one-way delay (and nothing else):
+  effective latency per method variant against the delay, with the growth a method pays if
+  every block waits for the delay (blocks x delay, dotted, from each variant's zero-delay
+  value): Voltage, Prism and Astra follow it, Trace-b stays flat while its messages hide
+  behind the FFN;
+- tail_by_link.png, for any run over several impaired links: per link and variant the median
+  effective latency (marker), its 95% interval and the 99th percentile (the whisker's end),
+  on a log axis: loss shows in the tail, not the median.
+Per repetition the slowest device counts (the inference ends with it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from testbed.figures.common import CONFIDENCE, interval_caption, plain_log, save, styles, yerr
+from testbed.results import stats
+from testbed.results.store import Results
+from testbed.results.variants import link_labels, ok_trials, swept_impairments, variant_order
+
+
+def effective_vs_delay(results: Results, path: Path) -> Path | None:
+    ok = ok_trials(results)
+    if not swept_impairments(ok):
+        return None
+    by_delay = ok.groupby(["bandwidth_mbit", "link_delay_ms"])["impairments"].nunique()
+    if by_delay.max() > 1:
+        return None  # links that differ in more than their delay
+    keys = ["variant", "devices", "bandwidth_mbit", "link_delay_ms"]
+    table = stats.summarize(ok, keys, ["effective_ms"], "max", CONFIDENCE)
+    style = styles(ok)
+    panels = sorted(set(zip(ok["devices"], ok["bandwidth_mbit"], strict=True)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    for ax, (devices, rate) in zip(axes[0], panels, strict=True):
+        part = table[(table["devices"] == devices) & (table["bandwidth_mbit"] == rate)]
+        rows_here = ok[(ok["devices"] == devices) & (ok["bandwidth_mbit"] == rate)]
+        for name in variant_order(ok):
+            rows = part[part["variant"] == name].sort_values("link_delay_ms")
+            if rows.empty:
+                continue
+            look = style[name]
+            ax.errorbar(
+                rows["link_delay_ms"],
+                rows["effective_ms"],
+                yerr=yerr(rows, "effective_ms"),
+                color=look.colour,
+                marker=look.marker,
+                capsize=3,
+                label=name,
+            )
+            first = rows.iloc[0]
+            messages = _messages(rows_here, name)
+            slope = np.array(rows["link_delay_ms"] - first["link_delay_ms"]) * messages
+            ax.plot(
+                rows["link_delay_ms"],
+                first["effective_ms"] + slope,
+                color=look.colour,
+                linestyle=":",
+                linewidth=1,
+            )
+        ax.set_xlabel("one-way delay of every link (ms)")
+        ax.set_title(f"P = {devices} devices, {rate:g} Mbit/s", fontsize=10)
+        plain_log(ax, "y")
+    axes[0, 0].set_ylabel("effective latency per inference (ms), slowest device")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.88), fontsize=8)
+    fig.suptitle(
+        "Effective latency against one-way delay (dotted: every message waits for the delay)\n"
+        f"{interval_caption(table)}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def _messages(ok: pd.DataFrame, name: str) -> float:
+    """Messages per inference a device of `name` waits for: analytic_delay_ms / delay."""
+    rows = ok[(ok["variant"] == name) & (ok["link_delay_ms"] > 0)]
+    if rows.empty:
+        return 0.0
+    return float((rows["analytic_delay_ms"] / rows["link_delay_ms"]).median())
+
+
+def tail_by_link(results: Results, path: Path) -> Path | None:
+    ok = ok_trials(results)
+    if not swept_impairments(ok):
+        return None
+    ok["link"], links = link_labels(ok, "bandwidth_mbit")
+    keys = ["variant", "devices", "link"]
+    table = stats.summarize(ok, keys, ["effective_ms"], "max", CONFIDENCE)
+    tails = stats.tails(ok, keys, "effective_ms").set_index(keys)
+    table = table.join(tails, on=keys)
+    order = variant_order(ok)
+    style = styles(ok)
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.4 * len(links) * len(order) / 3), 5))
+    width = 0.8 / len(order)
+    for index, name in enumerate(order):
+        rows = table[table["variant"] == name].set_index("link").reindex(links)
+        x = np.arange(len(links)) + (index - (len(order) - 1) / 2) * width
+        look = style[name]
+        median = rows["effective_ms"]
+        ax.errorbar(
+            x,
+            median,
+            yerr=yerr(rows, "effective_ms"),
+            color=look.colour,
+            marker=look.marker,
+            linestyle="none",
+            capsize=2,
+            label=name,
+        )
+        ax.vlines(x, median, rows["effective_ms_p99"], color=look.colour, linewidth=1, alpha=0.6)
+        ax.scatter(x, rows["effective_ms_p99"], color=look.colour, marker="_", s=60)
+    ax.set_xticks(np.arange(len(links)), links, rotation=20, ha="right", fontsize=8)
+    plain_log(ax, "y")
+    ax.set_ylabel("effective latency per inference (ms), slowest device")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.88), fontsize=8)
+    fig.suptitle(
+        "Median (marker, 95% interval) and 99th percentile (whisker's end) per link\n"
+        f"{interval_caption(table)}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return save(fig, path)
