@@ -164,13 +164,14 @@ class Device:
         """The level choosers of the runs with `level_k: auto`, by run id."""
         handshakes = self.mesh.handshakes
         offsets = {peer: h.clock_offset_ns for peer, h in handshakes.items()}
+        latencies = {peer: h.latency_ns for peer, h in handshakes.items()}
         tokens, batch = self.sizes[self.spec.rank], self.spec.batch
 
         def echo(peer: int, ns_per_byte: float) -> None:
             self.mesh.links[peer].echo_ps_per_byte = round(1000 * ns_per_byte)
 
         return {
-            run.id: LiveLevel(method, tokens, batch, offsets, echo)
+            run.id: LiveLevel(method, tokens, batch, offsets, echo, latencies)
             for run in self.spec.runs
             if isinstance(method := self.methods[run.id][0], TraceMethod) and stamped(method)
         }

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from devices.clock import ANCILLARY_BYTES, Clock, enable_rx_timestamps
 from devices.errors import ProtocolError
 from devices.transport import PeerClosed
 
@@ -87,6 +88,7 @@ class ClockEstimate(_Strict):
     round_trips_ns: list[Annotated[int, Field(ge=0, lt=INT64)]] = Field(
         min_length=CLOCK_ROUNDS, max_length=CLOCK_ROUNDS
     )
+    latency_ns: Annotated[int, Field(gt=-INT64, lt=INT64)]
 
 
 def validated(model: type[_Strict], data: dict[str, Any], what: str) -> _Strict:
@@ -146,6 +148,21 @@ class CountingSocket:
             received += count
         self.bytes_received += size
         return bytes(buffer)
+
+    def recv_exact_stamped(self, size: int, clock: Clock) -> tuple[bytes, int]:
+        """`size` bytes and when the last of them reached this host on `clock`: the kernel's
+        receive timestamp (the socket's are turned on), else the time they were read."""
+        enable_rx_timestamps(self.sock)
+        buffer = bytearray(size)
+        view, received, stamp = memoryview(buffer), 0, None
+        while received < size:
+            self._budget()
+            count, ancillary, _, _ = self.sock.recvmsg_into([view[received:]], ANCILLARY_BYTES)
+            if count == 0:
+                raise PeerClosed(received)
+            received, stamp = received + count, clock.kernel_ns(ancillary) or stamp
+        self.bytes_received += size
+        return bytes(buffer), clock.now_ns() if stamp is None else stamp
 
     def send_frame(self, payload: dict) -> None:
         body = json.dumps(payload, sort_keys=True).encode()

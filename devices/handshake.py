@@ -4,11 +4,21 @@ Both sides send a `hello` (length-prefixed JSON: this is set-up, not payload), c
 with their own and send a verdict, so a mismatch ends the session on both sides with the
 same kind of error: "device 1 has bundle fingerprint ab12.., device 0 has cd34..". Then the
 side that connected runs CLOCK_ROUNDS ping-pongs: it sends one byte, the other answers with
-its clock (devices.clock: CLOCK_REALTIME in ns, the clock of every record and of the kernel's
-receive timestamps). With t0 / t3 the local send / receive times and t_peer the answer, the
-round with the smallest round trip gives offset = t_peer - (t0 + t3) / 2 (the peer's clock
-minus ours) within +- half that round trip. On one host the offset is ~0 (one kernel clock);
-across machines it aligns the devices' records.
+two readings of its clock (devices.clock: CLOCK_REALTIME in ns, the clock of every record and
+of the kernel's receive timestamps), the ping's arrival and the answer's departure, as NTP
+does. With t0 the local send time, t3 the answer's arrival (arrivals are the kernel's receive
+timestamps, as for messages) and t1 / t2 the peer's two readings, the round with the
+smallest round trip less the peer's turnaround, (t3 - t0) - (t2 - t1), gives offset =
+((t1 - t0) + (t2 - t3)) / 2 (the peer's clock minus ours) within +- half that round trip. On
+one host the offset is ~0 (one kernel clock); across machines it aligns the devices'
+records. With that offset, each round also gives the one-way time of its two frames, the
+ping's (t1 - offset - t0) and the answer's (t3 - t2 + offset). Every other round pads both
+frames with LARGE_ROUND_BYTES: the difference between the large and the small rounds'
+median one-way times is the serialisation of those bytes, and the small frames' time less
+their own serialisation is each direction's `latency_ns`, the part of a one-way time that
+does not depend on the rate (the delay, the path), as the offset sees it. `level_k: auto`
+(devices.level) subtracts it from its messages' one-way times to keep their serialisation
+alone: through the same offset its error cancels.
 
 Nothing a peer sends is trusted. Every frame is bounded and parsed as strict JSON
 (devices.frames); a hello, a verdict and a clock estimate are validated field by field
@@ -33,6 +43,7 @@ import hmac
 import ipaddress
 import json
 import secrets
+import statistics
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +61,12 @@ from devices.frames import (
     brief,
     validated,
 )
-from devices.transport import remote
+from devices.transport import remote, tcp_frame_bytes
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 PING = b"p"
-CLOCK = struct.Struct("!q")  # ns
+LARGE_ROUND_BYTES = 1000  # what pads both frames of every other round (latency_ns)
+CLOCK = struct.Struct("!qq")  # ns: the ping's arrival (the kernel's stamp), the answer's departure
 
 # hello fields every device of a session must agree on, with the words used in errors
 AGREED_FIELDS = {
@@ -94,6 +106,7 @@ class PeerHandshake:
     clock_offset_ns: int = 0  # the peer's clock minus ours
     clock_uncertainty_ns: int = 0  # half the smallest round trip
     round_trips_ns: list[int] = field(default_factory=list)
+    latency_ns: int = 0  # the peer's frames' one-way time to us less their serialisation
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -102,6 +115,7 @@ class PeerHandshake:
             "clock_offset_ns": self.clock_offset_ns,
             "clock_uncertainty_ns": self.clock_uncertainty_ns,
             "round_trips_ns": self.round_trips_ns,
+            "latency_ns": self.latency_ns,
         }
 
 
@@ -226,30 +240,52 @@ def shake(
 
 
 def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> None:
-    best_rtt, best_offset = None, 0
-    for _ in range(CLOCK_ROUNDS):
+    rounds = []  # (t0, the ping's arrival and the answer's departure on the peer's clock, t3)
+    for index in range(CLOCK_ROUNDS):
         t0 = clock.now_ns()
-        conn.send(PING)
-        (peer_clock,) = CLOCK.unpack(conn.recv_exact(CLOCK.size))
-        t3 = clock.now_ns()
-        result.round_trips_ns.append(t3 - t0)
-        if best_rtt is None or t3 - t0 < best_rtt:
-            best_rtt, best_offset = t3 - t0, peer_clock - (t0 + t3) // 2
-    result.clock_offset_ns, result.clock_uncertainty_ns = best_offset, best_rtt // 2
+        conn.send(PING + bytes(_padding(index)))
+        answer, t3 = conn.recv_exact_stamped(CLOCK.size + _padding(index), clock)
+        rounds.append((t0, *CLOCK.unpack_from(answer), t3))
+    # the round trip less the peer's turnaround, and the offset each round gives
+    trips = [(t3 - t0 - (t2 - t1), ((t1 - t0) + (t2 - t3)) // 2) for t0, t1, t2, t3 in rounds]
+    result.round_trips_ns = [trip for trip, _ in trips]
+    best_rtt, offset = min(trips)
+    result.clock_offset_ns, result.clock_uncertainty_ns = offset, best_rtt // 2
+    answers = [t3 - (t2 - offset) for _, _, t2, t3 in rounds]
+    pings = [t1 - offset - t0 for t0, t1, _, _ in rounds]
+    result.latency_ns = _latency(answers, CLOCK.size)
     conn.send_frame(
         {
-            "offset_ns": -best_offset,
+            "offset_ns": -offset,
             "uncertainty_ns": best_rtt // 2,
             "round_trips_ns": result.round_trips_ns,
+            "latency_ns": _latency(pings, len(PING)),
         }
     )
 
 
+def _padding(index: int) -> int:
+    """Bytes that pad both frames of a round: every other round is a large one."""
+    return LARGE_ROUND_BYTES if index % 2 else 0
+
+
+def _latency(one_way_ns: list[int], payload: int) -> int:
+    """The rate-independent part of one direction's one-way time, from its small and large
+    rounds' frames (their medians): the small frames' time less their serialisation, which
+    the difference between the two sizes gives."""
+    small = statistics.median(one_way_ns[0::2])
+    large = statistics.median(one_way_ns[1::2])
+    small_bytes = tcp_frame_bytes(payload)
+    per_byte = max(large - small, 0) / (tcp_frame_bytes(payload + LARGE_ROUND_BYTES) - small_bytes)
+    return round(small - small_bytes * per_byte)
+
+
 def answer_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock, name: str) -> None:
-    for _ in range(CLOCK_ROUNDS):
-        if conn.recv_exact(len(PING)) != PING:
+    for index in range(CLOCK_ROUNDS):
+        ping, came = conn.recv_exact_stamped(len(PING) + _padding(index), clock)
+        if ping != PING + bytes(_padding(index)):
             raise ProtocolError(f"handshake with {name}: clock ping-pong out of step")
-        conn.send(CLOCK.pack(clock.now_ns()))
+        conn.send(CLOCK.pack(came, clock.now_ns()) + bytes(_padding(index)))
     try:
         estimate = validated(ClockEstimate, conn.recv_frame(), "clock estimate")
     except ProtocolError as error:
@@ -257,3 +293,4 @@ def answer_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock, name
     result.clock_offset_ns = estimate.offset_ns
     result.clock_uncertainty_ns = estimate.uncertainty_ns
     result.round_trips_ns = estimate.round_trips_ns
+    result.latency_ns = estimate.latency_ns

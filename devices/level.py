@@ -8,26 +8,30 @@ message carries its level, so the receivers follow.
   spec's `rate_mbit` (the testbed's probe figure); without one, the finest level.
 - During the session (`LiveLevel`), at every inference boundary: from the messages of the last
   inference. Every message of an auto run carries its departure time (devices.transport,
-  STAMP), so the receiver knows its time on the link on its own clock: the kernel's receive
-  timestamp of its last byte minus its departure (corrected by the handshake's clock offset)
-  or, where it left before the previous message's last byte arrived and so queued behind it,
-  minus that arrival (a sender whose messages come faster than the link drains them would
-  otherwise measure its own queue: at 0.25 Mbit/s, a rate 23% low). Per frame byte (headers
-  included), the median over a peer's messages of an inference predicts each level's
-  transfer time (`est_rate_mbit` is its inverse), and the budget is the median FFN time of the
-  last inference's blocks. The link time includes the path's latency, which does not shrink
-  with the message, so small messages look slower per byte than large ones: of the last
+  STAMP), so the receiver knows its one-way time on its own clock: the kernel's receive
+  timestamp of its last byte minus its departure (corrected by the handshake's clock offset).
+  Less the link's latency, the part that does not depend on the rate, which the handshake
+  measured through the same offset (devices.handshake, `latency_ns`), what remains is the
+  message's serialisation. A message that left before the previous one's
+  last byte had left the link (its arrival less the latency) queued behind it: its
+  serialisation is the time between the two last bytes (a sender whose messages come faster
+  than the link drains them would otherwise measure its own queue: at 0.25 Mbit/s, a rate
+  23% low). Per frame byte, the median over a peer's messages of an inference predicts each
+  level's serialisation (`est_rate_mbit` is its inverse), and the budget is the median FFN
+  time of the last inference's blocks: auto goes coarser only where serialisation does not
+  fit under the FFN. The delay does not shrink with the message: with 20 ms of one-way delay
+  every level waits for it, and a coarser level would lose accuracy to save the little
+  serialisation a Trace message has (before the latency was subtracted, such a link read as
+  a slow one and auto fell to the coarsest level). What remains of the latency after the
+  subtraction (jitter, the receiver's wake-up) weighs least on large messages: of the last
   HISTORY inferences, the one with the largest messages gives the estimate (the newest of
-  those). Otherwise a device at 20 Mbit/s alternated between the coarsest and the finest
-  level, one inference each: its coarse messages (0.1 ms of wire time in 1.4 ms of latency)
-  said 2 Mbit/s, its fine ones 5. The prediction still errs towards coarser levels by the
-  latency's share (small where the choice matters: there the frames' wire time dominates).
-  After a drop in rate the newest large messages say so at once; after a rise, a device at a
-  coarse level sees it through its small messages only. What a device measures of a peer's
-  messages it echoes back in its own stamps to that peer, so each device chooses from how its
-  own messages travelled, as the slowest of its peers saw them; until the first echo arrives,
-  from how the peers' messages to it travelled (the same link where devices share one
-  channel).
+  those). After a drop in rate the newest large messages say so at once; after a rise, a
+  device at a coarse level sees it through its small messages only. What a device measures
+  of a peer's messages it echoes back in its own stamps to that peer, so each device chooses
+  from how its own messages travelled, as the slowest of its peers saw them; until the first
+  echo arrives, from how the peers' messages to it travelled (the same link where devices
+  share one channel). The latency is the handshake's: a delay that changes during the
+  session (none does today) would need it measured again.
 """
 
 from __future__ import annotations
@@ -106,9 +110,12 @@ class LiveLevel:
         batch: int,
         offsets_ns: Mapping[int, int],
         echo: Callable[[int, float], None],
+        latencies_ns: Mapping[int, int] | None = None,
     ):
         self.method, self.offsets_ns = method, offsets_ns
         self.echo = echo
+        # per peer, the rate-independent part of its messages' one-way time (the handshake's)
+        self.latencies_ns = dict(latencies_ns or {})
         rows = tokens * batch
         self.wire_bytes = [
             tcp_frame_bytes(STAMP.size + trace_message_bytes(rows, bits))
@@ -130,12 +137,12 @@ class LiveLevel:
             if arrival.sent_ns is not None:
                 stamped[arrival.peer].append(arrival)
         for peer, received in stamped.items():
-            busy_until: int | None = None  # the previous message's last byte
+            previous: int | None = None  # the previous message's last byte
             largest = 0  # frame bytes of its largest message
             for arrival in sorted(received, key=_received_ns):
                 frames = tcp_frame_bytes(STAMP.size + arrival.message_bytes)
-                measured[peer].append(max(self._link_ns(arrival, busy_until), 0) / frames)
-                busy_until, largest = _received_ns(arrival), max(largest, frames)
+                measured[peer].append(self._serial_ns_per_byte(arrival, frames, previous))
+                previous, largest = _received_ns(arrival), max(largest, frames)
                 if arrival.echo_ps_per_byte is not None:
                     echoed[peer] = arrival.echo_ps_per_byte / 1000
             self.history[peer].append((largest, statistics.median(measured[peer])))
@@ -164,14 +171,20 @@ class LiveLevel:
         largest = max(frames for frames, _ in self.history[peer])
         return [per_byte for frames, per_byte in self.history[peer] if frames == largest][-1]
 
-    def _link_ns(self, arrival: ArrivalRecord, busy_until: int | None) -> int:
-        """The message's time on the link, on this device's clock: from its departure, or from
-        the previous message's last byte where it left before that (it queued behind it), to
-        its own last byte."""
+    def _serial_ns_per_byte(
+        self, arrival: ArrivalRecord, frames: int, previous: int | None
+    ) -> float:
+        """The message's serialisation per frame byte, on this device's clock: its one-way
+        time less the link's latency (the handshake's); or, where it left before the previous
+        message's last byte had left the link (it queued behind it), the time between the two
+        last bytes."""
         assert arrival.sent_ns is not None
+        latency_ns = self.latencies_ns.get(arrival.peer, 0)
         departed = arrival.sent_ns - self.offsets_ns.get(arrival.peer, 0)
-        start = departed if busy_until is None else max(departed, busy_until)
-        return _received_ns(arrival) - start
+        received = _received_ns(arrival)
+        if previous is not None and departed < previous - latency_ns:
+            return max(received - previous, 0) / frames
+        return max(received - departed - latency_ns, 0) / frames
 
 
 def _received_ns(arrival: ArrivalRecord) -> int:

@@ -216,12 +216,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _grid(trials) -> str:
-    """'5 method variants x 5 rates x 1 device count'."""
+    """'5 method variants x 5 rates x 1 device count' (x 'n links' where link.impairments
+    sweeps them)."""
     sizes = [
         (len({(t.method, t.params) for t in trials}), "method variant"),
         (len({t.bandwidth_mbit for t in trials}), "rate"),
-        (len({t.devices for t in trials}), "device count"),
     ]
+    if any(t.impairment for t in trials):
+        sizes.append((len({t.impairment for t in trials}), "impairment variant"))
+    sizes.append((len({t.devices for t in trials}), "device count"))
     return " x ".join(f"{n} {what}{'s' if n != 1 else ''}" for n, what in sizes)
 
 

@@ -381,3 +381,32 @@ def test_impairment_variants_on_the_serial_link(tmp_path):
     for name in ("effective_vs_delay", "tail_by_link", "latency"):
         assert (run_dir / "figures" / f"{name}.png").stat().st_size > 10_000
     assert "p99" in done.stdout and "no impairment" in done.stdout
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_auto_keeps_the_finest_level_under_delay(tmp_path):
+    """20 Mbit/s with 20 ms of one-way delay: Trace-b's finest messages (1,235 bytes of frames
+    at K = 16 and a batch of 256) serialise in 0.5 ms, within vit-tiny's FFN, so `level_k:
+    auto` keeps the finest level; the delay, which every level pays, is not taken for a slow
+    link (it was: 20 ms read as well under 1 Mbit/s, and auto fell to K = 2)."""
+    path = small_experiment(
+        tmp_path,
+        link={
+            "profile": "ideal",
+            "emulator": "serial",
+            "bandwidth_mbit": [20],
+            "impairments": [{"delay_ms": 20}],
+        },
+        methods=[{"name": "trace-b", "K": 16, "level_k": "auto", "dedup": False}],
+        batch=256,
+        repeats=8,
+    )
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = load(only_run_dir(out)).trials
+    assert (trials["status"] == "ok").all(), trials[["trial_id", "error"]]
+    assert (trials["level_k"] == 16).all(), trials[["rank", "repeat", "level_k"]]
+    estimated = trials["est_rate_mbit"].dropna()
+    assert len(estimated) and 10 <= estimated.median() <= 30, estimated.describe()

@@ -81,15 +81,15 @@ def test_rates_in_force_follow_the_trace_and_auto_measures_them(tmp_path):
     assert set(trials["link_rate_mbit"]) == {2.0, 20.0}
 
     # auto's own estimate, from an inference that ran whole inside one step, is that step's
-    # rate: within 15% at 2 Mbit/s; far above it at 20 Mbit/s (its messages take ~0.5 ms of
-    # wire time, and the one-way time the estimate is made of includes the link's latency)
+    # rate: within 15% at 2 Mbit/s, within 35% at 20 Mbit/s (its messages take ~0.5 ms of
+    # wire time; the link's latency, which the handshake measured, is taken off)
     rows = trials.sort_values(["rank", "repeat"])
     previous_rate = rows.groupby("rank")["link_rate_mbit"].shift()
     settled = rows[(previous_rate == rows["link_rate_mbit"]) & rows["est_rate_mbit"].notna()]
     low = settled[settled["link_rate_mbit"] == 2.0]["est_rate_mbit"].median()
     high = settled[settled["link_rate_mbit"] == 20.0]["est_rate_mbit"].median()
     assert math.isclose(low, 2.0, rel_tol=0.15), (low, high)
-    assert high > 2.5 * low, (low, high)
+    assert math.isclose(high, 20.0, rel_tol=0.35), (low, high)
 
 
 def run_changed(tmp_path, name: str, **changes):

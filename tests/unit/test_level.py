@@ -167,3 +167,41 @@ def test_a_floor_bounds_the_choice_and_nothing_above_it(parts):
     assert live.update(*inference(floored, 1, rate_mbit=1.0, ffn_ms=1.0)) == 1  # not 0
     assert floored.level == 1
     assert live.update(*inference(floored, 1, rate_mbit=1.0, ffn_ms=10.0)) == 3
+
+
+@pytest.mark.parametrize("delay_ms", [0, 5, 20, 50])
+def test_delay_is_not_taken_for_serialisation(method, delay_ms):
+    """A 20 Mbit/s link with `delay_ms` of one-way delay and a 2 ms FFN: the finest level's
+    frames take 0.2 ms, so it stays, whatever the delay (which every level pays); without the
+    handshake's latency the same messages read as a link of under 1 Mbit/s at 20 ms."""
+    delay_ns = delay_ms * 1_000_000
+    latencies = {1: delay_ns}  # the handshake's: the rate-independent part
+    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, lambda *_: None, latencies)
+    arrivals, blocks = inference(method, 3, 20.0, 2.0)
+    delayed = with_latency(arrivals, delay_ns)
+    method.set_level(3)
+    assert live.update(delayed, blocks) == 3
+    assert live.rate_mbit == pytest.approx(20.0, rel=1e-3)
+    if delay_ms >= 20:
+        blind = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, lambda *_: None)
+        assert blind.update(delayed, blocks) == 0 and blind.rate_mbit < 1.0
+
+
+def test_under_delay_a_queued_message_is_told_by_its_arrival_less_the_latency(method):
+    """The peer sends every 1 ms messages that take 4 ms to serialise, over 20 ms of delay:
+    each queues behind the one before (last bytes at 24, 28, 32, 36 ms) although it left
+    long before that one arrived. Its serialisation is still 4 ms: 1 Mbit/s."""
+    delay_ns = 20_000_000
+    latencies = {1: delay_ns}
+    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, lambda *_: None, latencies)
+    method.set_level(2)
+    arrivals, blocks = inference(method, 2, 1.0, 3.0)
+    serial_ns = arrivals[0].kernel_ns - 1_000_000_000
+    queued = []
+    for block, arrival in enumerate(arrivals):
+        sent_here = 1_000_000_000 + 1_000_000 * block
+        received = 1_000_000_000 + delay_ns + serial_ns * (block + 1)
+        stamps = {"sent_ns": sent_here + OFFSET_NS, "kernel_ns": received}
+        queued.append(dataclasses.replace(arrival, read_ns=received + 10_000, **stamps))
+    live.update(queued, blocks)
+    assert live.rate_mbit == pytest.approx(1.0, rel=0.01)

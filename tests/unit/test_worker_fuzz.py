@@ -32,7 +32,7 @@ import tracevq
 from devices.device import Device
 from devices.errors import ConnectError, PeerLostError, ProtocolError
 from devices.frames import FRAME_HEADER
-from devices.handshake import CLOCK, CLOCK_ROUNDS, PING, shake
+from devices.handshake import CLOCK, CLOCK_ROUNDS, LARGE_ROUND_BYTES, PING, shake
 from devices.spec import MethodRun, RunSpec
 from devices.worker import load_methods
 from tracevq.bundle import fit_bundle
@@ -270,8 +270,20 @@ def test_a_peer_from_another_address_is_refused(tmp_path, model, bundle_path):
             {"offset_ns": 2**70, "uncertainty_ns": 0, "round_trips_ns": [0] * CLOCK_ROUNDS},
             "malformed clock estimate: offset_ns",
         ),
+        (
+            None,
+            {"offset_ns": 0, "uncertainty_ns": 0, "round_trips_ns": [0] * CLOCK_ROUNDS},
+            "malformed clock estimate: latency_ns",
+        ),
     ],
-    ids=["verdict-type", "verdict-huge", "offset-float", "round-trips-long", "offset-huge"],
+    ids=[
+        "verdict-type",
+        "verdict-huge",
+        "offset-float",
+        "round-trips-long",
+        "offset-huge",
+        "latency-missing",
+    ],
 )
 def test_a_malformed_verdict_or_clock_estimate_is_refused(
     tmp_path, model, bundle_path, verdict, estimate, expected
@@ -285,9 +297,10 @@ def test_a_malformed_verdict_or_clock_estimate_is_refused(
         sock.sendall(frame(valid_hello(worker, 1)))
         sock.sendall(frame(verdict or {"ok": True, "error": None}))
         if estimate is not None:
-            for _ in range(CLOCK_ROUNDS):
-                sock.sendall(PING)
-                sock.recv(CLOCK.size, socket.MSG_WAITALL)
+            for index in range(CLOCK_ROUNDS):
+                padding = LARGE_ROUND_BYTES if index % 2 else 0
+                sock.sendall(PING + bytes(padding))
+                sock.recv(CLOCK.size + padding, socket.MSG_WAITALL)
             sock.sendall(frame(estimate))
         error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
