@@ -148,8 +148,8 @@ def _ip(*args: str) -> None:
 
 
 @contextlib.contextmanager
-def _namespaces(prefix: str) -> Iterator[tuple[str, str]]:
-    names = (f"{prefix}-a", f"{prefix}-b")
+def _namespaces(prefix: str, count: int = 2) -> Iterator[tuple[str, ...]]:
+    names = tuple(f"{prefix}-{chr(ord('a') + index)}" for index in range(count))
     try:
         for name in names:
             _ip("netns", "add", name)
@@ -210,6 +210,65 @@ def serial_bed(prefix: str, args: argparse.Namespace, backpressure: bool) -> Ite
             shaper = "serial+tbf" if backpressure else "serial"
             addresses = (switch.address(0), switch.address(1))
             yield Bed(shaper, names, addresses, set_rate, switch.process.pid, switch.stats)
+
+
+def many_ports(count: int, rate_mbit: float, seconds: float) -> list[dict[str, float]]:
+    """`count` devices on one serial switch, each sending bulk at `rate_mbit` to the next at
+    the same time: per port, the TCP payload rate / target and the emulator's stalls."""
+    from testbed.link.serial.switch import SerialSwitch
+
+    with _namespaces(f"tbmany-{os.getpid()}", count) as names:
+        paths = [f"/var/run/netns/{name}" for name in names]
+        with SerialSwitch(f"{os.getpid() & 0xFFFFFFFF:08x}", paths, SUBNET, 1) as switch:
+            for rank in range(count):
+                switch.set_rate(rank, rate_mbit)
+            before = switch.stats()
+            env = python_env()
+            targets = [(rank + 1) % count for rank in range(count)]
+            receivers = [
+                subprocess.Popen(
+                    _endpoint(names[t], "_receive-bulk", switch.address(t)),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+                for t in targets
+            ]
+            for receiver in receivers:
+                assert receiver.stdout is not None
+                if receiver.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"receiver: {receiver.communicate()[1]}")
+            payload = str(int(rate_mbit * 1e6 / 8 * seconds))
+            senders = [
+                subprocess.Popen(
+                    _endpoint(names[rank], "_send-bulk", switch.address(t), payload),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+                for rank, t in enumerate(targets)
+            ]
+            results = []
+            for sender, receiver in zip(senders, receivers, strict=True):
+                sent, _ = sender.communicate(timeout=seconds * 4 + 60)
+                got, _ = receiver.communicate(timeout=60)
+                results.append({**json.loads(got), **json.loads(sent)})
+            after = switch.stats()
+    rows = []
+    for rank, result in enumerate(results):
+        payload_mbit = result["steady_bytes"] * 8 / result["steady_s"] / 1e6
+        window = _window(before[rank], after[rank])
+        rows.append(
+            {
+                "ratio": payload_mbit / (rate_mbit * result["mss"] / FULL_FRAME_BYTES),
+                "stalls": window["stalls"],
+                "stalled_ms": window["stalled_ms"],
+                "drops": window["drops"],
+            }
+        )
+    return rows
 
 
 # Measuring ------------------------------------------------------------------------------------

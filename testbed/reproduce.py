@@ -2,7 +2,9 @@
 
 Runs `experiments/reproduce/latency.yaml` (Table IV, Fig. 6; Table II and Figs. 7-8 follow
 from the payload arithmetic) and `experiments/reproduce/buffers.yaml` (Table V), then
-`testbed.report` into `results/reproduce/REPORT.md`. About an hour on a 2-core host. `--quick`
+`testbed.report` into `results/reproduce/REPORT.md`, with a section on delayed and lossy
+links from `experiments/sweep-delay.yaml` and `sweep-loss.yaml` (not in the paper). About an
+hour and a quarter on a 2-core host. `--quick`
 runs the same pipeline on tiny stand-in models (vit-tiny, vivit-tiny) in a few minutes: the
 tables are filled, the numbers are not the paper's scale (CI runs this).
 """
@@ -25,8 +27,8 @@ from testbed.sweep.runner import Runner, new_run_id
 EXPERIMENTS = EXPERIMENTS_DIR / "reproduce"
 
 
-def run(name: str, out: Path, backend: str) -> tuple[Path, int]:
-    experiment = load_experiment(EXPERIMENTS / f"{name}.yaml")
+def run(name: str, out: Path, backend: str, directory: Path = EXPERIMENTS) -> tuple[Path, int]:
+    experiment = load_experiment(directory / f"{name}.yaml")
     run_id = new_run_id()
     run_dir = (out / experiment.name / run_id).resolve()
     outcome = Runner(experiment, run_dir, backend, run_id).run()
@@ -50,8 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         latency, failed_latency = run(f"{prefix}latency", args.out, args.backend)
         buffers, failed_buffers = run(f"{prefix}buffers", args.out, args.backend)
+        delay = loss = None
+        failed_links = 0
+        if not args.quick:  # not the paper's: delayed and lossy links
+            delay, failed_delay = run("sweep-delay", args.out, args.backend, EXPERIMENTS_DIR)
+            loss, failed_loss = run("sweep-loss", args.out, args.backend, EXPERIMENTS_DIR)
+            failed_links = failed_delay + failed_loss
         report = args.out / "reproduce" / "REPORT.md"
-        write_text(report, build(latency, buffers))
+        write_text(report, build(latency, buffers, delay, loss))
     except ConfigError as error:
         print(f"testbed.reproduce: {error}", file=sys.stderr)
         return 2
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print("testbed.reproduce: interrupted", file=sys.stderr)
         return 130
     print(f"wrote {report}")
-    return 1 if failed_latency or failed_buffers else 0
+    return 1 if failed_latency or failed_buffers or failed_links else 0
 
 
 if __name__ == "__main__":

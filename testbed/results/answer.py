@@ -23,6 +23,7 @@ import math
 import pandas as pd
 
 from testbed.results import stats
+from testbed.results.impairment_study import delay_table, hidden_delay
 from testbed.results.store import Results
 from testbed.results.variants import link_labels, ok_trials, variant_order
 
@@ -112,7 +113,26 @@ def answer_lines(results: Results) -> list[str]:
             f"{LEVEL_ACCURACY}: the accuracy study's top-1 at the level each inference "
             f"used ({table}; the rows matched: level_accuracy.csv)",
         ]
-    return lines + _impairment_lines(ok) + _stall_lines(ok)
+    return lines + _impairment_lines(ok) + _delay_lines(results) + _stall_lines(ok)
+
+
+def _delay_lines(results: Results) -> list[str]:
+    """Where the run swept the one-way delay: the delay each variant hides per message."""
+    table = delay_table(results)
+    if table.empty:
+        return []
+    lines = [
+        "",
+        "one-way delay hidden per message (window: from its departure to its need; beyond "
+        "window - wire - path every ms of delay is waited for):",
+    ]
+    for row in hidden_delay(table).itertuples():
+        lines.append(
+            f"  P={row.devices} {row.bandwidth_mbit:g} Mbit/s {row.variant}: {row.hides_ms:.1f} "
+            f"ms (window {row.window_ms:.1f}, of it FFN {row.ffn_ms:.1f}; wire "
+            f"{row.wire_comm_ms:.2f}, path {row.path_ms:.2f})"
+        )
+    return lines
 
 
 def _impairment_lines(ok: pd.DataFrame) -> list[str]:

@@ -51,17 +51,21 @@ def _method_rank(method: str) -> int:
 
 
 def ok_trials(results: Results) -> pd.DataFrame:
-    """The successful trial rows with a `variant` column."""
+    """The successful trial rows with a `variant` column and, where the plan is known,
+    `planned`: the trial's place in it (device count, rate, impairment variant, method)."""
     trials = results.trials
     ok = trials[trials["status"] == "ok"].copy()
     ok["variant"] = variant(ok)
+    if "trial_id" in ok and "trial_id" in results.plan:
+        planned = dict.fromkeys(results.plan["trial_id"])
+        ok["planned"] = ok["trial_id"].map({trial: at for at, trial in enumerate(planned)})
     return ok
 
 
 def link_labels(ok: pd.DataFrame, rate_column: str) -> tuple[pd.Series, list[str]]:
     """Each row's link as the answer and the figures name it ("10 Mbit/s", with its
-    impairments where the run swept them) and the links in order (rate, then one-way
-    delay)."""
+    impairments where the run swept them) and the links in order (rate, one-way delay, then
+    the plan's: the order of link.impairments)."""
     rates = ok[rate_column].map(lambda rate: f"{rate:g} Mbit/s")
     words = ok["impairments"].fillna("").astype(str) if "impairments" in ok else None
     if words is not None and words.nunique() > 1:
@@ -69,7 +73,8 @@ def link_labels(ok: pd.DataFrame, rate_column: str) -> tuple[pd.Series, list[str
     labels = rates
     delay = ok["link_delay_ms"].fillna(0) if "link_delay_ms" in ok else 0.0
     order = pd.DataFrame({"label": labels, "rate": ok[rate_column], "delay": delay})
-    order = order.drop_duplicates("label").sort_values(["rate", "delay", "label"])
+    order["planned"] = ok["planned"] if "planned" in ok else range(len(order))
+    order = order.sort_values(["rate", "delay", "planned"]).drop_duplicates("label")
     return labels, list(order["label"])
 
 

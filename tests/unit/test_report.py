@@ -1,6 +1,6 @@
 import pytest
 
-from testbed.report import fig_7_8, label, paper_bits, table_ii
+from testbed.report.paper import fig_7_8, label, paper_bits, table_ii
 
 
 def test_paper_arithmetic_reproduces_its_printed_numbers():

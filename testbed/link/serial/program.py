@@ -6,9 +6,9 @@ A serial line clocks every bit out at the rate, and this kernel has no netem. Th
 (stdlib only) runs as root in a "switch" network namespace that holds one veth end, a *port*,
 per device; `testbed.link.serial.switch` builds the namespace and starts it.
 
-A port knows its rate, when its line is free again and its counters; the switch knows which
-source MAC was seen on which port. Nothing else is emulated: no delay, no loss but a full
-queue, no FCS, preamble or inter-frame gap.
+A port knows its rate, when its line is free again, its impairments (netem's: delay, jitter,
+loss, duplication, reordering; `testbed.link.serial.impairments`) and its counters; the
+switch knows which source MAC was seen on which port. No FCS, preamble or inter-frame gap.
 
 Decisions:
 
@@ -58,8 +58,9 @@ Decisions:
 
 Protocol: `python -m testbed.link.serial.program serve PORT=RATE_BIT_S ...` prints `ready` once
 every port is open, then answers one line on stdout per command line on stdin: `rate PORT BIT_S` ->
-`ok`; `down PORT BIT_S` (0: unshaped) -> `ok`; `pair SRC DST BIT_S` (0: none) -> `ok`; `stats` ->
-JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
+`ok`; `down PORT BIT_S` (0: unshaped) -> `ok`; `pair SRC DST BIT_S` (0: none) -> `ok`;
+`impair PORT SEED JSON` (netem's parameters, `testbed.experiment.impairments`) -> `ok`;
+`stats` -> JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
 `testbed.link.serial.protocol` parses the command line and the commands.
 """
 

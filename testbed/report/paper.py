@@ -1,6 +1,5 @@
-"""`python -m testbed.report`: the paper's latency tables next to ours, as REPORT.md.
-
-    python -m testbed.report --latency RUN_DIR [--buffers RUN_DIR] --out REPORT.md
+"""The paper's tables beside ours: Table II (payload), Table IV (latency at 10 Mbit/s), Fig. 6
+(communication against the rate), Figs. 7-8 (compression) and Table V (buffers).
 
 For every table: the paper's value, ours, and ours / paper, with the conventions stated and a
 sentence on every difference larger than 10%. The paper's figures come from its text; where
@@ -12,17 +11,14 @@ s = 10.
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from pathlib import Path
 
 import pandas as pd
 
-from testbed.errors import TestbedError
 from testbed.link.emulators import EMULATORS
 from testbed.results.stats import by_repetition, paired_ratio_interval, summarize
-from testbed.results.store import Results, load, write_text
+from testbed.results.store import Results
 from testbed.sweep.plan import PAPER_MEGABIT
 from tracevq.config import model_config
 from tracevq.payload import payload_bits
@@ -440,35 +436,3 @@ def _relative(path: Path) -> str:
     """The run directory as the reader's shell would name it (relative when under the cwd)."""
     path = Path(path).resolve()
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
-
-
-def build(latency_dir: Path, buffers_dir: Path | None) -> str:
-    latency = load(latency_dir)
-    lines = conventions(latency) + table_ii() + table_iv(latency) + fig_6(latency) + fig_7_8()
-    if buffers_dir is not None:
-        lines += table_v(load(buffers_dir))
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m testbed.report",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--latency", type=Path, required=True, help="run of the latency study")
-    parser.add_argument("--buffers", type=Path, help="run of the buffers study (Table V)")
-    parser.add_argument("--out", type=Path, default=Path("results/reproduce/REPORT.md"))
-    args = parser.parse_args(argv)
-    try:
-        text = build(args.latency, args.buffers)
-    except TestbedError as error:
-        print(f"testbed.report: {error}", file=sys.stderr)
-        return 1
-    write_text(args.out, text)
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

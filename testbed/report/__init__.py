@@ -1,0 +1,58 @@
+"""`python -m testbed.report`: the paper's latency tables next to ours, as REPORT.md.
+
+    python -m testbed.report --latency RUN_DIR [--buffers RUN_DIR] [--delay RUN_DIR]
+        [--loss RUN_DIR] --out REPORT.md
+
+`paper`: the paper's tables beside ours, with its conventions; `links`: with runs of the delay
+and loss sweeps, a section on each, which the paper does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from testbed.errors import TestbedError
+from testbed.report.links import delay_section, loss_section
+from testbed.report.paper import conventions, fig_6, fig_7_8, table_ii, table_iv, table_v
+from testbed.results.store import load, write_text
+
+
+def build(
+    latency_dir: Path,
+    buffers_dir: Path | None,
+    delay_dir: Path | None = None,
+    loss_dir: Path | None = None,
+) -> str:
+    latency = load(latency_dir)
+    lines = conventions(latency) + table_ii() + table_iv(latency) + fig_6(latency) + fig_7_8()
+    if buffers_dir is not None:
+        lines += table_v(load(buffers_dir))
+    if delay_dir is not None:
+        lines += delay_section(load(delay_dir))
+    if loss_dir is not None:
+        lines += loss_section(load(loss_dir))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--latency", type=Path, required=True, help="run of the latency study")
+    parser.add_argument("--buffers", type=Path, help="run of the buffers study (Table V)")
+    parser.add_argument("--delay", type=Path, help="run of experiments/sweep-delay.yaml")
+    parser.add_argument("--loss", type=Path, help="run of experiments/sweep-loss.yaml")
+    parser.add_argument("--out", type=Path, default=Path("results/reproduce/REPORT.md"))
+    args = parser.parse_args(argv)
+    try:
+        text = build(args.latency, args.buffers, args.delay, args.loss)
+    except TestbedError as error:
+        print(f"testbed.report: {error}", file=sys.stderr)
+        return 1
+    write_text(args.out, text)
+    print(f"wrote {args.out}")
+    return 0

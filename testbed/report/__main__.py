@@ -1,0 +1,5 @@
+import sys
+
+from testbed.report import main
+
+sys.exit(main())
