@@ -1,10 +1,10 @@
 """Figures of a run that swept impairments (`link.impairments`).
 
 - effective_vs_delay.png, where the links differ in their one-way delay (and nothing else):
-  effective latency per method variant against the delay, with the growth a method pays if
-  every block waits for the delay (blocks x delay, dotted, from each variant's zero-delay
-  value): Voltage, Prism and Astra follow it, Trace-b stays flat while its messages hide
-  behind the FFN;
+  effective latency per method variant against the delay, with the extended model's (dotted:
+  messages x the wait per message, max(0, wire + path + delay - window), from each variant's
+  latency at the first delay): Voltage and Prism wait for the whole delay at every block,
+  Trace-b stays flat while its messages hide behind the FFN, then climbs as they do;
 - tail_by_link.png, for any run over several impaired links: per link and variant the median
   effective latency (marker), its 95% interval and the 99th percentile (the whisker's end),
   on a log axis: loss shows in the tail, not the median.
@@ -21,6 +21,7 @@ import pandas as pd
 
 from testbed.figures.common import CONFIDENCE, interval_caption, plain_log, save, styles, yerr
 from testbed.results import stats
+from testbed.results.impairment_study import delay_table
 from testbed.results.store import Results
 from testbed.results.variants import link_labels, ok_trials, swept_impairments, variant_order
 
@@ -35,6 +36,7 @@ def effective_vs_delay(results: Results, path: Path) -> Path | None:
     keys = ["variant", "devices", "bandwidth_mbit", "link_delay_ms"]
     table = stats.summarize(ok, keys, ["effective_ms"], "max", CONFIDENCE)
     style = styles(ok)
+    model = delay_table(results)
     panels = sorted(set(zip(ok["devices"], ok["bandwidth_mbit"], strict=True)))
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
     for ax, (devices, rate) in zip(axes[0], panels, strict=True):
@@ -55,14 +57,17 @@ def effective_vs_delay(results: Results, path: Path) -> Path | None:
                 label=name,
             )
             first = rows.iloc[0]
-            messages = _messages(rows_here, name)
-            slope = np.array(rows["link_delay_ms"] - first["link_delay_ms"]) * messages
+            delays = np.array(rows["link_delay_ms"])
+            waits = _model_waits(model, name, devices, rate, delays)
+            if waits is None:  # no layers: every message waits for the whole delay
+                waits = delays
+            added = (waits - waits[0]) * _messages(rows_here, name)
             ax.plot(
-                rows["link_delay_ms"],
-                first["effective_ms"] + slope,
+                delays,
+                first["effective_ms"] + added,
                 color=look.colour,
                 linestyle=":",
-                linewidth=1,
+                linewidth=1.2,
             )
         ax.set_xlabel("one-way delay of every link (ms)")
         ax.set_title(f"P = {devices} devices, {rate:g} Mbit/s", fontsize=10)
@@ -71,12 +76,30 @@ def effective_vs_delay(results: Results, path: Path) -> Path | None:
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.88), fontsize=8)
     fig.suptitle(
-        "Effective latency against one-way delay (dotted: every message waits for the delay)\n"
+        "Effective latency against one-way delay; dotted: the model, from the first delay's "
+        "latency + messages x its wait per message,\nmax(0, wire + path + delay - window) "
+        "(testbed.results.impairment_study)\n"
         f"{interval_caption(table)}",
         fontsize=10,
     )
     fig.tight_layout()
     return save(fig, path)
+
+
+def _model_waits(
+    model: pd.DataFrame, name: str, devices: int, rate: float, delays: np.ndarray
+) -> np.ndarray | None:
+    """The model's wait per message of `name` at each delay (None where it has none)."""
+    if model.empty:
+        return None
+    rows = model[
+        (model["variant"] == name)
+        & (model["devices"] == devices)
+        & (model["bandwidth_mbit"] == rate)
+    ].set_index("link_delay_ms")["predicted_wait_ms"]
+    if not set(delays) <= set(rows.index):
+        return None
+    return rows.reindex(delays).to_numpy()
 
 
 def _messages(ok: pd.DataFrame, name: str) -> float:
