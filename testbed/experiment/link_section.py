@@ -77,6 +77,12 @@ class LinkSection(Strict):
         "parameters (as a link profile names them: delay_ms, jitter_ms, loss_pct, "
         "loss_gemodel, ...) laid over the profile's, e.g. [{delay_ms: 0}, {delay_ms: 20}]",
     )
+    uplink_impairments: dict[int, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per device rank, netem's parameters laid over the trial's link (profile "
+        "and variant) for what that device sends, e.g. {0: {delay_ms: 30, loss_pct: 0.5}}: "
+        "one device on LTE, the others on Wi-Fi",
+    )
     pair_mbit: dict[str, float] = Field(
         default_factory=dict,
         description='per directed pair "SRC->DST": Mbit/s ({"0->1": 2.0}), a cap on what SRC '
@@ -101,6 +107,30 @@ class LinkSection(Strict):
         distinct([json.dumps(v, sort_keys=True) for v in variants], "impairment variant")
         return variants
 
+    @field_validator("uplink_impairments", mode="before")
+    @classmethod
+    def _impairments_by_rank(cls, value: Any) -> dict[int, dict[str, Any]]:
+        if isinstance(value, list):
+            value = dict(enumerate(value))
+        if not isinstance(value, dict):
+            raise ValueError(
+                "a mapping device rank -> netem's parameters ({0: {delay_ms: 30}}) or a list "
+                f"of them by rank, got {value!r}"
+            )
+        by_rank = {}
+        for key, parameters in value.items():
+            rank = _rank(key)
+            if not isinstance(parameters, dict):
+                raise ValueError(
+                    f"device {rank}: a mapping of netem's parameters, got {parameters!r}"
+                )
+            try:
+                checked(parameters, whole=False)  # whole once laid over the trial's link
+            except ImpairmentError as error:
+                raise ValueError(f"device {rank}: {error}") from None
+            by_rank[rank] = parameters
+        return by_rank
+
     @field_validator("uplink_mbit", "downlink_mbit", mode="before")
     @classmethod
     def _rates_by_rank(cls, value: Any) -> dict[int, float]:
@@ -111,13 +141,7 @@ class LinkSection(Strict):
                 "a mapping device rank -> Mbit/s ({0: 2.0}) or a list of Mbit/s by rank, "
                 f"got {value!r}"
             )
-        rates = {}
-        for key, rate in value.items():
-            rank = int(key) if isinstance(key, str) and key.isdigit() else key  # JSON's keys
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-                raise ValueError(f"device {rank!r}: a device is named by its rank (0, 1, ...)")
-            rates[rank] = _rate(rate, f"device {rank}")
-        return rates
+        return {_rank(key): _rate(rate, f"device {_rank(key)}") for key, rate in value.items()}
 
     @field_validator("pair_mbit", mode="before")
     @classmethod
@@ -139,6 +163,7 @@ class LinkSection(Strict):
         pair_ranks = sorted({rank for pair in self.pairs() for rank in pair})
         return {
             "uplink_mbit": sorted(self.uplink_mbit),
+            "uplink_impairments": sorted(self.uplink_impairments),
             "downlink_mbit": sorted(self.downlink_mbit),
             "pair_mbit": pair_ranks,
         }
@@ -171,6 +196,14 @@ class LinkSection(Strict):
     def _profile_name(cls, profile: str) -> str:
         looks_like_path = "/" in profile or profile.endswith((".yaml", ".yml"))
         return profile if looks_like_path else check_slug(profile, "profile name")
+
+
+def _rank(key: Any) -> int:
+    """A device named by its rank (JSON's keys are strings)."""
+    rank = int(key) if isinstance(key, str) and key.isdigit() else key
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"device {rank!r}: a device is named by its rank (0, 1, ...)")
+    return rank
 
 
 def _rate(rate: Any, where: str) -> float:

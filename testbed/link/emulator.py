@@ -53,7 +53,12 @@ class Emulator(abc.ABC):
 
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         self.backend, self.profile, self.run_id = backend, profile, run_id
+        self.uplinks: dict[int, LinkProfile] = {}  # a device's own (link.uplink_impairments)
         self.seeds = {}
+
+    def uplink(self, rank: int) -> LinkProfile:
+        """What the device of `rank` sends through: its own profile, else the link's."""
+        return self.uplinks.get(rank, self.profile)
 
     @classmethod
     @abc.abstractmethod

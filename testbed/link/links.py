@@ -50,10 +50,10 @@ class LinkState:
     transfers: dict[str, dict[str, float]] = field(default_factory=dict)
     uplink_probe: dict[int, str] = field(default_factory=dict)
     downlink_probe: dict[int, str] = field(default_factory=dict)
-    # the profile's impairments as tc-netem's words ("delay 30ms 10ms loss random 0.5%"),
-    # its one-way delay, and each port's seed where the emulator draws them itself
-    impairments: str = ""
-    delay_ms: float = 0.0
+    # by rank, its uplink's impairments as tc-netem's words ("delay 30ms 10ms loss random
+    # 0.5%"), its one-way delay, and each port's seed where the emulator draws them itself
+    impairments: dict[int, str] = field(default_factory=dict)
+    delay_ms: dict[int, float] = field(default_factory=dict)
     impairment_seeds: dict[int, int] = field(default_factory=dict)
 
     def wire_mbit(self, rank: int) -> float | None:
@@ -102,13 +102,18 @@ class Links:
         self.emulator.start()
 
     def shape(
-        self, rate_mbit: float, probe_seconds: float, profile: LinkProfile | None = None
+        self,
+        rate_mbit: float,
+        probe_seconds: float,
+        profile: LinkProfile | None = None,
+        uplinks: dict[int, LinkProfile] | None = None,
     ) -> LinkState:
         """Every device's rates at the swept `rate_mbit` (with the experiment's per-device
         and per-pair rates), then every shaped direction probed, then the impairments of
-        `profile` (a trial's variant of the run's profile; the run's by default) added."""
-        if profile is not None:
-            self.set_profile(profile)
+        `profile` (a trial's variant of the run's profile; the run's by default), or of a
+        device's own uplink profile in `uplinks`, added."""
+        if profile is not None or uplinks is not None:
+            self.set_profile(profile or self.profile, uplinks)
         devices = self.backend.devices
         rates = self.overrides.resolve(rate_mbit, len(devices))
         self.emulator.set_rates(rates, in_place=False)
@@ -121,8 +126,10 @@ class Links:
         )
         self._probe(rates, probe_seconds, state)
         self.emulator.impair(rates)  # after the probe, which checks the rate alone
-        values = checked(self.profile.impairments())
-        state.impairments, state.delay_ms = " ".join(netem_options(values)), values["delay_ms"]
+        for device in devices:
+            values = checked(self.emulator.uplink(device.rank).impairments())
+            state.impairments[device.rank] = " ".join(netem_options(values))
+            state.delay_ms[device.rank] = values["delay_ms"]
         state.impairment_seeds = dict(self.emulator.seeds)
         for device in devices:
             state.qdisc[device.rank] = self.backend.qdisc_stats(device)
@@ -151,12 +158,18 @@ class Links:
             state.downlink_probe[rank] = key = f"{source}->{target}"
             state.downlink_measured_mbit[rank] = state.transfers[key]["measured_mbit"]
 
-    def set_profile(self, profile: LinkProfile) -> None:
-        """Shape after `profile` from the next `shape` on; refused like the run's profile."""
-        refused = self.emulator.refusal(profile, type(self.backend), bool(self.overrides.pair_mbit))
-        if refused is not None:
-            raise ShapingError(f"{refused.field}: {refused.why}")
+    def set_profile(
+        self, profile: LinkProfile, uplinks: dict[int, LinkProfile] | None = None
+    ) -> None:
+        """Shape after `profile` (and each device in `uplinks` after its own) from the next
+        `shape` on; refused like the run's profile."""
+        pair_rates = bool(self.overrides.pair_mbit)
+        for each in [profile, *(uplinks or {}).values()]:
+            refused = self.emulator.refusal(each, type(self.backend), pair_rates)
+            if refused is not None:
+                raise ShapingError(f"{refused.field}: {refused.why}")
         self.profile = self.emulator.profile = profile
+        self.emulator.uplinks = dict(uplinks or {})
 
     def set_rate(self, rate_mbit: float) -> None:
         """Every rate scaled to the swept rate `rate_mbit` from now on (`LinkRates.scaled`),

@@ -73,4 +73,5 @@ class TokenBucket(Emulator):
             up, down = rates.uplink_mbit[rank], rates.downlink_mbit[rank]
             what = f"up {up:g}, down {down}, caps {caps} Mbit/s"
             log.debug("shaping %s/%s: %s", device.name, device.interface, what)
-            apply(device, plan(self.profile, up, peer_caps_mbit=caps, downlink_mbit=down))
+            shaping = plan(self.uplink(rank), up, peer_caps_mbit=caps, downlink_mbit=down)
+            apply(device, shaping)

@@ -25,7 +25,7 @@ import pandas as pd
 from testbed.results import stats
 from testbed.results.impairment_study import delay_table, hidden_delay
 from testbed.results.store import Results
-from testbed.results.variants import link_labels, ok_trials, variant_order
+from testbed.results.variants import link_labels, ok_trials, trial_impairments, variant_order
 
 BASELINE = "voltage"
 EXTRA_WIDTH = 13
@@ -139,8 +139,8 @@ def _impairment_lines(ok: pd.DataFrame) -> list[str]:
     """What the impairments did over the run, where it had any."""
     if not impaired(ok):
         return []
-    words = ok.sort_values("link_delay_ms")["impairments"].fillna("").astype(str)
-    links = "; ".join(dict.fromkeys(word for word in words if word))
+    words = trial_impairments(ok.sort_values("link_delay_ms"))
+    links = " | ".join(dict.fromkeys(word for word in words if word))
     counted = ["link_lost_frames", "link_duplicated_frames", "link_reordered_frames"]
     per = ok.groupby(["trial_id", "repeat"])[counted].max()  # each device sees every port
     frames = ", ".join(

@@ -170,7 +170,8 @@ CONTEXT = _table(
     tcp_retransmits              Int64    -       TCP segments this device's kernel resent to its
                                                   peers during this inference (TCP_INFO)
     clock_offset_ms              float64  ms      device 0's clock minus this device's, from the
-                                                  handshake; added to this device's marks
+                                                  handshake, added to this device's marks; 0
+                                                  where the devices share this host's clock
     clock_uncertainty_ms         float64  ms      half the best round trip of that measurement
     kernel_timestamps            boolean  -       arrivals are the kernel's receive timestamps (else
                                                   the receiving thread's clock)

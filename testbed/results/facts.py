@@ -53,6 +53,9 @@ class RunFacts:
     threads: int
     oversubscribed: bool
     trace: str = ""  # the replayed trace's name, or empty
+    # the devices read one kernel's clock (containers, namespaces): no offset to apply, and
+    # the handshake's estimate would be off by half of any asymmetry in the delays
+    shared_clock: bool = False
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,13 @@ import pandas as pd
 
 from testbed.results.stats import tails
 from testbed.results.store import Results
-from testbed.results.variants import link_labels, ok_trials, variant, variant_order
+from testbed.results.variants import (
+    link_labels,
+    ok_trials,
+    swept_impairments,
+    variant,
+    variant_order,
+)
 
 KEYS = ["variant", "devices", "bandwidth_mbit"]
 
@@ -40,7 +46,14 @@ def _messages(results: Results) -> pd.DataFrame:
     layers = results.layers
     if layers.empty or "link_delay_ms" not in ok:
         return pd.DataFrame()
-    trials = ok[["trial_id", "rank", "repeat", "link_delay_ms"]].drop_duplicates()
+    # the delay a device's messages come through: its peers' uplinks' (the slowest's)
+    delays = ok.drop_duplicates(["trial_id", "rank"]).set_index(["trial_id", "rank"])
+    delays = delays["link_delay_ms"]
+    trials = ok[["trial_id", "rank", "repeat"]].drop_duplicates()
+    trials["link_delay_ms"] = [
+        max((d for (t, r), d in delays.items() if t == trial and r != rank), default=0.0)
+        for trial, rank in zip(trials["trial_id"], trials["rank"], strict=True)
+    ]
     layers = layers.merge(trials, on=["trial_id", "rank", "repeat"])
     layers = layers[layers["received_bytes"].fillna(0) > 0].copy()
     layers["variant"] = variant(layers)
@@ -53,6 +66,8 @@ def delay_table(results: Results) -> pd.DataFrame:
     """Per variant, device count, rate and one-way delay: the medians per message of its
     window, FFN, wire time, communication and wait, the path's cost and the predicted wait.
     Empty where the run did not sweep the delay."""
+    if not swept_impairments(ok_trials(results)):
+        return pd.DataFrame()
     layers = _messages(results)
     if layers.empty or layers["link_delay_ms"].nunique() < 2:
         return pd.DataFrame()

@@ -5,7 +5,11 @@ here, from the typed facts of `testbed.results.facts` (the plan, where it ran, t
 the link's state and the devices' records; nothing adds to a row afterwards.
 
 - clocks: device r's marks move onto device 0's clock by the offset its handshake with
-  device 0 measured (`devices.records.SessionFacts.clock_offset_ns[0]`); within one host it is ~0.
+  device 0 measured (`devices.records.SessionFacts.clock_offset_ns[0]`), except where the
+  devices read one kernel's clock (`RunFacts.shared_clock`: containers and namespaces on
+  this host), where the offset is 0: the handshake's estimate assumes equal delays both
+  ways, and a device's own uplink delay (link.uplink_impairments) would move it by half the
+  difference.
 - comm: per message, from its departure on the sender (first byte offered to the kernel) to
   the kernel's receive timestamp of its last byte at the slowest peer.
 - wait, split by cause at the receiver: until the last needed message had departed
@@ -43,9 +47,9 @@ class Departure:
 class Timeline:
     """Every message of one run on device 0's clock: departures and arrivals."""
 
-    def __init__(self, records: dict[int, DeviceRecords]):
+    def __init__(self, records: dict[int, DeviceRecords], shared_clock: bool = False):
         self.offset_ns = {
-            rank: 0 if rank == 0 else r.session.clock_offset_ns.get(0, 0)
+            rank: 0 if rank == 0 or shared_clock else r.session.clock_offset_ns.get(0, 0)
             for rank, r in records.items()
         }
         self.starts = {
@@ -120,7 +124,7 @@ def assemble(
             for columns in known.values()
         ]
         return frame(_with_accuracy(rows, facts), TRIAL_COLUMNS), frame([], LAYER_COLUMNS)
-    trials, layers = _measured_rows(known, records, facts.session)
+    trials, layers = _measured_rows(known, records, facts.session, facts.run.shared_clock)
     return frame(_with_accuracy(trials, facts), TRIAL_COLUMNS), frame(layers, LAYER_COLUMNS)
 
 
@@ -147,8 +151,8 @@ def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
         "rate_flagged": link.flagged(rank) if plan.devices > 1 else False,
         "session_s": session.session_s,
         "link_sent_bytes": session.sent_bytes.get(rank),
-        "impairments": link.impairments,
-        "link_delay_ms": link.delay_ms,
+        "impairments": link.impairments.get(rank, ""),
+        "link_delay_ms": link.delay_ms.get(rank, 0.0),
     }
 
 
@@ -165,9 +169,12 @@ def _with_accuracy(rows: list[dict[str, Any]], facts: RowFacts) -> list[dict[str
 
 
 def _measured_rows(
-    known: dict[int, dict[str, Any]], records: dict[int, DeviceRecords], session: HostSessionFacts
+    known: dict[int, dict[str, Any]],
+    records: dict[int, DeviceRecords],
+    session: HostSessionFacts,
+    shared_clock: bool,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    timeline = Timeline(records)
+    timeline = Timeline(records, shared_clock)
     ranks = sorted(records)
     replay = session.replay
     trials, layers = [], []

@@ -67,7 +67,7 @@ def link_labels(ok: pd.DataFrame, rate_column: str) -> tuple[pd.Series, list[str
     impairments where the run swept them) and the links in order (rate, one-way delay, then
     the plan's: the order of link.impairments)."""
     rates = ok[rate_column].map(lambda rate: f"{rate:g} Mbit/s")
-    words = ok["impairments"].fillna("").astype(str) if "impairments" in ok else None
+    words = trial_impairments(ok) if "impairments" in ok else None
     if words is not None and words.nunique() > 1:
         rates = rates + ", " + words.replace("", "no impairment")
     labels = rates
@@ -78,7 +78,26 @@ def link_labels(ok: pd.DataFrame, rate_column: str) -> tuple[pd.Series, list[str
     return labels, list(order["label"])
 
 
+def trial_impairments(ok: pd.DataFrame) -> pd.Series:
+    """Each row's trial's impairments: its devices' uplinks' netem words, one phrase where
+    they are all alike, else "device 0: ...; device 1: ..." (link.uplink_impairments)."""
+    words = ok["impairments"].fillna("").astype(str)
+    if "trial_id" not in ok or "rank" not in ok:
+        return words
+    by_trial = {}
+    for trial, part in ok.assign(words=words).groupby("trial_id"):
+        ranks = part.drop_duplicates("rank").sort_values("rank")
+        if ranks["words"].nunique() <= 1:
+            by_trial[trial] = ranks["words"].iloc[0]
+        else:
+            by_trial[trial] = "; ".join(
+                f"device {rank}: {text or 'none'}"
+                for rank, text in zip(ranks["rank"], ranks["words"], strict=True)
+            )
+    return ok["trial_id"].map(by_trial)
+
+
 def swept_impairments(ok: pd.DataFrame) -> bool:
     """Whether the rows span several impairment variants (`link.impairments`): figures
     against the rate alone would pool them, the impairment figures take their place."""
-    return "impairments" in ok and ok["impairments"].fillna("").astype(str).nunique() > 1
+    return "impairments" in ok and trial_impairments(ok).nunique() > 1

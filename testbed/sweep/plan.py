@@ -92,6 +92,25 @@ def link_profile(experiment: Experiment, trial: Trial) -> LinkProfile:
         ) from None
 
 
+def device_profiles(experiment: Experiment, trial: Trial) -> dict[int, LinkProfile]:
+    """Each device's uplink in the trial: the trial's link with the device's
+    link.uplink_impairments laid over it. Raises ConfigError naming the field and device."""
+    profile = link_profile(experiment, trial)
+    profiles = {}
+    for rank in range(trial.devices):
+        parameters = experiment.link.uplink_impairments.get(rank)
+        if parameters is None:
+            profiles[rank] = profile
+            continue
+        try:
+            profiles[rank] = profile.with_impairments(parameters)
+        except ImpairmentError as error:
+            raise ConfigError(
+                f"link.uplink_impairments: device {rank} over profile '{profile.name}': {error}"
+            ) from None
+    return profiles
+
+
 def _short(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -153,13 +172,15 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
     config = model_config(experiment.model.name)
     rows = []
     for trial in trials:
-        delay_ms = link_profile(experiment, trial).delay_ms
+        delays = {r: p.delay_ms for r, p in device_profiles(experiment, trial).items()}
         spec = trial.spec
         bits = payload_bits(
             config, trial.method, trial.devices, experiment.batch, **trial.method_params
         )
         messages = exchanges(spec, config.depth)  # Trace's "A" placements: no block-0 message
         for rank, rank_bits in enumerate(bits):
+            # a device waits for its slowest peer's message: that peer's uplink delay
+            delay_ms = max((d for peer, d in delays.items() if peer != rank), default=0.0)
             comm_ms = functools.partial(
                 analytic_comm_ms, rank_bits, messages, trial.devices, trial.bandwidth_mbit
             )
@@ -179,7 +200,7 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
                     payload_bits_per_layer=rank_bits,
                     analytic_comm_ms=comm_ms(),
                     analytic_comm_ms_paper=comm_ms(PAPER_MEGABIT),
-                    analytic_delay_ms=messages * delay_ms if trial.devices > 1 else 0.0,
+                    analytic_delay_ms=messages * delay_ms,
                 )
             )
     return rows

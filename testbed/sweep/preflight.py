@@ -24,7 +24,13 @@ from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
 from testbed.link.emulators import emulator_class
 from testbed.results.level_accuracy import check_covered, load_level_accuracy
-from testbed.sweep.plan import Trial, impairment_variants, link_profile, link_trace
+from testbed.sweep.plan import (
+    Trial,
+    device_profiles,
+    impairment_variants,
+    link_profile,
+    link_trace,
+)
 from tracevq.codec import level_sizes_for
 
 if TYPE_CHECKING:
@@ -64,20 +70,28 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
 def _variants(
     experiment: Experiment, profile: LinkProfile, source: str
 ) -> list[tuple[str, LinkProfile]]:
-    """The profile, or each variant of link.impairments laid over it (named for a refusal),
-    with the field that gave it."""
-    if experiment.link.impairments is None:
-        return [("link.profile", profile)]
-    variants = []
+    """The profile, or each variant of link.impairments laid over it, and each device's own
+    uplink (link.uplink_impairments) over those, each named for a refusal with the field
+    that gave it."""
+    checked = []
+    most = max(experiment.devices.count)
     for index, impairment in enumerate(impairment_variants(experiment.link)):
-        trial = Trial(experiment.name, 2, 1.0, "voltage", impairment=impairment)
+        trial = Trial(experiment.name, most, 1.0, "voltage", impairment=impairment)
         try:
             laid = link_profile(experiment, trial)
+            uplinks = device_profiles(experiment, trial)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
-        name = f"variant {index} over {profile.name}"
-        variants.append(("link.impairments", laid.model_copy(update={"name": name})))
-    return variants
+        if impairment:
+            name = f"variant {index} over {profile.name}"
+            checked.append(("link.impairments", laid.model_copy(update={"name": name})))
+        else:
+            checked.append(("link.profile", laid))
+        for rank in sorted(experiment.link.uplink_impairments):
+            if rank < most:
+                own = uplinks[rank].model_copy(update={"name": f"device {rank}'s uplink"})
+                checked.append(("link.uplink_impairments", own))
+    return checked
 
 
 def _backend(name: str, source: str) -> type[Backend]:

@@ -42,6 +42,7 @@ from testbed.sweep.bundles import RunFiles, prepare_run_files
 from testbed.sweep.lock import RunLock
 from testbed.sweep.plan import (
     Trial,
+    device_profiles,
     impairment_label,
     link_profile,
     link_trace,
@@ -182,7 +183,8 @@ class Runner:
                     # a trace's link is shaped and probed at its first step
                     shaped = rate if self.trace is None else self.trace.rates_mbit[0]
                     profile = link_profile(self.experiment, group[0])
-                    link = links.shape(shaped, self.experiment.link.probe_s, profile)
+                    uplinks = device_profiles(self.experiment, group[0])
+                    link = links.shape(shaped, self.experiment.link.probe_s, profile, uplinks)
                     self._save_link(link, count, group[0])
                     voice.say(f"{what}: {self.emulator.name} link, {_probed(link, count)}")
                     ok = self._run_session(links, group, plan, files, link, outcome)
@@ -221,6 +223,7 @@ class Runner:
             threads=backend.devices[0].threads,
             oversubscribed=backend.oversubscribed,
             trace="" if self.trace is None else self.trace.name,
+            shared_clock=type(backend).on_this_host,
         )
         for trial in trials:
             ranks = {rank: plan[(trial.trial_id, rank)] for rank in range(trial.devices)}

@@ -410,3 +410,37 @@ def test_auto_keeps_the_finest_level_under_delay(tmp_path):
     assert (trials["level_k"] == 16).all(), trials[["rank", "repeat", "level_k"]]
     estimated = trials["est_rate_mbit"].dropna()
     assert len(estimated) and 10 <= estimated.median() <= 30, estimated.describe()
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_a_devices_own_uplink_delay(tmp_path):
+    """link.uplink_impairments on the serial link: device 1's uplink has 20 ms of delay,
+    device 0's none. Device 1's messages take 20 ms more than device 0's; each row names its
+    device's uplink and what it waits for. The devices share this host's clock, so no
+    handshake offset moves their marks (it would by half the asymmetry: 10 ms)."""
+    path = small_experiment(
+        tmp_path,
+        link={
+            "profile": "ideal",
+            "emulator": "serial",
+            "bandwidth_mbit": [5],
+            "uplink_impairments": {1: {"delay_ms": 20}},
+        },
+        methods=[{"name": "voltage"}],
+        repeats=3,
+    )
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = load(only_run_dir(out))
+    trials = results.trials.set_index("rank")
+    assert trials.loc[1, "impairments"].eq("delay 20ms").all()
+    assert trials.loc[0, "impairments"].eq("").all()
+    assert (trials.loc[0, "analytic_delay_ms"] == 4 * 20).all()  # vit-tiny: 4 messages
+    assert (trials.loc[1, "analytic_delay_ms"] == 0).all()
+    # comm_ms of a layer: the message this device sent, until its peer had it
+    comm = results.layers.groupby("rank")["comm_ms"].median()
+    assert 19 <= comm[1] - comm[0] <= 22, comm
+    assert (results.layers["clock_offset_ms"] == 0).all()
+    assert "impaired links" in done.stdout and "p99" in done.stdout

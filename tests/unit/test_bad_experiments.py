@@ -241,6 +241,34 @@ CASES: list[tuple[str, str, str]] = [
         "link.pair_mbit: per-pair rates with profile 'variant 0 over ideal'",
     ),
     (
+        "uplink-impairment-unknown",
+        exp("link: {uplink_impairments: {1: {dely_ms: 5}}}\n"),
+        "link.uplink_impairments: device 1: dely_ms: not an impairment (did you mean 'delay_ms'?)",
+    ),
+    (
+        "uplink-impairment-rank-out",
+        exp("link: {uplink_impairments: {2: {delay_ms: 5}}}\n"),
+        "link.uplink_impairments: device 2 does not exist: devices.count is at most 2",
+    ),
+    (
+        "uplink-impairment-not-mapping",
+        exp("link: {uplink_impairments: {0: 5}}\n"),
+        "link.uplink_impairments: device 0: a mapping of netem's parameters, got 5",
+    ),
+    (
+        "uplink-impairment-jitter-alone",
+        exp("link: {uplink_impairments: {0: {jitter_ms: 5}}}\n"),
+        "link.uplink_impairments: device 0 over profile 'ideal': jitter_ms: jitter needs a delay",
+    ),
+    (
+        "uplink-impairment-tbf",
+        exp(
+            "link: {uplink_impairments: {0: {delay_ms: 5}}, emulator: tbf,\n"
+            "       pair_mbit: {'0->1': 3}}\n"
+        ),
+        "link.pair_mbit: per-pair rates with profile 'device 0's uplink'",
+    ),
+    (
         "profile-jitter-alone",
         exp("link: {profile: {tmp}/jitter.yaml}\n"),
         "link.profile: {tmp}/jitter.yaml: invalid link profile: jitter_ms: jitter needs a delay",

@@ -7,7 +7,7 @@ import pytest
 from testbed.errors import ConfigError
 from testbed.experiment.profiles import load_profile
 from testbed.experiment.schema import load_experiment, parse_experiment
-from testbed.sweep.plan import impairment_label, plan_rows, plan_trials
+from testbed.sweep.plan import device_profiles, impairment_label, plan_rows, plan_trials
 from testbed.sweep.sessions import session_id
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,3 +191,21 @@ def test_a_variant_naming_a_loss_model_replaces_the_profiles():
     assert laid.loss_pct == 0 and laid.loss_gemodel.r_pct == 20
     assert laid.delay_ms == lte.delay_ms and laid.jitter_ms == lte.jitter_ms
     assert lte.with_impairments({"delay_ms": 0, "jitter_ms": 0}).loss_pct == lte.loss_pct
+
+
+def test_a_devices_own_uplink_impairments_and_what_its_peers_wait_for():
+    experiment = parse_experiment(
+        with_(
+            devices={"count": [2, 3]},
+            link={"bandwidth_mbit": [10], "uplink_impairments": {1: {"delay_ms": 30}}},
+            methods=[{"name": "voltage"}],
+        )
+    )
+    two, three = plan_trials(experiment)
+    uplinks = device_profiles(experiment, three)
+    assert [uplinks[rank].delay_ms for rank in range(3)] == [0, 30, 0]
+    rows = {(r.devices, r.rank): r for r in plan_rows(experiment, [two, three])}
+    # a device waits for its slowest peer's message: device 1's, 30 ms late, except device 1
+    assert rows[(2, 0)].analytic_delay_ms > 0 and rows[(2, 1)].analytic_delay_ms == 0
+    assert rows[(3, 2)].analytic_delay_ms == rows[(3, 0)].analytic_delay_ms > 0
+    assert rows[(3, 0)].analytic_delay_ms % 30 == 0

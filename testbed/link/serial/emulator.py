@@ -90,17 +90,16 @@ class SerialEmulator(Emulator):
                 self.switch.impair(rank, {}, 0)
 
     def impair(self, rates: LinkRates) -> None:
-        """Every port's impairments, with a fresh generator seeded by the profile's seed, the
-        device count, the swept rate and the port: a session that repeats another's traffic
-        meets the same draws."""
+        """Every port's impairments (its device's uplink profile), with a fresh generator
+        seeded by that profile's seed, the device count, the swept rate and the port: a
+        session that repeats another's traffic meets the same draws."""
         assert self.switch is not None
-        parameters = self.profile.impairments()
-        self.seeds = {
-            rank: port_seed(self.profile.seed, rates.devices, rates.swept_mbit, rank)
-            for rank in range(rates.devices)
-        }
-        for rank, seed in self.seeds.items():
-            self.switch.impair(rank, parameters, seed)
+        self.seeds = {}
+        for rank in range(rates.devices):
+            uplink = self.uplink(rank)
+            seed = port_seed(uplink.seed, rates.devices, rates.swept_mbit, rank)
+            self.switch.impair(rank, uplink.impairments(), seed)
+            self.seeds[rank] = seed
 
     def counters(self) -> dict[int, LinkCounters]:
         """Bytes carried (each device's `sl0` qdisc), every port's stalls and impairment
