@@ -31,7 +31,10 @@ message carries its level, so the receivers follow.
   from how its own messages travelled, as the slowest of its peers saw them; until the first
   echo arrives, from how the peers' messages to it travelled (the same link where devices
   share one channel). The latency is the handshake's: a delay that changes during the
-  session (none does today) would need it measured again.
+  session (none does today) would need it measured again. On a link much faster than the
+  testbed's (loopback), the serialisation is less than the latency's own noise and can read
+  zero or less: a message is taken to cross at MAX_ESTIMATE_MBIT at most, so the estimate
+  says "at least that fast" (and auto keeps the finest level) instead of "not measured".
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ from tracevq.methods import Method, TraceMethod, auto_level
 
 FFN_ROUNDS = 3
 HISTORY = 3  # inferences whose largest messages may set a peer's link estimate
+MAX_ESTIMATE_MBIT = 1000.0  # 50x the fastest link the testbed shapes
+MIN_NS_PER_BYTE = 8e3 / MAX_ESTIMATE_MBIT
 
 
 @torch.no_grad()
@@ -183,8 +188,10 @@ class LiveLevel:
         departed = arrival.sent_ns - self.offsets_ns.get(arrival.peer, 0)
         received = _received_ns(arrival)
         if previous is not None and departed < previous - latency_ns:
-            return max(received - previous, 0) / frames
-        return max(received - departed - latency_ns, 0) / frames
+            serial_ns = received - previous
+        else:
+            serial_ns = received - departed - latency_ns
+        return max(serial_ns / frames, MIN_NS_PER_BYTE)
 
 
 def _received_ns(arrival: ArrivalRecord) -> int:

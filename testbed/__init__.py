@@ -3,7 +3,8 @@
 The folders are the layers. Each module imports only from its own layer or the layers below
 it (tests/unit/test_layers.py reads every import against `LAYERS`):
 
-- the command doors: `run` (`python -m testbed.run`), `clean`, `reproduce`, `report`, `guide`;
+- the command doors: `run` (`python -m testbed.run`), `clean`, `reproduce`, `report` (its
+  sections: the paper's tables, delay and loss), `guide`;
 - `sweep/`: running an experiment: the trial plan, the preflight, the runner, its sessions;
 - `figures/`: the PNG figures of a run directory;
 - `results/`: result rows and their columns, the run directory's tables, statistics, the

@@ -54,11 +54,14 @@ class Emulator(abc.ABC):
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         self.backend, self.profile, self.run_id = backend, profile, run_id
         self.uplinks: dict[int, LinkProfile] = {}  # a device's own (link.uplink_impairments)
+        self.step: dict[str, float] = {}  # a replayed trace's step: its delay and loss
         self.seeds = {}
 
     def uplink(self, rank: int) -> LinkProfile:
-        """What the device of `rank` sends through: its own profile, else the link's."""
-        return self.uplinks.get(rank, self.profile)
+        """What the device of `rank` sends through: its own profile, else the link's, with
+        the impairments of the trace's step in force laid over it."""
+        profile = self.uplinks.get(rank, self.profile)
+        return profile.with_impairments(self.step) if self.step else profile
 
     @classmethod
     @abc.abstractmethod
@@ -77,10 +80,10 @@ class Emulator(abc.ABC):
         """Every device's rates: applied anew, or changed in place (`in_place`: a replayed
         trace's step, which must never leave a link unshaped for a moment)."""
 
-    def impair(self, rates: LinkRates) -> None:  # noqa: B027 - optional hook
-        """Adds the profile's impairments to links shaped at `rates` and probed: the probe
-        checks the rate alone. Emulators that put them in the shaping itself (tbf's netem)
-        leave this alone."""
+    def impair(self, rates: LinkRates, step: int = 0) -> None:  # noqa: B027 - optional hook
+        """Adds the profile's impairments to links shaped at `rates` and probed (the probe
+        checks the rate alone), or, for a trace's `step` > 0, changes them to that step's.
+        Emulators that put them in the shaping itself (tbf's netem) leave this alone."""
 
     def counters(self) -> dict[int, LinkCounters]:
         """Per rank, what its link carried so far (its egress qdisc's counter)."""

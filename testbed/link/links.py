@@ -114,6 +114,7 @@ class Links:
         device's own uplink profile in `uplinks`, added."""
         if profile is not None or uplinks is not None:
             self.set_profile(profile or self.profile, uplinks)
+        self.emulator.step = {}  # a trace's steps are the replay's, from its first
         devices = self.backend.devices
         rates = self.overrides.resolve(rate_mbit, len(devices))
         self.emulator.set_rates(rates, in_place=False)
@@ -127,9 +128,7 @@ class Links:
         self._probe(rates, probe_seconds, state)
         self.emulator.impair(rates)  # after the probe, which checks the rate alone
         for device in devices:
-            values = checked(self.emulator.uplink(device.rank).impairments())
-            state.impairments[device.rank] = " ".join(netem_options(values))
-            state.delay_ms[device.rank] = values["delay_ms"]
+            state.impairments[device.rank], state.delay_ms[device.rank] = self._words(device.rank)
         state.impairment_seeds = dict(self.emulator.seeds)
         for device in devices:
             state.qdisc[device.rank] = self.backend.qdisc_stats(device)
@@ -171,13 +170,29 @@ class Links:
         self.profile = self.emulator.profile = profile
         self.emulator.uplinks = dict(uplinks or {})
 
-    def set_rate(self, rate_mbit: float) -> None:
+    def set_rate(
+        self, rate_mbit: float, impairments: dict[str, float] | None = None, step: int = 0
+    ) -> dict[int, str]:
         """Every rate scaled to the swept rate `rate_mbit` from now on (`LinkRates.scaled`),
-        changed in place and not probed: a replayed trace's step (`testbed.link.replay`).
-        The links must have been `shape`d."""
+        changed in place and not probed, and where given the impairments of the trace's
+        `step` laid over every uplink: a replayed trace's step (`testbed.link.replay`).
+        Returns each rank's uplink impairments as netem's words. The links must have been
+        `shape`d."""
         if self.rates is None:
             raise ShapingError("links: set_rate before shape (a link is shaped once first)")
-        self.emulator.set_rates(self.rates.scaled(rate_mbit), in_place=True)
+        changed = impairments is not None and impairments != self.emulator.step
+        if impairments is not None:
+            self.emulator.step = dict(impairments)
+        rates = self.rates.scaled(rate_mbit)
+        self.emulator.set_rates(rates, in_place=True)
+        if changed:
+            self.emulator.impair(rates, step)
+        return {rank: self._words(rank)[0] for rank in range(rates.devices)}
+
+    def _words(self, rank: int) -> tuple[str, float]:
+        """The rank's uplink impairments as netem's words, and its one-way delay."""
+        values = checked(self.emulator.uplink(rank).impairments())
+        return " ".join(netem_options(values)), values["delay_ms"]
 
     def counters(self) -> dict[int, LinkCounters]:
         """Per rank, what its link has done so far: bytes carried (its egress qdisc's counter)

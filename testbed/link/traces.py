@@ -6,7 +6,10 @@ A trace is a step function: rate `rates_mbit[i]` from `times_s[i]` until the nex
 
 - CSV: a header `t_s,mbit` and one row per step, times ascending from 0; the last row's rate
   holds until `duration_s`, which is the last time plus the median step length unless a row
-  `t_s` = duration with an empty rate ends the file.
+  `t_s` = duration with an empty rate ends the file. Two more columns may follow, `delay_ms`
+  and `loss_pct` (either or both, in that order): each step's one-way delay and random loss,
+  laid over the link profile's while the step is in force (the serial emulator's; on tbf,
+  netem's).
 - Mahimahi's packet-delivery traces (`*.mahimahi`, or `--format mahimahi`): one line per
   delivery opportunity of a 1500-byte packet, its time in whole milliseconds, ascending; the
   file repeats after its last time. Read as the rate of each `bin_ms` window.
@@ -30,9 +33,13 @@ from pathlib import Path
 import numpy as np
 
 from testbed.errors import ConfigError
+from testbed.experiment.impairments import ImpairmentError, checked
 from testbed.source import PROFILES_DIR
 
 MAHIMAHI_PACKET_BYTES = 1500
+
+
+IMPAIRMENT_COLUMNS = ("delay_ms", "loss_pct")  # optional, after t_s and mbit
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class RateTrace:
     rates_mbit: tuple[float, ...]
     duration_s: float
     name: str = "trace"
+    # per step, netem's parameters of IMPAIRMENT_COLUMNS the trace gives (empty: none)
+    impairments: tuple[dict[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         where = f"trace {self.name}"
@@ -55,6 +64,26 @@ class RateTrace:
         bad = [r for r in self.rates_mbit if not (math.isfinite(r) and r > 0)]
         if bad:
             raise ConfigError(f"{where}: rates must be finite and positive, got {bad[0]!r}")
+        if self.impairments and len(self.impairments) != len(self.times_s):
+            raise ConfigError(f"{where}: needs the impairments of every step, or of none")
+        for step, parameters in enumerate(self.impairments):
+            try:
+                checked(parameters)
+            except ImpairmentError as error:
+                raise ConfigError(
+                    f"{where}: step {step} (t = {self.times_s[step]:g} s): {error}"
+                ) from None
+
+    def impairments_at(self, t_s: float) -> dict[str, float]:
+        """The trace's impairments in force at `t_s` (looped; empty where it gives none)."""
+        if not self.impairments:
+            return {}
+        position = t_s % self.duration_s
+        return self.impairments[bisect.bisect_right(self.times_s, position) - 1]
+
+    @property
+    def max_delay_ms(self) -> float:
+        return max((step.get("delay_ms", 0.0) for step in self.impairments), default=0.0)
 
     def rate_at(self, t_s: float) -> float:
         """The rate in force at `t_s` seconds after the start (looped)."""
@@ -82,6 +111,7 @@ class RateTrace:
             self.rates_mbit,
             self.duration_s * factor,
             self.name,
+            self.impairments,
         )
 
     def mean_mbit(self) -> float:
@@ -93,31 +123,42 @@ class RateTrace:
 
 def read_csv(path: Path) -> RateTrace:
     path = Path(path)
-    times, rates, end = [], [], None
+    times, rates, steps, end = [], [], [], None
     with path.open(newline="") as handle:
         rows = list(csv.reader(line for line in handle if not line.lstrip().startswith("#")))
-    if not rows or [c.strip() for c in rows[0]] != ["t_s", "mbit"]:
-        raise ConfigError(f"{path}: a trace CSV starts with the header 't_s,mbit'")
+    header = [c.strip() for c in rows[0]] if rows else []
+    extra = tuple(header[2:])
+    if header[:2] != ["t_s", "mbit"] or extra not in _EXTRA_HEADERS:
+        raise ConfigError(
+            f"{path}: a trace CSV starts with the header 't_s,mbit', optionally followed by "
+            f"{' and '.join(IMPAIRMENT_COLUMNS)} (in that order); got {','.join(header)!r}"
+        )
+    width = len(header)
     for number, row in enumerate(rows[1:], start=2):
-        cells = [c.strip() for c in row] + [""] * (2 - len(row))
+        cells = [c.strip() for c in row] + [""] * (width - len(row))
         try:
             t = float(cells[0])
             if cells[1] == "":
                 end = t
                 continue
             rate = float(cells[1])
+            step = {name: float(cell) for name, cell in zip(extra, cells[2:width], strict=True)}
         except ValueError:
             raise ConfigError(f"{path}:{number}: not a number in {row!r}") from None
         if end is not None:
             raise ConfigError(f"{path}:{number}: a row after the end row (t_s with no rate)")
         times.append(t)
         rates.append(rate)
+        steps.append(step)
     if not times:
         raise ConfigError(f"{path}: no steps")
     if end is None:
-        steps = np.diff(times)
-        end = times[-1] + (statistics.median(steps) if len(steps) else 1.0)
-    return RateTrace(tuple(times), tuple(rates), end, path.stem)
+        lengths = np.diff(times)
+        end = times[-1] + (statistics.median(lengths) if len(lengths) else 1.0)
+    return RateTrace(tuple(times), tuple(rates), end, path.stem, tuple(steps) if extra else ())
+
+
+_EXTRA_HEADERS = {(), IMPAIRMENT_COLUMNS[:1], IMPAIRMENT_COLUMNS[1:], IMPAIRMENT_COLUMNS}
 
 
 def read_mahimahi(path: Path, bin_ms: int = 500) -> RateTrace:

@@ -33,7 +33,7 @@ LEVEL_ACCURACY = "top-1 % used"
 
 
 def _ms(value: float) -> str:
-    if math.isnan(value):
+    if pd.isna(value):
         return "-"
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.1f}"
 

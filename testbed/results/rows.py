@@ -209,6 +209,12 @@ def _measured_rows(
                     "link_rate_mbit": replay.rate_at_ns(record.start_ns),
                     "trace_s": (record.start_ns - replay.start_ns) / 1e9,
                 }
+                step = replay.impairments_at_ns(record.start_ns)
+                if "delay_ms" in step:  # the trace's delay in force when it started
+                    link["link_delay_ms"] = step["delay_ms"]
+                words = replay.words_at_ns(record.start_ns, rank)
+                if words is not None:
+                    link["impairments"] = words
             trials.append(
                 {
                     **context,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from testbed.backends.base import Backend
 from testbed.backends.table import BACKENDS, backend_class
 from testbed.errors import ConfigError
+from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.method_grid import FITTED_BRANCHING, variant_spec
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
@@ -91,6 +92,17 @@ def _variants(
             if rank < most:
                 own = uplinks[rank].model_copy(update={"name": f"device {rank}'s uplink"})
                 checked.append(("link.uplink_impairments", own))
+    try:
+        trace = None if experiment.link.trace is None else link_trace(experiment.link)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    if trace is not None and trace.impairments:
+        try:
+            steps = [profile.with_impairments(step) for step in trace.impairments]
+        except ImpairmentError as error:
+            raise ConfigError(f"{source}: link.trace: {trace.name}'s steps: {error}") from None
+        worst = max(steps, key=lambda step: step.needs_netem)
+        checked.append(("link.trace", worst.model_copy(update={"name": f"trace {trace.name}"})))
     return checked
 
 

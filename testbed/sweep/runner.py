@@ -262,6 +262,8 @@ class Runner:
             "asked_ns": replay.asked_ns,
             "applied_ns": replay.applied_ns,
             "applied_mbit": replay.applied_mbit,
+            "applied_impairments": replay.applied_impairments,
+            "applied_words": replay.applied_words,
         }
         write_text(self.run_dir / "sessions" / session / "replay.json", json.dumps(steps))
 

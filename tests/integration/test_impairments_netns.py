@@ -33,6 +33,7 @@ from tests.integration.test_serial_link_netns import (
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 MESSAGES = 2000
+MAX_LATE_SHARE = 0.005  # of the messages, held up by the machine past the jitter's bound
 DATAGRAMS = 100_000
 SEED = 2026
 
@@ -116,7 +117,14 @@ def test_delays_follow_the_configured_distribution(
         f"{mean_ms:.3f} ms, sd {statistics.stdev(delays_ms):.3f}, KS p = {p_value:.3f}"
     )
     if distribution == "uniform":
-        assert 15.0 - 0.5 <= min(delays_ms) and max(delays_ms) <= 25.0 + 0.5
+        # Nothing makes a message early, so none may come before 15 ms; a machine stall (5-13 ms
+        # here, the switch counts its own) makes one late, so a few may come after 25 ms:
+        # CI once saw one at 30.1 ms of 2,000.
+        late = [delay for delay in delays_ms if delay > 25.0 + 0.5]
+        stalls = sum(port["stalls"] for port in switch.stats().values())
+        print(f"after 25.5 ms: {late}, switch stalls {stalls}")
+        assert 15.0 - 0.5 <= min(delays_ms)
+        assert len(late) <= MAX_LATE_SHARE * MESSAGES
     assert abs(mean_ms - 20.0) <= 0.3
     assert p_value > 0.01
 

@@ -162,3 +162,34 @@ def test_every_inference_gets_the_accuracy_of_the_level_it_used(tmp_path):
     matched = pd.read_csv(run_dir / "level_accuracy.csv")
     assert set(matched["variant"]) == {"kmeans"} and len(matched) == len(top1)
     assert "top-1 % used" in done.stdout
+
+
+def test_a_trace_that_carries_delay(tmp_path):
+    """A trace whose steps move the one-way delay (0, then 20 ms, a second each) on the serial
+    link: each inference's row has the delay in force when it started, and Voltage's
+    inferences under 20 ms take its 4 messages x 20 ms longer."""
+    trace = tmp_path / "delay.csv"
+    trace.write_text("t_s,mbit,delay_ms\n0,10,0\n1,10,20\n2,\n")
+    experiment = {
+        **yaml.safe_load(trace_experiment(tmp_path).read_text()),
+        "link": {"profile": "ideal", "emulator": "serial", "trace": str(trace), "probe_s": 0.2},
+        "methods": [{"name": "voltage"}],
+        "batch": 1,
+        "repeats": 60,
+    }
+    path = tmp_path / "delay.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    trials = load(run_dir).trials
+    assert set(trials["link_delay_ms"]) == {0.0, 20.0}
+    (replay_file,) = run_dir.glob("sessions/*/replay.json")
+    applied = json.loads(replay_file.read_text())["applied_impairments"]
+    assert applied[:3] == [{"delay_ms": 0.0}, {"delay_ms": 20.0}, {"delay_ms": 0.0}]
+    # away from a step (within REPLAY_LAG_S of one, either delay may be in force)
+    settled = trials[(trials["trace_s"] % 1.0 > REPLAY_LAG_S) & (trials["trace_s"] % 1.0 < 0.8)]
+    slowest = settled.groupby(["link_delay_ms", "repeat"])["effective_ms"].max()
+    grown = slowest[20.0].median() - slowest[0.0].median()
+    assert 0.9 * 4 * 20 <= grown <= 1.3 * 4 * 20 + 10, grown

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tracevq
-from devices.level import HISTORY, LiveLevel
+from devices.level import HISTORY, MAX_ESTIMATE_MBIT, LiveLevel
 from devices.records import ArrivalRecord, BlockRecord
 from devices.transport import STAMP, tcp_frame_bytes
 from tracevq.bundle import fit_bundle
@@ -205,3 +205,14 @@ def test_under_delay_a_queued_message_is_told_by_its_arrival_less_the_latency(me
         queued.append(dataclasses.replace(arrival, read_ns=received + 10_000, **stamps))
     live.update(queued, blocks)
     assert live.rate_mbit == pytest.approx(1.0, rel=0.01)
+
+
+def test_a_link_faster_than_the_latency_can_tell_reads_at_the_ceiling(method):
+    """Loopback under load: the handshake's latency (0.5 ms) is more than the messages' whole
+    one-way time (a 10 Gbit/s link with no delay). Their serialisation is taken to be at
+    MAX_ESTIMATE_MBIT, a measured estimate, and the finest level stays."""
+    live = LiveLevel(method, TOKENS, BATCH, {1: OFFSET_NS}, lambda *_: None, {1: 500_000})
+    method.set_level(0)
+    arrivals, blocks = inference(method, 3, 10_000.0, 2.0)
+    assert live.update(arrivals, blocks) == 3
+    assert live.rate_mbit == pytest.approx(MAX_ESTIMATE_MBIT)

@@ -1,10 +1,12 @@
 """Bandwidth traces: the CSV and Mahimahi formats, the shipped traces, looping and errors."""
 
 import itertools
+import time
 
 import pytest
 
 from testbed.errors import ConfigError
+from testbed.link.replay import TraceReplay
 from testbed.link.traces import (
     MODELS,
     RateTrace,
@@ -26,6 +28,40 @@ def test_a_csv_trace_is_a_step_function_that_loops(tmp_path):
     assert list(itertools.islice(trace.changes(5.0), 4)) == [(5.0, 20), (10, 2), (20, 20), (30, 20)]
     assert trace.mean_mbit() == pytest.approx(14.0)
     assert trace.stretched(0.1).times_s == (0.0, 1.0, 2.0)
+
+
+def test_a_trace_may_carry_each_steps_delay_and_loss(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("t_s,mbit,delay_ms,loss_pct\n0,20,4,0.1\n10,2,30,0.5\n20,\n")
+    trace = read_csv(path)
+    assert trace.impairments == (
+        {"delay_ms": 4, "loss_pct": 0.1},
+        {"delay_ms": 30, "loss_pct": 0.5},
+    )
+    assert trace.impairments_at(25) == {"delay_ms": 4, "loss_pct": 0.1}  # looped
+    assert trace.impairments_at(15)["delay_ms"] == 30 and trace.max_delay_ms == 30
+    assert trace.stretched(2).impairments == trace.impairments
+    only_delay = tmp_path / "d.csv"
+    only_delay.write_text("t_s,mbit,delay_ms\n0,5,1\n1,5,2\n")
+    assert read_csv(only_delay).impairments == ({"delay_ms": 1}, {"delay_ms": 2})
+    assert read_csv(tmp_path / "t.csv").rate_at(15) == 2
+    assert load_trace("step-20-2-20.csv").impairments == ()
+
+
+def test_a_replay_hands_each_step_its_impairments(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("t_s,mbit,delay_ms\n0,20,0\n0.05,2,30\n0.1,\n")
+    calls = []
+    with TraceReplay(lambda *step: calls.append(step), read_csv(path)) as replay:
+        while len(calls) < 3:
+            time.sleep(0.01)
+    assert calls[:3] == [
+        (20.0, {"delay_ms": 0}, 0),
+        (2.0, {"delay_ms": 30}, 1),
+        (20.0, {"delay_ms": 0}, 2),
+    ]
+    assert replay.impairments_at_ns(replay.applied_ns[1]) == {"delay_ms": 30}
+    assert replay.impairments_at_ns(replay.start_ns - 1) == {}
 
 
 def test_without_an_end_row_the_last_step_lasts_the_median_step(tmp_path):
@@ -74,6 +110,10 @@ def test_the_shipped_traces_are_what_their_models_generate(tmp_path):
         ("t_s,mbit\n0,5\n1,nan\n", "rates must be finite and positive"),
         ("t_s,mbit\n0,five\n", "t.csv:2: not a number"),
         ("t_s,mbit\n0,5\n2,\n3,4\n", "a row after the end row"),
+        ("t_s,mbit,loss_pct,delay_ms\n0,5,0,1\n", "optionally followed by delay_ms and loss_pct"),
+        ("t_s,mbit,delay_ms\n0,5,1\n1,5,-2\n", "step 1 .t = 1 s.: delay_ms: must lie in"),
+        ("t_s,mbit,loss_pct\n0,5,101\n", "step 0 .t = 0 s.: loss_pct: must lie in 0..100"),
+        ("t_s,mbit,delay_ms\n0,5,x\n", "t.csv:2: not a number"),
     ],
 )
 def test_bad_csv_traces_are_refused_naming_the_file(tmp_path, text, message):

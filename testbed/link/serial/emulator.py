@@ -89,15 +89,15 @@ class SerialEmulator(Emulator):
             for rank in range(rates.devices):
                 self.switch.impair(rank, {}, 0)
 
-    def impair(self, rates: LinkRates) -> None:
+    def impair(self, rates: LinkRates, step: int = 0) -> None:
         """Every port's impairments (its device's uplink profile), with a fresh generator
-        seeded by that profile's seed, the device count, the swept rate and the port: a
-        session that repeats another's traffic meets the same draws."""
+        seeded by that profile's seed (plus a trace's step), the device count, the swept rate
+        and the port: a session that repeats another's traffic meets the same draws."""
         assert self.switch is not None
         self.seeds = {}
         for rank in range(rates.devices):
             uplink = self.uplink(rank)
-            seed = port_seed(uplink.seed, rates.devices, rates.swept_mbit, rank)
+            seed = port_seed(uplink.seed + step, rates.devices, rates.swept_mbit, rank)
             self.switch.impair(rank, uplink.impairments(), seed)
             self.seeds[rank] = seed
 

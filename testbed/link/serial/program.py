@@ -34,20 +34,19 @@ Decisions:
   `stall_log`: [start s, ms] by time.time(), the last STALL_LOG of them): under load here,
   about one 5 ms stall per CPU every few seconds, once 12.6 ms. A TCP flow keeps only a
   millisecond or two of frames queued, so its link loses about a stall's length each time.
-- Waiting (`wait_until`): sleep, then poll the last `spin_us` (at most `SPIN_SHARE` of the
-  wait), yielding the GIL between polls, for a frame that found its line free (the first of
-  a message: it pays the wake-up that an idle CPU takes, 40-70 us here); frames queued
-  behind others only sleep (a bulk transfer keeps the CPU awake). The polled microseconds
-  are taken from the device whose CPUs the port's thread runs on. Measured on 2026-12-01
-  (2 devices, local backend, runs interleaved): with 60 us, ViT-B/16's path cost per small
-  message beyond its wire time fell from 0.106-0.127 ms to 0.058-0.100 at 1 Mbit/s and from
-  0.067-0.125 to 0.047-0.080 at 5 Mbit/s (unchanged at 20, where a small frame is due
-  before the thread is awake), with no change in compute (170-190 ms either way); on
-  vit-tiny (3-4 ms of compute per inference) Trace-b's path cost at 2 Mbit/s fell from 0.09
-  to 0.05 ms but compute rose 3-5% at 20 Mbit/s; bulk at 20 Mbit/s costs 11.6% of a core,
-  as without polling. An earlier rule, 150 us for every frame, raised vit-tiny's compute
-  from 4.7-5.2 to 5.8-6.3 ms. A plain sleep wakes a median 5-16 us late after waits under
-  1 ms, 40-70 us after 2-12 ms idle. `--spin-us 0` turns polling off.
+- Waiting (`wait_until`): sleep, then, with `--spin-us` (off by default), poll the last
+  `spin_us` of the wait (at most `SPIN_SHARE` of it), yielding the GIL between polls, for a
+  frame that found its line free (the first of a message, which pays the wake-up an idle
+  vCPU takes, 40-70 us here); frames queued behind others only sleep. Polling is off because
+  the polled microseconds are taken from the device whose CPUs the port's thread runs on,
+  and the devices' compute is what the testbed measures. Measured on 2026-12-01 (ViT-B/16,
+  2 devices, 3 runs each way, interleaved), 60 us: on the docker backend the path cost per
+  small message beyond its wire time fell from 0.13 to 0.07-0.11 ms at 1 Mbit/s and from
+  0.08-0.14 to 0.07-0.10 at 5, rose from 0.08-0.12 to 0.10-0.17 at 20, and compute rose 3-5%
+  at 1 and 5 Mbit/s (195 to 201-205 ms); on the local backend compute did not move; on
+  vit-tiny it rose 3-5% at 20 Mbit/s. An earlier rule, 150 us for every frame, raised
+  vit-tiny's compute from 4.7-5.2 to 5.8-6.3 ms. A plain sleep wakes a median 5-16 us late
+  after waits under 1 ms, 40-70 us after 2-12 ms idle.
 - Queue: frames wait, with their timestamps, in the packet socket's receive buffer while the
   port's thread sleeps. Its size (`wire.queue_frames`) is tbf's, 50 ms at the rate
   plus two frames, but at least `MIN_QUEUE_FRAMES` so that TCP's initial window fits; times
@@ -115,7 +114,7 @@ SO_MEMINFO = 55  # u32 array, SK_MEMINFO_RMEM_ALLOC first
 MEMINFO_BYTES = 36  # SK_MEMINFO_VARS (9) x u32
 
 FRAME_BUFFER_BYTES = 65536
-DEFAULT_SPIN_US = 60.0
+DEFAULT_SPIN_US = 0.0
 SPIN_SHARE = 0.5  # of a wait, polled at most
 # a frame this late was held up by the machine, not by a wake-up (those are 5-150 us late)
 STALL_S = 1e-3
