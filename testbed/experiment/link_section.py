@@ -1,5 +1,6 @@
 """The `link` section of an experiment: a profile, the swept rates or a trace, the emulator,
-and rates per device and per pair (`testbed.link.rates` combines them per trial)."""
+and rates and impairments per device and per pair (`testbed.link.rates` combines the rates
+per trial, `testbed.link.paths` the impairments)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import re
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from testbed.experiment.impairments import ImpairmentError, checked
 from testbed.experiment.names import check_slug
@@ -83,6 +84,18 @@ class LinkSection(Strict):
         "and variant) for what that device sends, e.g. {0: {delay_ms: 30, loss_pct: 0.5}}: "
         "one device on LTE, the others on Wi-Fi",
     )
+    downlink_impairments: dict[int, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per device rank, netem's parameters for what that device receives, a "
+        "hop after the sender's uplink (delays add, losses compound), e.g. {1: {delay_ms: 10}}; "
+        "serial emulator only",
+    )
+    pair_impairments: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='per directed pair "SRC->DST", netem\'s parameters for what SRC sends to '
+        "DST, a hop between SRC's uplink and DST's downlink, e.g. {\"0->1\": {delay_ms: 40}}: "
+        "a pair farther apart than the others; serial emulator only",
+    )
     pair_mbit: dict[str, float] = Field(
         default_factory=dict,
         description='per directed pair "SRC->DST": Mbit/s ({"0->1": 2.0}), a cap on what SRC '
@@ -107,9 +120,9 @@ class LinkSection(Strict):
         distinct([json.dumps(v, sort_keys=True) for v in variants], "impairment variant")
         return variants
 
-    @field_validator("uplink_impairments", mode="before")
+    @field_validator("uplink_impairments", "downlink_impairments", mode="before")
     @classmethod
-    def _impairments_by_rank(cls, value: Any) -> dict[int, dict[str, Any]]:
+    def _impairments_by_rank(cls, value: Any, info: ValidationInfo) -> dict[int, dict[str, Any]]:
         if isinstance(value, list):
             value = dict(enumerate(value))
         if not isinstance(value, dict):
@@ -124,12 +137,35 @@ class LinkSection(Strict):
                 raise ValueError(
                     f"device {rank}: a mapping of netem's parameters, got {parameters!r}"
                 )
+            # an uplink's are laid over the trial's link (checked whole then); a downlink is
+            # a hop of its own
+            whole = info.field_name == "downlink_impairments"
             try:
-                checked(parameters, whole=False)  # whole once laid over the trial's link
+                checked(parameters, whole=whole)
             except ImpairmentError as error:
                 raise ValueError(f"device {rank}: {error}") from None
             by_rank[rank] = parameters
         return by_rank
+
+    @field_validator("pair_impairments", mode="before")
+    @classmethod
+    def _impairments_by_pair(cls, value: Any) -> dict[str, dict[str, Any]]:
+        if not isinstance(value, dict):
+            raise ValueError(
+                f'a mapping "SRC->DST" -> netem\'s parameters ({{"0->1": {{delay_ms: 40}}}}), '
+                f"got {value!r}"
+            )
+        by_pair = {}
+        for key, parameters in value.items():
+            source, target = _pair(key)
+            if not isinstance(parameters, dict):
+                raise ValueError(f"pair {key}: a mapping of netem's parameters, got {parameters!r}")
+            try:
+                checked(parameters)
+            except ImpairmentError as error:
+                raise ValueError(f"pair {key}: {error}") from None
+            by_pair[f"{source}->{target}"] = parameters
+        return by_pair
 
     @field_validator("uplink_mbit", "downlink_mbit", mode="before")
     @classmethod
@@ -158,14 +194,19 @@ class LinkSection(Strict):
         """`pair_mbit` by (sending rank, receiving rank)."""
         return {_pair(key): rate for key, rate in self.pair_mbit.items()}
 
+    def impaired_pairs(self) -> dict[tuple[int, int], dict[str, Any]]:
+        """`pair_impairments` by (sending rank, receiving rank)."""
+        return {_pair(key): parameters for key, parameters in self.pair_impairments.items()}
+
     def ranks_named(self) -> dict[str, list[int]]:
         """Every rank each per-device field names (pairs: both ends)."""
-        pair_ranks = sorted({rank for pair in self.pairs() for rank in pair})
         return {
             "uplink_mbit": sorted(self.uplink_mbit),
             "uplink_impairments": sorted(self.uplink_impairments),
             "downlink_mbit": sorted(self.downlink_mbit),
-            "pair_mbit": pair_ranks,
+            "downlink_impairments": sorted(self.downlink_impairments),
+            "pair_mbit": sorted({rank for pair in self.pairs() for rank in pair}),
+            "pair_impairments": sorted({rank for pair in self.impaired_pairs() for rank in pair}),
         }
 
     @field_validator("bandwidth_mbit")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from testbed.backends.base import Backend
 from testbed.experiment.profiles import LinkProfile
+from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
 
 
@@ -43,7 +44,9 @@ class Emulator(abc.ABC):
     """The links of `backend`'s started devices, shaped after `profile`."""
 
     name: str = ""
-    seeds: dict[int, int]  # each port's seed in the current session, where it draws them
+    # whether it draws the receivers' downlink and the pairs' impairments (testbed.link.paths)
+    impairs_paths: bool = False
+    seeds: dict[str, int]  # each hop's seed in the current session, where it draws them
 
     @classmethod
     def description(cls) -> str:
@@ -54,6 +57,7 @@ class Emulator(abc.ABC):
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         self.backend, self.profile, self.run_id = backend, profile, run_id
         self.uplinks: dict[int, LinkProfile] = {}  # a device's own (link.uplink_impairments)
+        self.paths = PathImpairments()  # the later hops (impairs_paths emulators only)
         self.step: dict[str, float] = {}  # a replayed trace's step: its delay and loss
         self.seeds = {}
 

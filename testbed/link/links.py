@@ -25,6 +25,7 @@ from testbed.experiment.impairments import checked
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.netem import netem_options
 from testbed.link.emulator import Emulator, LinkCounters
+from testbed.link.paths import PathImpairments
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.rates import LinkRates, RateOverrides, probe_plan
 
@@ -54,7 +55,7 @@ class LinkState:
     # 0.5%"), its one-way delay, and each port's seed where the emulator draws them itself
     impairments: dict[int, str] = field(default_factory=dict)
     delay_ms: dict[int, float] = field(default_factory=dict)
-    impairment_seeds: dict[int, int] = field(default_factory=dict)
+    impairment_seeds: dict[str, int] = field(default_factory=dict)  # by hop ("0", "down1", "0->1")
 
     def wire_mbit(self, rank: int) -> float | None:
         """The uplink probe's payload rate as the frame rate tbf enforces (headers included)."""
@@ -91,6 +92,7 @@ class Links:
         emulator: type[Emulator],
         run_id: str,
         overrides: RateOverrides | None = None,
+        paths: PathImpairments | None = None,
     ):
         self.backend, self.profile = backend, profile
         self.overrides = overrides or RateOverrides()
@@ -98,7 +100,14 @@ class Links:
         refused = emulator.refusal(profile, type(backend), bool(self.overrides.pair_mbit))
         if refused is not None:
             raise ShapingError(f"{refused.field}: {refused.why}")
+        paths = paths or PathImpairments()
+        if paths and not emulator.impairs_paths:
+            raise ShapingError(
+                f"link.downlink_impairments, link.pair_impairments: the {emulator.name} "
+                "emulator impairs uplinks only"
+            )
         self.emulator = emulator(backend, profile, run_id)
+        self.emulator.paths = paths
         self.emulator.start()
 
     def shape(

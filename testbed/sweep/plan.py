@@ -19,6 +19,7 @@ from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
 from testbed.kernel.tbf import BIT_PER_MBIT  # tc's `mbit`, what the testbed shapes
+from testbed.link.paths import PathImpairments
 from testbed.link.traces import RateTrace, load_trace
 from testbed.results.facts import PlanRow
 from tracevq.codec import index_bits
@@ -173,14 +174,19 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
     rows = []
     for trial in trials:
         delays = {r: p.delay_ms for r, p in device_profiles(experiment, trial).items()}
+        paths = PathImpairments.of(experiment.link)
         spec = trial.spec
         bits = payload_bits(
             config, trial.method, trial.devices, experiment.batch, **trial.method_params
         )
         messages = exchanges(spec, config.depth)  # Trace's "A" placements: no block-0 message
         for rank, rank_bits in enumerate(bits):
-            # a device waits for its slowest peer's message: that peer's uplink delay
-            delay_ms = max((d for peer, d in delays.items() if peer != rank), default=0.0)
+            # a device waits for its slowest peer's message: that peer's uplink delay, and
+            # the pair's and this device's downlink's
+            delay_ms = max(
+                (d + paths.delay_ms(peer, rank) for peer, d in delays.items() if peer != rank),
+                default=0.0,
+            )
             comm_ms = functools.partial(
                 analytic_comm_ms, rank_bits, messages, trial.devices, trial.bandwidth_mbit
             )

@@ -23,7 +23,8 @@ from testbed.experiment.method_grid import FITTED_BRANCHING, variant_spec
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
-from testbed.link.emulators import emulator_class
+from testbed.link.emulators import EMULATORS, emulator_class
+from testbed.link.paths import PathImpairments
 from testbed.results.level_accuracy import check_covered, load_level_accuracy
 from testbed.sweep.plan import (
     Trial,
@@ -60,6 +61,15 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
     emulator = _emulator(experiment, backend, source)
     _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
+    if PathImpairments.of(experiment.link) and not emulator.impairs_paths:
+        field = (
+            "downlink_impairments" if experiment.link.downlink_impairments else "pair_impairments"
+        )
+        able = " or ".join(name for name, kind in EMULATORS.items() if kind.impairs_paths)
+        raise ConfigError(
+            f"{source}: link.{field}: the {emulator.name} emulator impairs uplinks only "
+            f"(link.uplink_impairments); downlink and per-pair impairments need {able}"
+        )
     for field, variant in _variants(experiment, profile, source):
         refused = emulator.refusal(variant, backend, bool(experiment.link.pair_mbit))
         if refused is not None:

@@ -24,6 +24,7 @@ from testbed.backends.base import Backend, DeviceSpec
 from testbed.experiment.schema import Experiment
 from testbed.figures import make_figures
 from testbed.link.links import Links, LinkState
+from testbed.link.paths import PathImpairments
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
 from testbed.results.facts import PlanRow, RunFacts
@@ -169,7 +170,10 @@ class Runner:
             with voice.phase(f"devices P={count}", doing):
                 backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
             overrides = rate_overrides(self.experiment.link)
-            with Links(backend, self.profile, self.emulator, self.run_id, overrides) as links:
+            paths = PathImpairments.of(self.experiment.link)
+            with Links(
+                backend, self.profile, self.emulator, self.run_id, overrides, paths
+            ) as links:
                 self._write_environment(backend, count)
                 by_link = itertools.groupby(trials, key=lambda t: (t.bandwidth_mbit, t.impairment))
                 for (rate, impairment), grouped in by_link:

@@ -4,6 +4,7 @@ real workers over TCP. Checks the results, not just the exit code, and that noth
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -414,6 +415,37 @@ def test_auto_keeps_the_finest_level_under_delay(tmp_path):
 
 @pytest.mark.netns
 @pytest.mark.slow
+def test_a_pairs_and_a_downlinks_delay(tmp_path):
+    """link.pair_impairments and link.downlink_impairments on the serial link: what device 0
+    sends to device 1 meets 15 ms on the pair's hop and 10 ms on device 1's downlink; what
+    device 1 sends, neither. Device 0's messages take 25 ms more than device 1's, device 1
+    waits 25 ms per message by the model, and every hop's seed is recorded."""
+    path = small_experiment(
+        tmp_path,
+        link={
+            "profile": "ideal",
+            "emulator": "serial",
+            "bandwidth_mbit": [5],
+            "pair_impairments": {"0->1": {"delay_ms": 15}},
+            "downlink_impairments": {1: {"delay_ms": 10}},
+        },
+        methods=[{"name": "voltage"}],
+        repeats=3,
+    )
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    results = load(run_dir)
+    trials = results.trials.set_index("rank")
+    assert (trials.loc[1, "analytic_delay_ms"] == 4 * 25).all()  # vit-tiny: 4 messages
+    assert (trials.loc[0, "analytic_delay_ms"] == 0).all()
+    comm = results.layers.groupby("rank")["comm_ms"].median()
+    assert 24 <= comm[0] - comm[1] <= 27, comm
+    shaping = json.loads(next((run_dir / "links").glob("*.json")).read_text())
+    assert {"0", "1", "down1", "0->1"} <= set(shaping["impairment_seeds"]), shaping
+
+
 def test_a_devices_own_uplink_delay(tmp_path):
     """link.uplink_impairments on the serial link: device 1's uplink has 20 ms of delay,
     device 0's none. Device 1's messages take 20 ms more than device 0's; each row names its

@@ -149,12 +149,20 @@ def run_pair(devices: Devices, receiver: list[str], sender: list[str]) -> tuple[
     return out, tx.stdout
 
 
+def message_times_s(
+    devices: Devices, switch: SerialSwitch, size: int, count: int, gap_s: float
+) -> list[tuple[float, float]]:
+    """`count` messages of `size` bytes from a to b, `gap_s` apart: (sent, received) of each,
+    by time.time() and the kernel's receive timestamp of its last byte."""
+    to = [switch.address(1), str(PORT), str(size), str(count)]
+    received, sent = run_pair(devices, [MESSAGE_RECEIVER, *to], [MESSAGE_SENDER, *to, str(gap_s)])
+    return list(zip(json.loads(sent), json.loads(received), strict=True))
+
+
 def message_latencies_s(
     devices: Devices, switch: SerialSwitch, size: int, count: int, gap_s: float
 ) -> list[float]:
-    to = [switch.address(1), str(PORT), str(size), str(count)]
-    received, sent = run_pair(devices, [MESSAGE_RECEIVER, *to], [MESSAGE_SENDER, *to, str(gap_s)])
-    return [r - s for r, s in zip(json.loads(received), json.loads(sent), strict=True)]
+    return [r - s for s, r in message_times_s(devices, switch, size, count, gap_s)]
 
 
 def test_an_isolated_message_takes_its_wire_time(devices: Devices, switch: SerialSwitch) -> None:

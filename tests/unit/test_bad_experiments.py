@@ -269,6 +269,32 @@ CASES: list[tuple[str, str, str]] = [
         "link.pair_mbit: per-pair rates with profile 'device 0's uplink'",
     ),
     (
+        "downlink-impairment-jitter-alone",
+        exp("link: {downlink_impairments: {1: {jitter_ms: 5}}}\n"),
+        "link.downlink_impairments: device 1: jitter_ms: jitter needs a delay",
+    ),
+    (
+        "downlink-impairment-rank-out",
+        exp("link: {downlink_impairments: {3: {delay_ms: 5}}}\n"),
+        "link.downlink_impairments: device 3 does not exist: devices.count is at most 2",
+    ),
+    (
+        "pair-impairment-self",
+        exp("link: {pair_impairments: {'1->1': {delay_ms: 5}}}\n"),
+        "link.pair_impairments: pair '1->1': a device does not send to itself",
+    ),
+    (
+        "pair-impairment-loss-range",
+        exp("link: {pair_impairments: {'0->1': {loss_pct: -1}}}\n"),
+        "link.pair_impairments: pair 0->1: loss_pct: must lie in 0..100, got -1",
+    ),
+    (
+        "pair-impairment-tbf",
+        exp("link: {pair_impairments: {'0->1': {delay_ms: 5}}, emulator: tbf}\n"),
+        "link.pair_impairments: the tbf emulator impairs uplinks only (link.uplink_impairments); "
+        "downlink and per-pair impairments need serial",
+    ),
+    (
         "profile-jitter-alone",
         exp("link: {profile: {tmp}/jitter.yaml}\n"),
         "link.profile: {tmp}/jitter.yaml: invalid link profile: jitter_ms: jitter needs a delay",

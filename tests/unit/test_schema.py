@@ -209,3 +209,23 @@ def test_a_devices_own_uplink_impairments_and_what_its_peers_wait_for():
     assert rows[(2, 0)].analytic_delay_ms > 0 and rows[(2, 1)].analytic_delay_ms == 0
     assert rows[(3, 2)].analytic_delay_ms == rows[(3, 0)].analytic_delay_ms > 0
     assert rows[(3, 0)].analytic_delay_ms % 30 == 0
+
+
+def test_a_pairs_and_a_downlinks_delay_add_to_what_the_receiver_waits_for():
+    """0 -> 1 crosses 0's uplink (5 ms), the pair's hop (40 ms) and 1's downlink (10 ms);
+    1 -> 0 only 1's uplink (5 ms)."""
+    experiment = parse_experiment(
+        with_(
+            link={
+                "bandwidth_mbit": [10],
+                "uplink_impairments": [{"delay_ms": 5}, {"delay_ms": 5}],
+                "downlink_impairments": {1: {"delay_ms": 10}},
+                "pair_impairments": {"0->1": {"delay_ms": 40, "loss_pct": 1}},
+            },
+            methods=[{"name": "voltage"}],
+        )
+    )
+    assert experiment.link.impaired_pairs() == {(0, 1): {"delay_ms": 40, "loss_pct": 1}}
+    rows = {r.rank: r for r in plan_rows(experiment, plan_trials(experiment))}
+    messages = rows[0].analytic_delay_ms / 5
+    assert rows[1].analytic_delay_ms == pytest.approx(messages * 55)

@@ -14,9 +14,12 @@ import pytest
 
 from devices.clock import SO_TIMESTAMPNS_NEW, SO_TIMESTAMPNS_OLD, kernel_timestamp_ns
 from testbed.errors import ShapingError
+from testbed.experiment.impairments import checked
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.netns import in_netns
+from testbed.link.serial.impairments import Impairments
 from testbed.link.serial.program import (
+    Port,
     PortCounters,
     Switch,
     parse_args,
@@ -176,6 +179,25 @@ def test_downlink_and_pair_commands() -> None:
         parse_command("down p0 -1", ports)
 
 
+def test_impair_commands_name_their_hop() -> None:
+    ports = ["p0", "p1"]
+    delay = checked({"delay_ms": 3})
+    assert parse_command('impair-pair p0 p1 5 {"delay_ms": 3}', ports) == Command(
+        "impair-pair", "p0", target="p1", seed=5, parameters=delay
+    )
+    assert parse_command('impair-down p1 6 {"delay_ms": 3}', ports) == Command(
+        "impair-down", "p1", seed=6, parameters=delay
+    )
+    with pytest.raises(ShapingError, match="impair-pair: unknown port 'p9'"):
+        parse_command("impair-pair p0 p9 5 {}", ports)
+    with pytest.raises(ShapingError, match="impair-pair: expected 'impair-pair SRC DST SEED"):
+        parse_command("impair-pair p0 5 {}", ports)
+    with pytest.raises(ShapingError, match="impair-down p0: the seed must be a whole number"):
+        parse_command("impair-down p0 x {}", ports)
+    with pytest.raises(ShapingError, match="impair-pair p0 p1: loss_pct"):
+        parse_command('impair-pair p0 p1 1 {"loss_pct": 101}', ports)
+
+
 def test_counters_keep_totals_means_and_maxima() -> None:
     counters = PortCounters()
     counters.record(1514, queued_s=0.0, late_s=10e-6, due_s=100.0)
@@ -205,7 +227,8 @@ def frame(destination: str, source: str) -> bytes:
     return bytes.fromhex(destination.replace(":", "")) + bytes.fromhex(source.replace(":", ""))
 
 
-A, B, BROADCAST = "02:00:00:00:00:0a", "02:00:00:00:00:0b", "ff:ff:ff:ff:ff:ff"
+A, B, C = "02:00:00:00:00:0a", "02:00:00:00:00:0b", "02:00:00:00:00:0c"
+BROADCAST = "ff:ff:ff:ff:ff:ff"
 
 
 def test_the_switch_floods_unknown_and_broadcast_then_learns() -> None:
@@ -245,23 +268,70 @@ class RatedPort(FakePort):
     def __init__(self, name: str, rate_bit_s: float):
         super().__init__(name)
         self.rate_bit_s, self.down_bit_s = rate_bit_s, None
+        self.down_impairments, self.hops, self.hop_delay_s = None, False, 0.0
+        self.resized = 0
+
+    def _size_queue(self) -> None:
+        self.resized += 1
 
 
 def test_a_frame_takes_the_least_of_uplink_downlink_and_pair() -> None:
     ports = [RatedPort("p0", 2e6), RatedPort("p1", 10e6)]
     switch = Switch(ports)  # type: ignore[arg-type]
     to_b, to_a = frame(B, A), frame(A, B)
-    assert switch.frame_rate(ports[0], to_b) == 2e6  # B not learned yet: the uplink
+
+    def rate(port, frame):
+        bit_s, hops = switch.route(port, frame)
+        assert hops == ()
+        return bit_s
+
+    assert rate(ports[0], to_b) == 2e6  # B not learned yet: the uplink
     switch.forward(ports[1], frame(BROADCAST, B))
     switch.forward(ports[0], frame(BROADCAST, A))
-    assert switch.frame_rate(ports[0], to_b) == 2e6 and switch.frame_rate(ports[1], to_a) == 10e6
+    assert rate(ports[0], to_b) == 2e6 and rate(ports[1], to_a) == 10e6
     assert switch.execute("down p0 3000000") == "ok"
-    assert switch.frame_rate(ports[1], to_a) == 3e6  # p0's downlink
-    assert switch.frame_rate(ports[1], frame(BROADCAST, B)) == 10e6  # broadcasts: the uplink
+    assert rate(ports[1], to_a) == 3e6  # p0's downlink
+    assert rate(ports[1], frame(BROADCAST, B)) == 10e6  # broadcasts: the uplink
     assert switch.execute("pair p1 p0 1000000") == "ok"
-    assert switch.frame_rate(ports[1], to_a) == 1e6
+    assert rate(ports[1], to_a) == 1e6
     assert switch.execute("pair p1 p0 0") == "ok" and switch.execute("down p0 0") == "ok"
-    assert switch.frame_rate(ports[1], to_a) == 10e6
+    assert rate(ports[1], to_a) == 10e6
+
+
+def test_later_hops_are_the_pairs_then_the_receivers_downlink() -> None:
+    """impair-pair and impair-down add hops to the frames of a learned receiver; the
+    senders that may meet them read ahead, their queues sized for the longest delay."""
+    ports = [RatedPort("p0", 2e6), RatedPort("p1", 10e6), RatedPort("p2", 10e6)]
+    switch = Switch(ports)  # type: ignore[arg-type]
+    for port, mac in zip(ports, (A, B, C), strict=True):
+        switch.forward(port, frame(BROADCAST, mac))
+    assert switch.execute('impair-pair p1 p0 7 {"delay_ms": 40}') == "ok"
+    rate, hops = switch.route(ports[1], frame(A, B))
+    assert rate == 10e6 and [hop.max_delay_s for hop in hops] == [0.04]
+    assert switch.route(ports[2], frame(A, C)) == (10e6, ())  # not that pair
+    assert switch.route(ports[1], frame(BROADCAST, B)) == (10e6, ())
+    assert [p.hop_delay_s for p in ports] == [0.0, 0.04, 0.0] and ports[1].resized == 1
+    assert switch.execute('impair-down p0 3 {"delay_ms": 5, "loss_pct": 1}') == "ok"
+    _, hops = switch.route(ports[1], frame(A, B))
+    assert [hop.max_delay_s for hop in hops] == [0.04, 0.005]  # the pair's, then p0's downlink
+    assert [p.hop_delay_s for p in ports] == pytest.approx([0.0, 0.045, 0.005])
+    assert [p.hops for p in ports] == [False, True, True]
+    assert switch.execute("impair-pair p1 p0 7 {}") == "ok"
+    assert switch.execute("impair-down p0 3 {}") == "ok"
+    assert [p.hops for p in ports] == [False] * 3 and switch.route(ports[1], frame(A, B))[1] == ()
+    answer = switch.execute('impair-down p0 3 {"delay_ms": -1}')
+    assert answer.startswith("error impair-down p0: delay_ms")
+
+
+def test_each_copy_meets_the_later_hops_in_turn() -> None:
+    port = Port("p0", 1e6, 50.0, 0.0)
+    delayed, doubled = Impairments({"delay_ms": 40}, 1), Impairments({"duplicate_pct": 100}, 2)
+    assert port._hop_delays([delayed, doubled], 0.0) == pytest.approx([0.04, 0.04])
+    assert port.counters.duplicated == 1 and port.counters.lost == 0
+    assert port._hop_delays([Impairments({"loss_pct": 100}, 3), delayed], 0.0) == []
+    assert port.counters.lost == 1
+    reordered = Impairments({"delay_ms": 40, "reorder_pct": 100}, 4)
+    assert port._hop_delays([reordered], 0.0) == [0.0] and port.counters.reordered == 1
 
 
 SUBNET = ipaddress.IPv4Network("10.214.3.0/24")

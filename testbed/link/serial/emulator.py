@@ -30,14 +30,16 @@ from testbed.link.serial.switch import SerialSwitch
 DEFAULT_RATE_MBIT = 10.0  # the ports' rate until the first shaping
 
 
-def port_seed(seed: int, devices: int, rate_mbit: float, rank: int) -> int:
-    """A port's seed: 63 bits of SHA-256 over what identifies its session and its place."""
-    text = f"{seed}:{devices}:{rate_mbit!r}:{rank}"
+def port_seed(seed: int, devices: int, rate_mbit: float, place: int | str) -> int:
+    """A hop's seed: 63 bits of SHA-256 over what identifies its session and its place (a
+    port's rank for its uplink, "down1" for a downlink, "0->1" for a pair)."""
+    text = f"{seed}:{devices}:{rate_mbit!r}:{place}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
 
 class SerialEmulator(Emulator):
     name = "serial"
+    impairs_paths = True
 
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         super().__init__(backend, profile, run_id)
@@ -86,20 +88,40 @@ class SerialEmulator(Emulator):
         assert self.switch is not None
         self.switch.set_rates(rates.uplink_mbit, rates.downlink_mbit, dict(rates.pair_mbit))
         if not in_place:
+            paths = self.paths.within(rates.devices)
             for rank in range(rates.devices):
                 self.switch.impair(rank, {}, 0)
+            for rank in paths.downlink:
+                self.switch.impair(rank, {}, 0, hop="down")
+            for source, target in paths.pair:
+                self.switch.impair(source, {}, 0, hop="pair", target=target)
 
     def impair(self, rates: LinkRates, step: int = 0) -> None:
         """Every port's impairments (its device's uplink profile), with a fresh generator
         seeded by that profile's seed (plus a trace's step), the device count, the swept rate
-        and the port: a session that repeats another's traffic meets the same draws."""
+        and the port: a session that repeats another's traffic meets the same draws. Then
+        the receivers' downlinks and the pairs (testbed.link.paths), each seeded likewise by
+        its place, left alone by a trace's steps (which change the uplinks)."""
         assert self.switch is not None
-        self.seeds = {}
-        for rank in range(rates.devices):
+        if not step:
+            self.seeds = {}
+        devices, swept = rates.devices, rates.swept_mbit
+        for rank in range(devices):
             uplink = self.uplink(rank)
-            seed = port_seed(uplink.seed + step, rates.devices, rates.swept_mbit, rank)
+            seed = port_seed(uplink.seed + step, devices, swept, rank)
             self.switch.impair(rank, uplink.impairments(), seed)
-            self.seeds[rank] = seed
+            self.seeds[str(rank)] = seed
+        if step:  # the later hops do not change with a trace's steps: their draws go on
+            return
+        paths = self.paths.within(devices)
+        for rank, parameters in paths.downlink.items():
+            seed = port_seed(self.profile.seed, devices, swept, f"down{rank}")
+            self.switch.impair(rank, dict(parameters), seed, hop="down")
+            self.seeds[f"down{rank}"] = seed
+        for (source, target), parameters in paths.pair.items():
+            seed = port_seed(self.profile.seed, devices, swept, f"{source}->{target}")
+            self.switch.impair(source, dict(parameters), seed, hop="pair", target=target)
+            self.seeds[f"{source}->{target}"] = seed
 
     def counters(self) -> dict[int, LinkCounters]:
         """Bytes carried (each device's `sl0` qdisc), every port's stalls and impairment

@@ -34,6 +34,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -228,6 +229,7 @@ class Impairments:
         self.reorder_random = Correlated(rng, float(values["reorder_correlation_pct"]))
         self.gap = int(values["reorder_gap"] or (1 if self.reorder else 0))
         self.counter = 0
+        self.lock = threading.Lock()  # for a hop that several ports' threads draw from
         # the longest delay it may draw: a table's tail reaches max |t| / 8192 jitters
         reach = 1.0 if table is None else max(map(abs, table)) / DIST_SCALE
         self.max_delay_s = (float(values["delay_ms"]) + float(values["jitter_ms"]) * reach) / 1e3

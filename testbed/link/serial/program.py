@@ -56,6 +56,14 @@ Decisions:
   losses (see `testbed.link.serial.switch` for the tbf in front that avoids them).
 - Frames this program sends do not loop back to its sockets (PACKET_IGNORE_OUTGOING; where it
   is missing, PACKET_OUTGOING frames are skipped).
+- Later hops (`testbed.link.paths`): a frame for a learned receiver then meets the pair's
+  impairments and the receiver's downlink's, each drawn on its own (`impair-pair`,
+  `impair-down`; the downlink's generator, which every sender draws from, under a lock).
+  Their delays come after the line: the frame is clocked out at its rate as before, then
+  sent that much later, so a frame for a far receiver does not hold up the next frame for a
+  near one (the port reads ahead, as with reordering). A hop's loss drops the frame after
+  its line time, a hop's duplicate leaves twice without more line time, and a hop's reorder
+  skips that hop's delay.
 - Forwarding: source MAC -> port is learned; broadcast, multicast and unknown destinations are
   flooded to every other port; a frame for the port it came from is dropped.
 - SCHED_FIFO when permitted (else a warning) and a 50 us GIL switch interval, so that one
@@ -64,7 +72,8 @@ Decisions:
 Protocol: `python -m testbed.link.serial.program serve PORT=RATE_BIT_S ...` prints `ready` once
 every port is open, then answers one line on stdout per command line on stdin: `rate PORT BIT_S` ->
 `ok`; `down PORT BIT_S` (0: unshaped) -> `ok`; `pair SRC DST BIT_S` (0: none) -> `ok`;
-`impair PORT SEED JSON` (netem's parameters, `testbed.experiment.impairments`) -> `ok`;
+`impair PORT SEED JSON` (netem's parameters, `testbed.experiment.impairments`), `impair-down
+PORT SEED JSON`, `impair-pair SRC DST SEED JSON` -> `ok`;
 `stats` -> JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
 `testbed.link.serial.protocol` parses the command line and the commands.
 """
@@ -234,6 +243,9 @@ class Port:
         self.name, self.rate_bit_s, self.queue_ms, self.spin_s = name, rate_bit_s, queue_ms, spin_s
         self.cpus = cpus  # where this port's thread runs: the CPUs of the device sending into it
         self.down_bit_s: float | None = None  # what its device receives at most (None: any)
+        self.down_impairments: Impairments | None = None  # what its device receives meets
+        # whether its frames may meet later hops, and the longest delay of those (the switch's)
+        self.hops, self.hop_delay_s = False, 0.0
         self.sock: socket.socket | None = None
         self.free_at_s = 0.0
         self.counters = PortCounters()
@@ -269,9 +281,13 @@ class Port:
 
     def _size_queue(self) -> None:
         """The queue holds `queue_ms` at the rate, and the frames in flight during the
-        longest delay the port may draw (they wait in it while their delay runs)."""
+        longest delay the port may draw, its own and a later hop's (they wait in it while
+        their delay runs)."""
         assert self.sock is not None
-        delay_ms = 0.0 if self.impairments is None else 1e3 * self.impairments.max_delay_s
+        delay_s = self.hop_delay_s
+        if self.impairments is not None:
+            delay_s += self.impairments.max_delay_s
+        delay_ms = 1e3 * delay_s
         frames = queue_frames(self.rate_bit_s, self.queue_ms + delay_ms)
         self.queue_limit = frames
         self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_request_bytes(frames))
@@ -298,12 +314,19 @@ class Port:
             self._warned_clock = True
         return now_s
 
-    def serve(self, forward: Any, frame_rate: Any = None) -> None:
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether frames are read as they come (one may overtake another): reordering, or
+        later hops whose delays differ by receiver."""
+        reorders = self.impairments is not None and self.impairments.reorder
+        return bool(reorders or self.hop_delay_s)
+
+    def serve(self, forward: Any, route: Any = None) -> None:
         """Reads, schedules, clocks out and forwards this port's frames, forever;
-        `frame_rate(port, frame)` gives a frame's rate (else the port's). Frames leave in the
-        order of their schedule (`pending`); without reordering a frame is read only once the
-        one before it has left (it waits in the socket's queue, with its kernel timestamp),
-        with reordering frames are read as they come, so that one may overtake."""
+        `route(port, frame)` gives a frame's rate and later hops (else the port's rate, no
+        hops). Frames leave in the order of their schedule (`pending`); a frame is read only
+        once the one before it has left (it waits in the socket's queue, with its kernel
+        timestamp), unless the port `reads_ahead`."""
         assert self.sock is not None
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)  # this thread only
@@ -311,13 +334,13 @@ class Port:
         view = memoryview(buffer)
         while True:
             if not self.pending:
-                self._read(buffer, view, frame_rate)
+                self._read(buffer, view, route)
                 continue
             due_s = self.pending[0][0]
-            if self.impairments is not None and self.impairments.reorder:
+            if self.reads_ahead:
                 wait_s = due_s - time.time()
                 if wait_s > 0 and select.select([self.sock], [], [], wait_s)[0]:
-                    self._read(buffer, view, frame_rate)
+                    self._read(buffer, view, route)
                     continue
             else:  # only a frame that found the line free polls: see "Waiting"
                 wait_until(due_s, self.spin_s if self.pending[0][3] == 0.0 else 0.0)
@@ -326,14 +349,14 @@ class Port:
             forward(self, frame)
             self.counters.record(len(frame), queued_s, late_s, due_s)
 
-    def _read(self, buffer: bytearray, view: memoryview, frame_rate: Any) -> None:
+    def _read(self, buffer: bytearray, view: memoryview, route: Any) -> None:
         """One frame from the socket, scheduled: each copy it is sent as gets its time."""
         assert self.sock is not None
         size, ancillary, _, address = self.sock.recvmsg_into([buffer], ANCILLARY_BYTES)
         if address[2] == socket.PACKET_OUTGOING:
             return
         arrival_s = self.arrival_s(ancillary)
-        rate_bit_s = frame_rate(self, view) if frame_rate else self.rate_bit_s
+        rate_bit_s, hops = route(self, view) if route else (self.rate_bit_s, ())
         impairments = self.impairments
         copies = UNIMPAIRED if impairments is None else impairments.frame()
         if len(copies) != 1:
@@ -350,7 +373,25 @@ class Port:
                 ready_s = arrival_s + copy.delay_s
                 start_s, send_s = departure_s(ready_s, self.free_at_s, size, rate_bit_s)
                 self.free_at_s, queued_s = send_s, start_s - ready_s
-            heapq.heappush(self.pending, (send_s, next(self.order), frame, queued_s))
+            for after_s in self._hop_delays(hops, arrival_s) if hops else (0.0,):
+                heapq.heappush(self.pending, (send_s + after_s, next(self.order), frame, queued_s))
+
+    def _hop_delays(self, hops: Sequence[Impairments], arrival_s: float) -> list[float]:
+        """What one copy meets after the line: the delay of each copy the later hops send of
+        it (none: a hop lost it), each hop drawing for every copy the one before let through."""
+        delays = [0.0]
+        for hop in hops:
+            with hop.lock:  # a downlink's generator is every sender's
+                drawn = [(before, hop.frame()) for before in delays]
+            delays = []
+            for before, copies in drawn:
+                if len(copies) != 1:
+                    self.counters.impaired(arrival_s, lost=not copies, duplicated=len(copies) > 1)
+                for copy in copies:
+                    if copy.reordered:
+                        self.counters.reorder(arrival_s)
+                    delays.append(before + copy.delay_s)  # a reordered copy's is 0
+        return delays
 
     def stats(self) -> dict[str, Any]:
         """The counters (drops read from the kernel), the rate and the queue's kernel memory."""
@@ -376,17 +417,46 @@ class Switch:
         self.ports = {port.name: port for port in ports}
         self.learned: dict[bytes, Port] = {}
         self.pair_bit_s: dict[tuple[str, str], float] = {}  # (sending, receiving port)
+        self.pair_impairments: dict[tuple[str, str], Impairments] = {}
 
-    def frame_rate(self, ingress: Port, frame: Any) -> float:
-        """The least of the sender's uplink, the receiver's downlink and their pair's rate;
-        the uplink alone for a broadcast or a receiver not learned yet."""
+    def route(self, ingress: Port, frame: Any) -> tuple[float, tuple[Impairments, ...]]:
+        """A frame's rate, the least of the sender's uplink, the receiver's downlink and their
+        pair's, and the later hops it meets, the pair's then the downlink's; the uplink alone
+        for a broadcast or a receiver not learned yet."""
         destination = bytes(frame[:6])
         egress = None if destination[0] & 1 else self.learned.get(destination)
-        if egress is None or (egress.down_bit_s is None and not self.pair_bit_s):
-            return ingress.rate_bit_s
-        pair = self.pair_bit_s.get((ingress.name, egress.name))
-        limits = (ingress.rate_bit_s, egress.down_bit_s, pair)
-        return min(limit for limit in limits if limit is not None)
+        if egress is None:
+            return ingress.rate_bit_s, ()
+        key = (ingress.name, egress.name)
+        rate_bit_s = ingress.rate_bit_s
+        if egress.down_bit_s is not None or self.pair_bit_s:
+            limits = (rate_bit_s, egress.down_bit_s, self.pair_bit_s.get(key))
+            rate_bit_s = min(limit for limit in limits if limit is not None)
+        if not ingress.hops:
+            return rate_bit_s, ()
+        hops = (self.pair_impairments.get(key), egress.down_impairments)
+        return rate_bit_s, tuple(hop for hop in hops if hop is not None)
+
+    def impair_hop(self, command: Any) -> None:
+        """A downlink's or a pair's impairments (none: parameters that impair nothing), then
+        every port's longest later hop, for its queue and its reading ahead."""
+        impairments = Impairments(command.parameters, command.seed)
+        hop = impairments if impairments.impairing else None
+        if command.name == "impair-down":
+            self.ports[command.port].down_impairments = hop
+        elif hop is None:
+            self.pair_impairments.pop((command.port, command.target), None)
+        else:
+            self.pair_impairments[(command.port, command.target)] = hop
+        for port in self.ports.values():
+            downs = [p.down_impairments for p in self.ports.values() if p is not port]
+            pairs = [i for (source, _), i in self.pair_impairments.items() if source == port.name]
+            longest = max((d.max_delay_s for d in downs if d is not None), default=0.0)
+            hop_delay_s = longest + max((i.max_delay_s for i in pairs), default=0.0)
+            port.hops = bool(pairs) or any(d is not None for d in downs)
+            if hop_delay_s != port.hop_delay_s:
+                port.hop_delay_s = hop_delay_s
+                port._size_queue()
 
     def forward(self, ingress: Port, frame: bytes) -> None:
         destination, source = frame[:6], frame[6:12]
@@ -408,7 +478,7 @@ class Switch:
 
     def _serve(self, port: Port) -> None:
         try:
-            port.serve(self.forward, self.frame_rate)
+            port.serve(self.forward, self.route)
         except BaseException:
             log.exception("port %s failed; the serial link stops", port.name)
             sys.stderr.flush()
@@ -423,12 +493,15 @@ class Switch:
         if command.name == "stats":
             return json.dumps({name: port.stats() for name, port in self.ports.items()})
         assert command.port is not None
-        if command.name == "impair":
+        if command.name.startswith("impair"):
             assert command.parameters is not None and command.seed is not None
             try:
-                self.ports[command.port].impair(command.parameters, command.seed)
+                if command.name == "impair":
+                    self.ports[command.port].impair(command.parameters, command.seed)
+                else:
+                    self.impair_hop(command)
             except (OSError, ValueError) as error:  # a table missing, resizing the queue
-                return f"error impair {command.port}: {error}"
+                return f"error {command.name} {command.port}: {error}"
             return "ok"
         if command.name == "down":
             self.ports[command.port].down_bit_s = command.rate_bit_s

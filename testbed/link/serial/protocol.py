@@ -1,6 +1,7 @@
 """What the serial link program (`testbed.link.serial.program`) is told: its ports on the command
 line (`IFNAME=RATE_BIT_S`, `PORT=CPULIST`) and its commands on stdin (`rate PORT BIT_S`, `down PORT
-BIT_S`, `pair SRC DST BIT_S`, `impair PORT SEED JSON`, `stats`), parsed and checked. Pure and
+BIT_S`, `pair SRC DST BIT_S`, `impair PORT SEED JSON`, `impair-down PORT SEED JSON`,
+`impair-pair SRC DST SEED JSON`, `stats`), parsed and checked. Pure and
 stdlib only, like the program; every error is a ShapingError that names what is wrong.
 """
 
@@ -60,8 +61,9 @@ def _rate(text: str, where: str) -> float:
 @dataclass(frozen=True)
 class Command:
     """One stdin command: `rate` or `down` (a port and a rate), `pair` (two ports and a
-    rate; `target` is the receiving port), `impair` (a port, a seed and the impairments of
-    `testbed.experiment.impairments`), or `stats`. A `down` or `pair` rate of None removes
+    rate; `target` is the receiving port), `impair` or `impair-down` (a port, a seed and the
+    impairments of `testbed.experiment.impairments`), `impair-pair` (two ports, a seed and
+    impairments), or `stats`. A `down` or `pair` rate of None removes
     it."""
 
     name: str
@@ -78,7 +80,7 @@ def parse_command(line: str, ports: Iterable[str]) -> Command:
     words, known = line.split(), list(ports)
     if words == ["stats"]:
         return Command("stats")
-    if words[:1] == ["impair"]:
+    if words[:1] and words[0] in IMPAIR_COMMANDS:
         return _impair(line, known)
     named = words[1:-1]
     for port in named:
@@ -93,7 +95,8 @@ def parse_command(line: str, ports: Iterable[str]) -> Command:
         return Command("pair", words[1], rate, words[2])
     raise ShapingError(
         f"unknown command {line.strip()!r}: expected 'rate PORT BIT_S', 'down PORT BIT_S', "
-        "'pair SRC DST BIT_S', 'impair PORT SEED JSON' or 'stats'"
+        "'pair SRC DST BIT_S', 'impair PORT SEED JSON', 'impair-down PORT SEED JSON', "
+        "'impair-pair SRC DST SEED JSON' or 'stats'"
     )
 
 
@@ -101,18 +104,29 @@ def _optional_rate(text: str, where: str) -> float | None:
     return None if text == "0" else _rate(text, where)
 
 
+IMPAIR_COMMANDS = {"impair": 1, "impair-down": 1, "impair-pair": 2}  # -> ports named
+
+
 def _impair(line: str, ports: list[str]) -> Command:
-    """`impair PORT SEED {"delay_ms": 20, ...}`: the JSON is checked here, as profiles are."""
-    words = line.split(maxsplit=3)
-    if len(words) != 4:
-        raise ShapingError("impair: expected 'impair PORT SEED JSON'")
-    _, port, seed, text = words
-    if port not in ports:
-        raise ShapingError(f"impair: unknown port {port!r} (ports: {', '.join(ports)})")
+    """`impair PORT SEED {"delay_ms": 20, ...}` (what PORT's device sends), `impair-down
+    PORT SEED JSON` (what it receives), `impair-pair SRC DST SEED JSON`: the JSON is checked
+    here, as profiles are."""
+    name = line.split()[0]
+    named = IMPAIR_COMMANDS[name]
+    words = line.split(maxsplit=named + 2)
+    usage = f"{name} {'SRC DST' if named == 2 else 'PORT'} SEED JSON"
+    if len(words) != named + 3:
+        raise ShapingError(f"{name}: expected '{usage}'")
+    *places, seed, text = words[1:]
+    for port in places:
+        if port not in ports:
+            raise ShapingError(f"{name}: unknown port {port!r} (ports: {', '.join(ports)})")
+    where = f"{name} {' '.join(places)}"
     if not seed.isdigit():
-        raise ShapingError(f"impair {port}: the seed must be a whole number >= 0, got {seed!r}")
+        raise ShapingError(f"{where}: the seed must be a whole number >= 0, got {seed!r}")
     try:
         parameters = checked(json.loads(text))
     except (ValueError, TypeError, AttributeError) as error:  # ImpairmentError is a ValueError
-        raise ShapingError(f"impair {port}: {error}") from None
-    return Command("impair", port, seed=int(seed), parameters=parameters)
+        raise ShapingError(f"{where}: {error}") from None
+    target = places[1] if named == 2 else None
+    return Command(name, places[0], target=target, seed=int(seed), parameters=parameters)

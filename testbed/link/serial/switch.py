@@ -356,13 +356,29 @@ class SerialSwitch:
         for rank in self.ranks:
             self._shape(rank)
 
-    def impair(self, rank: int, parameters: dict[str, Any], seed: int) -> None:
-        """netem's impairments (testbed.experiment.impairments) on device `rank`'s frames
-        from now on, drawn from `seed`."""
-        if rank not in self.ranks:
-            raise ShapingError(f"serial switch: no rank {rank} to impair")
-        command = f"impair {self.port(rank)} {seed} {json.dumps(parameters)}"
-        self._ask(command, "ok", f"impair rank {rank}")
+    def impair(
+        self,
+        rank: int,
+        parameters: dict[str, Any],
+        seed: int,
+        hop: str = "up",
+        target: int | None = None,
+    ) -> None:
+        """netem's impairments (testbed.experiment.impairments) from now on, drawn from
+        `seed`, on the frames device `rank` sends (`hop` "up"), receives ("down"), or sends
+        to `target` ("pair"; testbed.link.paths)."""
+        for each in (rank, target):
+            if each is not None and each not in self.ranks:
+                raise ShapingError(f"serial switch: no rank {each} to impair")
+        text = json.dumps(parameters)
+        if hop == "pair":
+            assert target is not None
+            command = f"impair-pair {self.port(rank)} {self.port(target)} {seed} {text}"
+            where = f"impair pair {rank}->{target}"
+        else:
+            command = f"impair{'-down' if hop == 'down' else ''} {self.port(rank)} {seed} {text}"
+            where = f"impair rank {rank}'s {hop}link"
+        self._ask(command, "ok", where)
 
     def stats(self) -> dict[int, dict[str, Any]]:
         """Per rank: frames and bytes its device sent, queue drops, rate, lateness."""
