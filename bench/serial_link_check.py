@@ -8,7 +8,9 @@ receiver `b`, joined by one of:
   `ideal`, the project's two-frame bucket) on a's end, as the project shapes devices today;
 - `serial+tbf`: `testbed.link.serial.switch.SerialSwitch` (its default, backpressure on: tbf at the
   rate on each device's `sl0` in front of the emulator), both ports at the rate;
-- `serial`: the same switch without the tbf (the emulator alone).
+- `serial`: the same switch without the tbf (the emulator alone);
+
+each serial shaper once per `--cores` (the emulator's per-frame loop: c, python).
 
 Messages: `--count` isolated TCP messages of each size (TCP_NODELAY, one connection, spaced
 well past their wire time); latency = the receiver's kernel receive timestamp (SO_TIMESTAMPNS)
@@ -40,7 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from devices.clock import ANCILLARY_BYTES, SO_TIMESTAMPNS_OLD, kernel_timestamp_ns
-from testbed.link.wire import FULL_FRAME_BYTES, TCP_MSS_BYTES, tcp_message_wire_s
+from testbed.link.wire import (
+    FULL_FRAME_BYTES,
+    TCP_FRAME_HEADER_BYTES,
+    TCP_MSS_BYTES,
+    tcp_message_wire_s,
+)
 from testbed.source import python_env
 
 PORT = 5301
@@ -193,13 +200,17 @@ def tbf_bed(prefix: str) -> Iterator[Bed]:
 
 
 @contextlib.contextmanager
-def serial_bed(prefix: str, args: argparse.Namespace, backpressure: bool) -> Iterator[Bed]:
+def serial_bed(
+    prefix: str, args: argparse.Namespace, backpressure: bool, core: str
+) -> Iterator[Bed]:
     from testbed.link.serial.switch import SerialSwitch
 
     with _namespaces(prefix) as names:
         paths = [f"/var/run/netns/{name}" for name in names]
         tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
-        switch = SerialSwitch(tag, paths, SUBNET, 1, backpressure, args.spin_us, args.queue_ms)
+        switch = SerialSwitch(
+            tag, paths, SUBNET, 1, backpressure, args.spin_us, args.queue_ms, core=core
+        )
         with switch:
 
             def set_rate(rate_mbit: float) -> None:
@@ -207,19 +218,24 @@ def serial_bed(prefix: str, args: argparse.Namespace, backpressure: bool) -> Ite
                     switch.set_rate(rank, rate_mbit)
 
             assert switch.process is not None
-            shaper = "serial+tbf" if backpressure else "serial"
+            shaper = f"{'serial+tbf' if backpressure else 'serial'} ({core})"
             addresses = (switch.address(0), switch.address(1))
             yield Bed(shaper, names, addresses, set_rate, switch.process.pid, switch.stats)
 
 
-def many_ports(count: int, rate_mbit: float, seconds: float) -> list[dict[str, float]]:
-    """`count` devices on one serial switch, each sending bulk at `rate_mbit` to the next at
-    the same time: per port, the TCP payload rate / target and the emulator's stalls."""
+def many_ports(
+    count: int, rate_mbit: float, seconds: float, core: str | None = None
+) -> list[dict[str, float]]:
+    """`count` devices on one serial switch (its per-frame loop `core`: c, python, or the
+    program's default), each sending bulk at `rate_mbit` to the next at the same time: per
+    port, the TCP payload rate / target (what the line leaves its data beside the ACKs it
+    carries for the flow its device receives) and the emulator's stalls."""
     from testbed.link.serial.switch import SerialSwitch
 
     with _namespaces(f"tbmany-{os.getpid()}", count) as names:
         paths = [f"/var/run/netns/{name}" for name in names]
-        with SerialSwitch(f"{os.getpid() & 0xFFFFFFFF:08x}", paths, SUBNET, 1) as switch:
+        tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
+        with SerialSwitch(tag, paths, SUBNET, 1, core=core) as switch:
             for rank in range(count):
                 switch.set_rate(rank, rate_mbit)
             before = switch.stats()
@@ -260,9 +276,19 @@ def many_ports(count: int, rate_mbit: float, seconds: float) -> list[dict[str, f
     for rank, result in enumerate(results):
         payload_mbit = result["steady_bytes"] * 8 / result["steady_s"] / 1e6
         window = _window(before[rank], after[rank])
+        # a port's line carries its device's data and the ACKs of the flow it receives (2-4%
+        # of the line at one ACK per one or two segments): the data gets the rest
+        frames = after[rank]["frames"] - before[rank]["frames"]
+        line_bytes = after[rank]["bytes"] - before[rank]["bytes"]
+        data_frames = (line_bytes - TCP_FRAME_HEADER_BYTES * frames) / (
+            FULL_FRAME_BYTES - TCP_FRAME_HEADER_BYTES
+        )
+        data_share = data_frames * FULL_FRAME_BYTES / line_bytes
+        target_mbit = rate_mbit * data_share * result["mss"] / FULL_FRAME_BYTES
         rows.append(
             {
-                "ratio": payload_mbit / (rate_mbit * result["mss"] / FULL_FRAME_BYTES),
+                "ratio": payload_mbit / target_mbit,
+                "data_share": data_share,
                 "stalls": window["stalls"],
                 "stalled_ms": window["stalled_ms"],
                 "drops": window["drops"],
@@ -414,6 +440,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=["tbf", "serial+tbf", "serial"],
         choices=["tbf", "serial+tbf", "serial"],
     )
+    parser.add_argument(
+        "--cores",
+        nargs="+",
+        default=["c", "python"],
+        choices=["c", "python"],
+        help="the serial shapers' per-frame loops, each a bed of its own",
+    )
     parser.add_argument("--spin-us", type=float, default=None, help="the emulator's --spin-us")
     parser.add_argument("--queue-ms", type=float, default=None, help="the emulator's --queue-ms")
     return parser.parse_args(argv)
@@ -447,12 +480,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     messages, bulks = list(MESSAGE_HEADER), list(BULK_HEADER)
     prefix = f"tbbench-{os.getpid()}"
+    beds: list[Callable[[], contextlib.AbstractContextManager[Bed]]] = []
     for shaper in args.shapers:
         if shaper == "tbf":
-            bed = tbf_bed(prefix)
-        else:
-            bed = serial_bed(prefix, args, backpressure=shaper == "serial+tbf")
-        with bed as ready:
+            beds.append(lambda: tbf_bed(prefix))
+        for core in [] if shaper == "tbf" else args.cores:
+            backpressure = shaper == "serial+tbf"
+            beds.append(lambda b=backpressure, c=core: serial_bed(prefix, args, b, c))
+    for bed in beds:
+        with bed() as ready:
             rows = run_bed(ready, args)
         messages += rows[0]
         bulks += rows[1]

@@ -93,6 +93,7 @@ class Links:
         run_id: str,
         overrides: RateOverrides | None = None,
         paths: PathImpairments | None = None,
+        draws: bool = True,
     ):
         self.backend, self.profile = backend, profile
         self.overrides = overrides or RateOverrides()
@@ -107,7 +108,7 @@ class Links:
                 "emulator impairs uplinks only"
             )
         self.emulator = emulator(backend, profile, run_id)
-        self.emulator.paths = paths
+        self.emulator.paths, self.emulator.draws = paths, draws
         self.emulator.start()
 
     def shape(

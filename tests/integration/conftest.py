@@ -48,9 +48,13 @@ def devices(root: None) -> Iterator[Devices]:
 
 
 @pytest.fixture
-def switch(devices: Devices) -> Iterator[SerialSwitch]:
-    """The switch at 1 Mbit/s; stopped, and checked gone, whether the test passed or not."""
-    serial = SerialSwitch(f"{os.getpid() & 0xFFFFFFFF:08x}", devices.paths, SUBNET, rate_mbit=1)
+def switch(request: pytest.FixtureRequest, devices: Devices) -> Iterator[SerialSwitch]:
+    """The switch at 1 Mbit/s, its per-frame loop the test module's `SWITCH_CORE` (c,
+    python; the program's default where it names none); stopped, and checked gone, whether
+    the test passed or not."""
+    core = getattr(request.module, "SWITCH_CORE", None)
+    tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
+    serial = SerialSwitch(tag, devices.paths, SUBNET, rate_mbit=1, core=core)
     try:
         yield serial.start()
     finally:

@@ -13,6 +13,9 @@ receiver the scheduler delays does not skew it:
 - `set_rate` changes what a 15 KB message takes, down and up.
 - `stop()` leaves no namespace, link or process behind.
 
+The switch runs its C core here (a build that fails fails the tests); the Python loop is
+judged with impairments in test_impairments_netns.
+
 Device `a` is given to the switch as /var/run/netns/<name> (the local backend's kind of path),
 device `b` as /proc/<pid>/ns/net of a process holding it (a container's kind).
 """
@@ -36,6 +39,7 @@ from testbed.link.wire import FULL_FRAME_BYTES, tcp_message_wire_s
 from tests.integration.conftest import SUBNET, Devices, namespaces
 
 pytestmark = pytest.mark.netns
+SWITCH_CORE = "c"  # the loop of a switch without impairments (test_impairments_netns: python)
 
 PORT = 5311
 MBIT = 1_000_000

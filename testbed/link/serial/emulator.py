@@ -74,7 +74,9 @@ class SerialEmulator(Emulator):
         paths = [d.netns_path for d in backend.devices if d.netns_path is not None]
         rate = self.profile.rate_mbit or DEFAULT_RATE_MBIT
         cpusets = [d.cpuset for d in backend.devices]
-        switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, cpusets=cpusets)
+        # a run of rates alone gets the C core where it builds; impairments are Python's
+        core = "python" if self.draws else None
+        switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, cpusets=cpusets, core=core)
         self.switch = switch.start()  # a switch that fails to start removes what it made
         backend.devices = [
             replace(d, address=switch.address(d.rank), interface=switch.interface)

@@ -66,6 +66,12 @@ Decisions:
   skips that hop's delay.
 - Forwarding: source MAC -> port is learned; broadcast, multicast and unknown destinations are
   flooded to every other port; a frame for the port it came from is dropped.
+- Core (`--core`): the per-frame loop of a switch that draws no impairments runs in C
+  (`core.c`, built with the machine's gcc on first use: `testbed.link.serial.core`), one
+  thread per port with the interpreter's lock released, the same schedule and counters; the
+  Python loop below runs where impairments are drawn (`--core python`) or where the C core
+  cannot be built (`auto`, the default, says so in a warning). A C switch refuses an
+  `impair` that impairs anything. Measured with make bench: see docs/benchmarks.md.
 - SCHED_FIFO when permitted (else a warning) and a 50 us GIL switch interval, so that one
   port's thread does not hold up another's frame.
 
@@ -99,6 +105,9 @@ from typing import Any
 
 from devices.clock import ANCILLARY_BYTES, enable_rx_timestamps, kernel_timestamp_ns
 from testbed.errors import ShapingError
+from testbed.experiment.impairments import impaired
+from testbed.link.serial.core import counters as core_counters
+from testbed.link.serial.core import load as load_core
 from testbed.link.serial.impairments import Copy, Impairments
 from testbed.link.serial.protocol import parse_command, parse_port, parse_port_cpus
 from testbed.link.wire import (
@@ -254,6 +263,8 @@ class Port:
         self.order = itertools.count()
         self.queue_limit = MIN_QUEUE_FRAMES
         self._warned_clock = False
+        self.core: Any = None  # the C core that serves it, and its index there
+        self.index = 0
 
     def open(self) -> None:
         sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)  # receives nothing until bound
@@ -270,7 +281,23 @@ class Port:
         """Applies to frames scheduled from now on; resizes the queue."""
         assert self.sock is not None
         self.rate_bit_s = rate_bit_s
+        if self.core is not None:
+            self.core.serial_rate(self.index, rate_bit_s)
         self._size_queue()
+
+    def set_down(self, rate_bit_s: float | None) -> None:
+        """What its device receives at most (None: unshaped), from the next frame on."""
+        self.down_bit_s = rate_bit_s
+        if self.core is not None:
+            self.core.serial_down(self.index, rate_bit_s or 0.0)
+
+    def serve_in_core(self) -> None:
+        """The C core's loop for this port, on its device's CPUs; it returns only when the
+        socket fails."""
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
+        failed = self.core.serial_serve(self.index)
+        raise OSError(-failed, f"{self.name}: the C core stopped: {os.strerror(-failed)}")
 
     def impair(self, parameters: dict[str, Any], seed: int) -> None:
         """netem's impairments on the frames of this port from now on, drawn from `seed`
@@ -393,9 +420,25 @@ class Port:
                     delays.append(before + copy.delay_s)  # a reordered copy's is 0
         return delays
 
+    def _from_core(self) -> None:
+        """The C core's counters of this port, as the Python loop keeps them."""
+        done, stalls = core_counters(self.core, self.index)
+        counters = self.counters
+        counters.frames, counters.bytes = done.frames, done.bytes
+        counters.send_errors = done.send_errors
+        counters.queued_s_sum, counters.queued_s_max = (
+            done.queued_ns_sum / 1e9,
+            done.queued_ns_max / 1e9,
+        )
+        counters.late_s_sum, counters.late_s_max = done.late_ns_sum / 1e9, done.late_ns_max / 1e9
+        counters.stalls, counters.stalled_s = done.stalls, done.stalled_ns / 1e9
+        counters.stall_log = deque(((start / 1e9, ns / 1e9) for start, ns in stalls), STALL_LOG)
+
     def stats(self) -> dict[str, Any]:
         """The counters (drops read from the kernel), the rate and the queue's kernel memory."""
         assert self.sock is not None
+        if self.core is not None:
+            self._from_core()
         _, dropped = PACKET_STATS.unpack(
             self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, PACKET_STATS.size)
         )
@@ -413,8 +456,9 @@ class Port:
 class Switch:
     """The ports and the learned MAC table; forwards clocked-out frames."""
 
-    def __init__(self, ports: Sequence[Port]):
+    def __init__(self, ports: Sequence[Port], core: Any = None):
         self.ports = {port.name: port for port in ports}
+        self.core = core  # the C core (testbed.link.serial.core), else the Python loop
         self.learned: dict[bytes, Port] = {}
         self.pair_bit_s: dict[tuple[str, str], float] = {}  # (sending, receiving port)
         self.pair_impairments: dict[tuple[str, str], Impairments] = {}
@@ -473,11 +517,19 @@ class Switch:
     def start(self) -> None:
         for port in self.ports.values():
             port.open()
+        if self.core is not None:
+            self.core.serial_init(len(self.ports))
+            for index, port in enumerate(self.ports.values()):
+                assert port.sock is not None
+                port.core, port.index = self.core, index
+                self.core.serial_port(index, port.sock.fileno(), port.rate_bit_s)
         for port in self.ports.values():
             threading.Thread(target=self._serve, args=(port,), name=port.name, daemon=True).start()
 
     def _serve(self, port: Port) -> None:
         try:
+            if self.core is not None:
+                port.serve_in_core()
             port.serve(self.forward, self.route)
         except BaseException:
             log.exception("port %s failed; the serial link stops", port.name)
@@ -495,6 +547,11 @@ class Switch:
         assert command.port is not None
         if command.name.startswith("impair"):
             assert command.parameters is not None and command.seed is not None
+            if self.core is not None and impaired(command.parameters):
+                return (
+                    f"error {command.name} {command.port}: this switch runs the C core, which "
+                    "draws no impairments (start it with --core python)"
+                )
             try:
                 if command.name == "impair":
                     self.ports[command.port].impair(command.parameters, command.seed)
@@ -504,7 +561,7 @@ class Switch:
                 return f"error {command.name} {command.port}: {error}"
             return "ok"
         if command.name == "down":
-            self.ports[command.port].down_bit_s = command.rate_bit_s
+            self.ports[command.port].set_down(command.rate_bit_s)
             return "ok"
         if command.name == "pair":
             assert command.target is not None
@@ -513,6 +570,10 @@ class Switch:
                 self.pair_bit_s.pop(key, None)
             else:
                 self.pair_bit_s[key] = command.rate_bit_s
+            if self.core is not None:
+                names = list(self.ports)
+                rate = command.rate_bit_s or 0.0
+                self.core.serial_pair(names.index(command.port), names.index(command.target), rate)
             return "ok"
         assert command.rate_bit_s is not None
         try:
@@ -540,6 +601,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     serve = commands.add_parser("serve", help="run the switch on the given ports")
     serve.add_argument("ports", nargs="+", metavar="PORT=RATE_BIT_S")
     serve.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US)
+    serve.add_argument(
+        "--core",
+        choices=("auto", "c", "python"),
+        default="auto",
+        help="the per-frame loop: C (no impairments), Python, or C where it builds",
+    )
     serve.add_argument("--queue-ms", type=float, default=QUEUE_MS)
     serve.add_argument(
         "--cpus",
@@ -578,7 +645,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         Port(name, rate, args.queue_ms, args.spin_us / 1e6, args.cpus.get(name))
         for name, rate in args.ports
     ]
-    switch = Switch(ports)
+    library = None
+    if args.core != "python":
+        library = load_core()
+        if library is None and args.core == "c":
+            log.error("--core c: the C core cannot be built or loaded")
+            return 1
+    if library is not None and args.spin_us:
+        log.warning("--spin-us is the Python loop's: the C core does not poll")
+    switch = Switch(ports, library)
     try:
         switch.start()
     except (OSError, ShapingError) as error:

@@ -93,6 +93,7 @@ class SerialSwitch:
         spin_us: float | None = None,
         queue_ms: float | None = None,
         cpusets: Sequence[str | None] | None = None,
+        core: str | None = None,
     ):
         """
         Args:
@@ -106,6 +107,8 @@ class SerialSwitch:
             cpusets: per device, the CPUs it is pinned to ("0", "2-3"), or None: the port
                 that device sends into is served on those CPUs, so that a frame wakes the
                 emulator on the CPU that sent it (no inter-processor wake-up).
+            core: the emulator's `--core` (auto, c or python; its default when None): python
+                for a switch that will draw impairments.
         """
         if not TAG_PATTERN.match(tag):
             raise ShapingError(f"serial switch: tag {tag!r} is not 8 lowercase hex digits")
@@ -114,7 +117,7 @@ class SerialSwitch:
         if rate_mbit <= 0:
             raise ShapingError(f"serial switch: rate must be positive, got {rate_mbit} mbit")
         self.tag, self.subnet, self.backpressure = tag, subnet, backpressure
-        self.spin_us, self.queue_ms = spin_us, queue_ms
+        self.spin_us, self.queue_ms, self.core = spin_us, queue_ms, core
         self.cpusets = list(cpusets or [None] * len(device_netns))
         self.device_netns = list(device_netns)
         self.rates_mbit = [float(rate_mbit)] * len(device_netns)
@@ -216,6 +219,8 @@ class SerialSwitch:
             argv += ["--spin-us", str(self.spin_us)]
         if self.queue_ms is not None:
             argv += ["--queue-ms", str(self.queue_ms)]
+        if self.core is not None:
+            argv += ["--core", self.core]
         for rank, cpuset in zip(self.ranks, self.cpusets, strict=True):
             if cpuset:
                 argv += ["--cpus", f"{self.port(rank)}={cpuset}"]
