@@ -18,13 +18,8 @@ from testbed.experiment.impairments import checked
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.netns import in_netns
 from testbed.link.serial.impairments import Impairments
-from testbed.link.serial.program import (
-    Port,
-    PortCounters,
-    Switch,
-    parse_args,
-    wait_until,
-)
+from testbed.link.serial.port import Port, PortCounters, wait_until
+from testbed.link.serial.program import Switch, parse_args
 from testbed.link.serial.protocol import Command, parse_command, parse_cpu_list, parse_port
 from testbed.link.serial.switch import SWITCH_SUFFIX, SerialSwitch
 from testbed.link.wire import (
@@ -273,6 +268,9 @@ class RatedPort(FakePort):
 
     def _size_queue(self) -> None:
         self.resized += 1
+
+    def set_down(self, rate_bit_s: float | None) -> None:
+        self.down_bit_s = rate_bit_s
 
 
 def test_a_frame_takes_the_least_of_uplink_downlink_and_pair() -> None:

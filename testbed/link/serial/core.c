@@ -60,6 +60,8 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+size_t serial_counters_size(void) { return sizeof(struct counters); }
+
 int serial_init(int count) {
     if (count < 1 || count > MAX_PORTS) return -EINVAL;
     port_count = count;
@@ -216,7 +218,7 @@ int serial_serve(int index) {
     static __thread unsigned char frame[FRAME_BUFFER];
     char control[256];
     for (;;) {
-        struct sockaddr_ll from;
+        struct sockaddr_ll from = {0};
         struct iovec vector = {frame, sizeof frame};
         struct msghdr message = {
             .msg_name = &from, .msg_namelen = sizeof from, .msg_iov = &vector,

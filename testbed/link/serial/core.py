@@ -81,6 +81,10 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", "") or error
         log.warning("the serial link's C core is unavailable (%s): the Python loop runs", detail)
         return None
+    library.serial_counters_size.restype = ctypes.c_size_t
+    if library.serial_counters_size() != ctypes.sizeof(Counters):
+        log.warning("the serial link's C core does not match Counters: the Python loop runs")
+        return None
     library.serial_rate.argtypes = library.serial_down.argtypes = [ctypes.c_int, ctypes.c_double]
     library.serial_port.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double]
     library.serial_pair.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double]

@@ -28,6 +28,7 @@ from testbed.link.rates import LinkRates
 from testbed.link.serial.switch import SerialSwitch
 
 DEFAULT_RATE_MBIT = 10.0  # the ports' rate until the first shaping
+CORE_ENV = "TESTBED_SERIAL_CORE"
 
 
 def port_seed(seed: int, devices: int, rate_mbit: float, place: int | str) -> int:
@@ -74,8 +75,9 @@ class SerialEmulator(Emulator):
         paths = [d.netns_path for d in backend.devices if d.netns_path is not None]
         rate = self.profile.rate_mbit or DEFAULT_RATE_MBIT
         cpusets = [d.cpuset for d in backend.devices]
-        # a run of rates alone gets the C core where it builds; impairments are Python's
-        core = "python" if self.draws else None
+        # a run of rates alone gets the C core where it builds; impairments are Python's;
+        # TESTBED_SERIAL_CORE (c, python) overrides it, to measure one against the other
+        core = os.environ.get(CORE_ENV) or ("python" if self.draws else None)
         switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, cpusets=cpusets, core=core)
         self.switch = switch.start()  # a switch that fails to start removes what it made
         backend.devices = [
