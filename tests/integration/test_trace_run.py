@@ -175,7 +175,9 @@ def test_a_trace_that_carries_delay(tmp_path):
         "link": {"profile": "ideal", "emulator": "serial", "trace": str(trace), "probe_s": 0.2},
         "methods": [{"name": "voltage"}],
         "batch": 1,
-        "repeats": 60,
+        # the inferences must span a whole loop of the trace whenever the workers are ready
+        # (1-2 s after the replay starts): about 80 a second at no delay, 11 at 20 ms
+        "repeats": 150,
     }
     path = tmp_path / "delay.yaml"
     path.write_text(yaml.safe_dump(experiment))
