@@ -189,11 +189,16 @@ def connect(
                 f"in time (last error: {last_error})"
             )
         try:
-            return configure(
-                socket.create_connection(
-                    address, timeout=remaining, source_address=source and (source, 0)
-                )
+            sock = socket.create_connection(
+                address, timeout=remaining, source_address=source and (source, 0)
             )
+            if sock.getsockname() == sock.getpeername():
+                # TCP's simultaneous open: while nothing listens on a port of this host's
+                # ephemeral range, a connection to it may be given that port as its own and
+                # reach itself (seen in CI on loopback); not the peer, so try again
+                sock.close()
+                raise ConnectionRefusedError(errno.ECONNREFUSED, "connected to itself")
+            return configure(sock)
         except OSError as error:
             if error.errno == errno.EADDRNOTAVAIL and source is not None:
                 raise ConnectError(

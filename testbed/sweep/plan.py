@@ -186,9 +186,9 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
     """One row per trial and rank: the identifying columns and the analytic payload."""
     config = model_config(experiment.model.name)
     rows = []
+    paths = PathImpairments.of(experiment.link)
     for trial in trials:
         delays = {r: p.delay_ms for r, p in device_profiles(experiment, trial).items()}
-        paths = PathImpairments.of(experiment.link)
         spec = trial.spec
         bits = payload_bits(
             config, trial.method, trial.devices, experiment.batch, **trial.method_params

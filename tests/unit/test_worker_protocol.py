@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from devices import transport
 from devices.clock import Clock
 from devices.errors import ConnectError, PeerLostError, ProtocolError
 from devices.frames import CountingSocket
@@ -288,3 +289,22 @@ def test_a_device_without_the_secret_is_refused_by_name():
         str(second)
         == "handshake with device 0 (a:1): device 0 has run secret True, device 1 has False"
     )
+
+
+def test_a_connection_that_reaches_itself_is_not_a_peer(monkeypatch):
+    """TCP's simultaneous open: a connection to a port of the ephemeral range that nothing
+    listens on may get that port as its own and reach itself (once in CI, a worker's test
+    device met its own hello). connect() drops such a socket and tries again."""
+    made = []
+
+    def self_connected(address, timeout=None, source_address=None):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.connect(sock.getsockname())  # a real self-connection, as the race makes one
+        made.append(sock)
+        return sock
+
+    monkeypatch.setattr(transport.socket, "create_connection", self_connected)
+    with pytest.raises(ConnectError, match="last error: connected to itself"):
+        transport.connect(("127.0.0.1", 9), time.perf_counter() + 0.3, "device 0")
+    assert made and all(sock.fileno() == -1 for sock in made)  # every one closed
