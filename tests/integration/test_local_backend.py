@@ -23,7 +23,7 @@ from pyroute2 import NetNS
 from testbed.backends.base import Device, DeviceSpec
 from testbed.backends.local import LocalBackend
 from testbed.errors import DeviceError
-from testbed.kernel.netns import remove_leftovers, run_tag
+from testbed.kernel.netns import NETNS_DIR, pids_in, remove_leftovers, run_tag
 
 pytestmark = pytest.mark.netns
 
@@ -279,6 +279,12 @@ def test_remove_leftovers_clears_a_crashed_run_only(
     devices = crashed.start(DeviceSpec(count=2))
     other.start(DeviceSpec(count=1))
     sleeper = crashed.spawn(devices[1], ["sleep", "60"])
+    # a crashed run's processes are in their namespaces; this one may still be `ip netns
+    # exec` before its setns (CI once removed the namespace first, and the sleep lived on)
+    deadline = time.monotonic() + 5
+    while sleeper.pid not in pids_in(NETNS_DIR / devices[1].name):
+        assert time.monotonic() < deadline, "the sleeper never entered its namespace"
+        time.sleep(0.01)
     removed = remove_leftovers(crashed.run_id)
     assert f"namespace {devices[0].name}" in removed
     assert f"namespace {crashed.names.switch_netns}" in removed
