@@ -418,27 +418,29 @@ def test_auto_keeps_the_finest_level_under_delay(tmp_path):
 
 @pytest.mark.netns
 @pytest.mark.slow
+def voltage_on_serial(tmp_path, **link) -> tuple[subprocess.CompletedProcess, Path]:
+    """Voltage, 3 repetitions, on the local backend's serial link at 5 Mbit/s with `link`'s
+    fields added; the finished run and its directory."""
+    base = {"profile": "ideal", "emulator": "serial", "bandwidth_mbit": [5]}
+    path = small_experiment(
+        tmp_path, link={**base, **link}, methods=[{"name": "voltage"}], repeats=3
+    )
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, only_run_dir(out)
+
+
 def test_a_pairs_and_a_downlinks_delay(tmp_path):
     """link.pair_impairments and link.downlink_impairments on the serial link: what device 0
     sends to device 1 meets 15 ms on the pair's hop and 10 ms on device 1's downlink; what
     device 1 sends, neither. Device 0's messages take 25 ms more than device 1's, device 1
     waits 25 ms per message by the model, and every hop's seed is recorded."""
-    path = small_experiment(
+    _, run_dir = voltage_on_serial(
         tmp_path,
-        link={
-            "profile": "ideal",
-            "emulator": "serial",
-            "bandwidth_mbit": [5],
-            "pair_impairments": {"0->1": {"delay_ms": 15}},
-            "downlink_impairments": {1: {"delay_ms": 10}},
-        },
-        methods=[{"name": "voltage"}],
-        repeats=3,
+        pair_impairments={"0->1": {"delay_ms": 15}},
+        downlink_impairments={1: {"delay_ms": 10}},
     )
-    out = tmp_path / "out"
-    done = run_cli(str(path), "--out", str(out), "--backend", "local")
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_dir = only_run_dir(out)
     results = load(run_dir)
     trials = results.trials.set_index("rank")
     assert (trials.loc[1, "analytic_delay_ms"] == 4 * 25).all()  # vit-tiny: 4 messages
@@ -454,21 +456,8 @@ def test_a_devices_own_uplink_delay(tmp_path):
     device 0's none. Device 1's messages take 20 ms more than device 0's; each row names its
     device's uplink and what it waits for. The devices share this host's clock, so no
     handshake offset moves their marks (it would by half the asymmetry: 10 ms)."""
-    path = small_experiment(
-        tmp_path,
-        link={
-            "profile": "ideal",
-            "emulator": "serial",
-            "bandwidth_mbit": [5],
-            "uplink_impairments": {1: {"delay_ms": 20}},
-        },
-        methods=[{"name": "voltage"}],
-        repeats=3,
-    )
-    out = tmp_path / "out"
-    done = run_cli(str(path), "--out", str(out), "--backend", "local")
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = load(only_run_dir(out))
+    done, run_dir = voltage_on_serial(tmp_path, uplink_impairments={1: {"delay_ms": 20}})
+    results = load(run_dir)
     trials = results.trials.set_index("rank")
     assert trials.loc[1, "impairments"].eq("delay 20ms").all()
     assert trials.loc[0, "impairments"].eq("").all()
