@@ -6,6 +6,10 @@ so that a docker or netns test can never look like a pass by being skipped.
 
 - `docker`-marked tests, and any test using `docker_client` / `worker_image`, need an engine.
 - `netns`-marked tests, and any test using `root`, need euid 0 and iproute2's `ip`.
+
+And what the host took: a VM's hypervisor runs other guests on its vCPUs (steal time in
+/proc/stat), which no emulator, tbf included, can clock through. A failing test's report says
+how much was stolen while it ran, and the summary how much over the session.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +60,43 @@ def root_problem() -> str | None:
     if shutil.which("ip") is None:
         return "needs iproute2's `ip`"
     return None
+
+
+def stolen_s() -> float:
+    """CPU time the hypervisor has taken from this machine's vCPUs since boot (all CPUs'
+    steal in /proc/stat), in seconds; 0 where the kernel does not count it."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()  # cpu user nice system idle iowait irq softirq steal
+    except OSError:
+        return 0.0
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
+STOLEN = pytest.StashKey[float]()
+SESSION_STOLEN = {"start": stolen_s(), "since": time.monotonic()}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    item.stash[STOLEN] = stolen_s()
+    yield
+    item.stash[STOLEN] = stolen_s() - item.stash[STOLEN]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "call" and report.failed and STOLEN in item.stash:
+        took = f"{item.stash[STOLEN]:.2f} s of CPU stolen by the host in {call.duration:.1f} s"
+        report.sections.append(("host", took))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    stolen = stolen_s() - SESSION_STOLEN["start"]
+    elapsed = time.monotonic() - SESSION_STOLEN["since"]
+    terminalreporter.write_line(f"host: {stolen:.1f} s of CPU stolen in {elapsed:.0f} s")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -36,6 +36,7 @@ import pytest
 
 from testbed.link.serial.switch import SerialSwitch
 from testbed.link.wire import FULL_FRAME_BYTES, tcp_message_wire_s
+from tests.conftest import stolen_s
 from tests.integration.conftest import SUBNET, Devices, namespaces
 
 pytestmark = pytest.mark.netns
@@ -186,7 +187,9 @@ def test_bulk_runs_at_the_rate(devices: Devices, switch: SerialSwitch, rate_mbit
         switch.set_rate(rank, rate_mbit)  # the switch started at 1 Mbit/s
     payload_bytes = int(rate_mbit * MBIT / 8 * BULK_S)
     to = [switch.address(1), str(PORT)]
+    stolen_before_s = stolen_s()
     received, sent = run_pair(devices, [BULK_RECEIVER, *to], [BULK_SENDER, *to, str(payload_bytes)])
+    stolen = stolen_s() - stolen_before_s
     result = {**json.loads(received), **json.loads(sent)}
 
     expected_mbit = rate_mbit * result["mss"] / FULL_FRAME_BYTES
@@ -194,17 +197,19 @@ def test_bulk_runs_at_the_rate(devices: Devices, switch: SerialSwitch, rate_mbit
     achieved_mbit = steady_bits / result["steady_s"] / MBIT
     both = switch.stats()
     stats = both[0]
-    # The machine sometimes does not run the emulator for 5-13 ms (a VM's vCPU, kernel work:
-    # seen under load and once in CI after the docker tests), and the flow's link loses about
-    # that much. The switch counts those stalls; the rate must hold while it ran, and the
-    # stalls must stay rare.
+    # The machine sometimes does not run the emulator for 1-13 ms (kernel work; a VM's vCPU
+    # run by its host for another guest: /proc/stat's steal, 40-190 ms in 3 s on a busy day
+    # here), and the flow's link loses about that much. The switch counts those stalls; the
+    # rate must hold while it ran, and the stalls the host's steal does not account for must
+    # stay rare.
     stalled_s = sum(port["stalled_ms"] for port in both.values()) / 1e3
     running_mbit = steady_bits / (result["steady_s"] - stalled_s) / MBIT
     print(
         f"\n{rate_mbit} Mbit/s: payload {achieved_mbit:.4f} Mbit/s ({running_mbit:.4f} without "
-        f"{1e3 * stalled_s:.1f} ms of stalls), expected {expected_mbit:.4f}"
+        f"{1e3 * stalled_s:.1f} ms of stalls; {1e3 * stolen:.0f} ms stolen by the host), "
+        f"expected {expected_mbit:.4f}"
     )
-    assert stalled_s <= MAX_STALLED_SHARE * result["steady_s"], (result, both)
+    assert stalled_s <= MAX_STALLED_SHARE * result["steady_s"] + stolen, (result, both)
     assert running_mbit >= expected_mbit * (1 - RATE_TOLERANCE), (result, both)
     assert achieved_mbit <= expected_mbit * (1 + RATE_TOLERANCE), (result, both)
     assert result["retransmissions"] == 0
@@ -214,15 +219,19 @@ def test_bulk_runs_at_the_rate(devices: Devices, switch: SerialSwitch, rate_mbit
 
 
 def test_set_rate_changes_a_message_time(devices: Devices, switch: SerialSwitch) -> None:
+    """The machine only ever makes a message late (a stall of the switch, the sender or the
+    receiver; CI once saw a median 26% late while its host stole the CPU): none may be early,
+    and the lower quartile must be the wire time."""
     size = 15_000  # 11 segments
     for rate_mbit in (20, 2):
         for rank in (0, 1):
             switch.set_rate(rank, rate_mbit)
         wire_s = tcp_message_wire_s(size, rate_mbit * MBIT)
-        latencies_s = message_latencies_s(devices, switch, size, count=6, gap_s=3 * wire_s + 0.02)
-        median_s = statistics.median(latencies_s)
-        print(f"\n15 KB, {rate_mbit} Mbit/s: wire {wire_s:.5f} s, median {median_s:.5f} s")
-        assert median_s == pytest.approx(wire_s, rel=0.05, abs=0.3e-3)
+        latencies_s = message_latencies_s(devices, switch, size, count=12, gap_s=3 * wire_s + 0.02)
+        low_s = statistics.quantiles(latencies_s, n=4)[0]
+        print(f"\n15 KB, {rate_mbit} Mbit/s: wire {wire_s:.5f} s, lower quartile {low_s:.5f} s")
+        assert min(latencies_s) >= wire_s
+        assert low_s == pytest.approx(wire_s, rel=0.05, abs=0.3e-3)
 
 
 def test_stop_leaves_nothing_behind(devices: Devices) -> None:
