@@ -12,6 +12,7 @@ every protocol violation.
 from tracevq.errors import ProtocolError as MessageError
 
 __all__ = [
+    "printable",
     "WorkerError",
     "SpecError",
     "ConnectError",
@@ -19,6 +20,16 @@ __all__ = [
     "ProtocolError",
     "MessageError",
 ]
+
+
+def printable(text: str) -> str:
+    """`text` with every character that is not printable (escape sequences, carriage
+    returns, bells) written as its Python escape: a string a peer controls (a hello's model,
+    a refusal's reason) reaches a terminal or a log as text, never as a command to it."""
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
 
 
 class WorkerError(Exception):

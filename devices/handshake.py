@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devices.clock import Clock
-from devices.errors import ProtocolError
+from devices.errors import ProtocolError, printable
 from devices.frames import (
     CLOCK_ROUNDS,
     MAX_SHOWN_CHARS,
@@ -67,6 +67,7 @@ PROTOCOL_VERSION = 4
 PING = b"p"
 LARGE_ROUND_BYTES = 1000  # what pads both frames of every other round (latency_ns)
 CLOCK = struct.Struct("!qq")  # ns: the ping's arrival (the kernel's stamp), the answer's departure
+CLOCK_RANGE_NS = 2**62  # what a clock answer's times may be (`clock_answer_problem`)
 
 # hello fields every device of a session must agree on, with the words used in errors
 AGREED_FIELDS = {
@@ -149,7 +150,9 @@ def disagreement(
 
 
 def shorten(value: object) -> str:
-    text = str(value)
+    """A hello's value for an error line, escaped (`printable`: it may be the peer's) and
+    shortened."""
+    text = printable(str(value))
     return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
 
 
@@ -223,7 +226,7 @@ def shake(
     except ProtocolError as error:
         raise ProtocolError(f"handshake with {name}: {error}") from None
     if not verdict.ok:
-        raise ProtocolError(f"{name} refused the handshake: {verdict.error}")
+        raise ProtocolError(f"{name} refused the handshake: {printable(verdict.error or '')}")
     if secret is not None and not (
         verdict.proof and hmac.compare_digest(verdict.proof, proof(secret, theirs, mine))
     ):
@@ -233,19 +236,23 @@ def shake(
         )
     result = PeerHandshake(theirs["rank"], theirs)
     if connected:
-        measure_clock(conn, result, clock)
+        measure_clock(conn, result, clock, name)
     else:
         answer_clock(conn, result, clock, name)
     return result
 
 
-def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> None:
+def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock, name: str) -> None:
     rounds = []  # (t0, the ping's arrival and the answer's departure on the peer's clock, t3)
     for index in range(CLOCK_ROUNDS):
         t0 = clock.now_ns()
         conn.send(PING + bytes(_padding(index)))
         answer, t3 = conn.recv_exact_stamped(CLOCK.size + _padding(index), clock)
-        rounds.append((t0, *CLOCK.unpack_from(answer), t3))
+        t1, t2 = CLOCK.unpack_from(answer)
+        problem = clock_answer_problem(t0, t1, t2, t3)
+        if problem is not None:
+            raise ProtocolError(f"handshake with {name}: clock answer {index} {problem}")
+        rounds.append((t0, t1, t2, t3))
     # the round trip less the peer's turnaround, and the offset each round gives
     trips = [(t3 - t0 - (t2 - t1), ((t1 - t0) + (t2 - t3)) // 2) for t0, t1, t2, t3 in rounds]
     result.round_trips_ns = [trip for trip, _ in trips]
@@ -262,6 +269,22 @@ def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock) -> 
             "latency_ns": _latency(pings, len(PING)),
         }
     )
+
+
+def clock_answer_problem(t0: int, t1: int, t2: int, t3: int) -> str | None:
+    """Why a peer's clock answer (t1, t2: the ping's arrival and the answer's departure on
+    its clock) to a ping sent at t0 and answered at t3 (ours) is not one, or None: both times
+    within CLOCK_RANGE_NS (CLOCK_REALTIME from 1970 to 2116, so that every offset and
+    one-way time the handshake derives stays an int64), the peer's turnaround not negative
+    and not longer than the round trip it is part of."""
+    if not (0 <= t1 < CLOCK_RANGE_NS and 0 <= t2 < CLOCK_RANGE_NS):
+        return f"gives times {t1} and {t2} ns, outside 0..2^62"
+    if not 0 <= t2 - t1 <= t3 - t0:
+        return (
+            f"spends {t2 - t1} ns between the ping and its answer, outside 0..{t3 - t0} ns "
+            "(the round trip)"
+        )
+    return None
 
 
 def _padding(index: int) -> int:

@@ -119,9 +119,15 @@ class Mesh:
 
     def barrier(self, timeout_s: float) -> None:
         """Every device has finished its set-up: one byte each way on every link."""
-        for link in self.links.values():
+        for peer, link in self.links.items():
             link.sock.settimeout(timeout_s)
-            link.sock.sendall(READY)
+            try:
+                link.sock.sendall(READY)
+            except OSError as error:  # a reset right after the handshake
+                raise PeerLostError(
+                    f"lost {self.name(peer)} before the session started (sending the start "
+                    f"signal failed: {error.strerror or error})"
+                ) from None
             self.control_bytes["sent"] += len(READY)
         for peer, link in self.links.items():
             try:
@@ -149,19 +155,27 @@ class Mesh:
             link.post(outgoing)
 
     def close(self, graceful: bool, linger_s: float = 5.0) -> None:
-        """Graceful: flush and half-close every link, wait for the peers' EOFs, then close."""
+        """Graceful: flush and half-close every link, wait for the peers' EOFs, then close;
+        raises ProtocolError for a peer that sent more than its last message (a peer that
+        sent every message twice has had its copies taken for the next blocks' messages:
+        only the stream's end shows it)."""
+        trailing = []
         if graceful:
             deadline = time.perf_counter() + linger_s
             for link in self.links.values():
                 link.finish_sending(max(deadline - time.perf_counter(), 0))
             for link in self.links.values():
                 link.wait_closed(deadline - time.perf_counter())
+            trailing = [link for link in self.links.values() if link.trailing is not None]
         for link in self.links.values():
             link.close()
         for sock in self._pending:
             sock.close()
         if self._listener is not None:
             self._listener.close()
+        if trailing:
+            link = trailing[0]
+            raise ProtocolError(f"{link.name} {link.trailing}: the peers are out of step")
 
     def __enter__(self) -> Mesh:
         return self

@@ -155,9 +155,12 @@ class Session:
     def _await_sends(self, outgoing: dict[int, Outgoing], label: str) -> None:
         for block, message in sorted(outgoing.items()):
             if not message.done.wait(self.recv_timeout_s):
+                behind = [peer for peer in self.mesh.links if peer not in message.written_ns]
+                names = ", ".join(self.mesh.name(peer) for peer in sorted(behind))
                 raise PeerLostError(
-                    f"the message for block {block} of {label} was not written "
-                    f"to every peer within {self.recv_timeout_s:g} s"
+                    f"the message for block {block} of {label} was not written to "
+                    f"{names or 'every peer'} within {self.recv_timeout_s:g} s (the peer "
+                    "stopped reading)"
                 )
             for peer, error in message.errors.items():
                 raise PeerLostError(

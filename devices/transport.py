@@ -279,6 +279,7 @@ class PeerLink:
         self.messages_sent = self.messages_received = 0
         self.send_error: str | None = None
         self.closed: _Closed | None = None  # set by the receiver thread when the peer is gone
+        self.trailing: str | None = None  # what the peer sent after its last message
         self.kernel_timestamps = enable_rx_timestamps(sock)
         self._backlog = 0  # messages handed to the sender thread and not yet written
         self._send_lock = threading.Lock()
@@ -409,7 +410,8 @@ class PeerLink:
         except OSError as error:
             self._closed(f"receiving failed: {error.strerror or error}")
         else:
-            self._closed(f"sent data after its last message ({extra!r}...)")
+            self.trailing = f"sent data after its last message ({extra!r}...)"
+            self._closed(self.trailing)
 
     def finish_sending(self, timeout_s: float) -> None:
         """Let the sender write what is queued, then half-close: the peer reads an EOF."""

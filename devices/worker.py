@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from devices.errors import SpecError, WorkerError
+from devices.errors import SpecError, WorkerError, printable
 from devices.spec import RunSpec, load_spec, read_spec_file
 
 log = logging.getLogger("devices.worker")
@@ -114,7 +114,7 @@ def one_line(error: BaseException) -> str:
         if isinstance(error, WorkerError | TraceError)
         else (f"{type(error).__name__}: {error}")
     )
-    return " ".join(text.split())
+    return printable(" ".join(text.split()))
 
 
 def _rank_of(path: Path) -> object:

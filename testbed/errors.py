@@ -25,3 +25,7 @@ class DeviceError(TestbedError):
 
 class ImageError(TestbedError):
     """The worker image (or its base or wheelhouse) could not be built."""
+
+
+class StorageError(TestbedError):
+    """A result file could not be written (a full disk, a read-only one); names the file."""

@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from devices.errors import printable
 from testbed import voice
 from testbed.backends.table import backend_names
 from testbed.errors import ConfigError, TestbedError
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def one_line(text: str) -> str:
-    return " ".join(text.split())
+    """One line, escaped: the text may hold a worker's or a peer's words."""
+    return printable(" ".join(text.split()))
 
 
 def _write_traceback(run_dir: Path | None) -> Path:

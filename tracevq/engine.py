@@ -10,6 +10,13 @@ network worker sends them on sockets. Both drive a `DeviceRun` the same way, per
 
 Where `run.exchanges_at(b)` is False (Trace's exact-embedding placements at b = 0) nobody
 sends for b and `attend` takes no messages: each receiver embeds its peer's tokens itself.
+
+A peer's message can be finite and still break the block: values too large for the model
+(3e38 passes the finiteness check and overflows the receiver's LayerNorm). So the keys and
+values made from each peer's message must be finite, and so must the block's own output
+(attention and FFN, which large finite inputs can overflow too) before anything of it is
+sent: an error names the peer whose keys and values are the largest, never this device's
+other peers, which an honest third device would otherwise be led to blame.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ class DeviceRun:
         self.z: Tensor | None = None
         self.local: tuple[Tensor, Tensor, Tensor] | None = None  # this block's own Q, K, V
         self.unique_remote_keys: int | None = None  # last attend's distinct remote rows (dedup)
+        self._remote: dict[int, RemoteKV] = {}  # this block's peers' keys and values, by peer
 
     @property
     def peers(self) -> list[int]:
@@ -89,6 +97,12 @@ class DeviceRun:
             self.receivers[peer].remote_kv(block, messages[peer] if expected else None)
             for peer in self.peers
         ]
+        self._remote = {
+            peer: r for peer, r in zip(self.peers, received, strict=True) if isinstance(r, RemoteKV)
+        }
+        for peer, remote in self._remote.items():
+            if not (torch.isfinite(remote.k).all() and torch.isfinite(remote.v).all()):
+                raise self._refuse(block, peer, "its keys and values are not finite")
         remotes = [r for r in received if isinstance(r, RemoteKV)]
         rows = [r for r in received if isinstance(r, RemoteRows)]
         self.unique_remote_keys = None
@@ -106,7 +120,24 @@ class DeviceRun:
             ]
             bias = torch.cat(parts, dim=1)  # (B, n_keys)
         self.z = self.x + layer.attn.attend(q, keys, values, bias)
+        self._check_output(block, self.z, "attention")
         return self.sender.post_attention(block, self.x, self.z) if self.receivers else None
+
+    def _check_output(self, block: int, output: Tensor, part: str) -> None:
+        """A block's own output is finite, or the peer whose keys and values are the largest
+        is named (without peers' keys and values to blame, the output is left as it is)."""
+        if not self._remote or bool(torch.isfinite(output).all()):
+            return
+
+        def largest(peer: int) -> float:
+            remote = self._remote[peer]
+            return max(float(remote.k.abs().max()), float(remote.v.abs().max()))
+
+        peer = max(self._remote, key=largest)
+        raise self._refuse(block, peer, f"block {block}'s {part} overflows (values not finite)")
+
+    def _refuse(self, block: int, peer: int, problem: str) -> Exception:
+        return self.receivers[peer].refuse(f"{self.method.name} message", block, problem)
 
     def _unique_kv(self, block: int, remotes: list[RemoteRows]) -> RemoteKV:
         """One key per distinct row of all peers (the union over the batch), log(count) on its
@@ -138,6 +169,8 @@ class DeviceRun:
         assert self.z is not None, "finish_block before attend"
         self.x = self.model.blocks[block].ffn(self.z)
         self.z = None
+        self._check_output(block, self.x, "FFN")
+        self._remote = {}
 
     def logits(self) -> Tensor:
         """Class logits; only device 0 holds the CLS token."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,7 +12,8 @@ from torch import Tensor
 
 from tracevq.bundle import Bundle
 from tracevq.engine import DeviceRun
-from tracevq.methods import Method, make_method
+from tracevq.errors import ConfigError
+from tracevq.methods import Method, TraceMethod, make_method
 from tracevq.models import VisionTransformer
 
 
@@ -34,14 +36,26 @@ def simulate(
     method: str | Method = "voltage",
     devices: int = 2,
     bundle: Bundle | None = None,
+    levels: Sequence[int] | None = None,
     **method_params: object,
 ) -> SimulationResult:
     """Run `method` on `devices` simulated devices; the messages are the real wire bytes.
 
     One device runs the same engine with no peers: nothing is sent. `single` is refused at
-    more than one device (tracevq.engine.DeviceRun)."""
+    more than one device (tracevq.engine.DeviceRun). `levels`: per device, the tree level a
+    Trace method encodes its messages at (devices of a session that chose differently; each
+    receiver decodes at the level in the message's header)."""
     if not isinstance(method, Method):
         method = make_method(method, model, bundle, **method_params)
+    if levels is not None and (len(levels) != devices or not isinstance(method, TraceMethod)):
+        raise ConfigError(f"levels {list(levels)}: one per device, for a Trace method", "levels")
+
+    own_level = method.level if isinstance(method, TraceMethod) else None
+
+    def at_level(rank: int) -> None:
+        if levels is not None:
+            method.set_level(levels[rank])
+
     depth = model.config.depth
     payload = np.zeros((depth, devices), dtype=np.int64)
     wire = np.zeros((depth, devices), dtype=np.int64)
@@ -58,13 +72,17 @@ def simulate(
 
     for block in range(depth):
         for run in runs:
+            at_level(run.rank)
             post(block, run.rank, run.begin_block(block))
             run.project_local(block)
         for run in runs:
             expected = run.exchanges_at(block)
             messages = {peer: inbox[block][peer] for peer in run.peers if expected}
+            at_level(run.rank)
             post(block + 1, run.rank, run.attend(block, messages))
         for run in runs:
             run.finish_block(block)
         inbox.pop(block, None)
+    if own_level is not None:
+        method.set_level(own_level)  # as the caller gave it
     return SimulationResult(runs[0].logits(), payload, wire)

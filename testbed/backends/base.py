@@ -204,6 +204,16 @@ class Backend(abc.ABC):
     def stop(self) -> None:
         """Remove everything this backend created (idempotent)."""
 
+    def gone(self, device: Device) -> str | None:
+        """Why `device` no longer runs (killed, out of memory, removed), or None while it
+        does: what a session that lost it says. Here: its network namespace is gone (the
+        kind of path a container's or a held namespace's is); backends that know more say
+        more."""
+        path = device.netns_path
+        if path is not None and not os.path.exists(path):
+            return f"its network namespace {path} is gone"
+        return None
+
     def device_path(self, host_path: Path) -> str:
         """Path under which a device sees a file of the run directory."""
         return str(Path(host_path).resolve())

@@ -23,6 +23,7 @@ from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator  # noqa: E402
 
 from testbed.results import stats  # noqa: E402
+from testbed.results.store import write_atomic  # noqa: E402
 from testbed.results.variants import variant, variant_order  # noqa: E402
 
 METHOD_COLOURS = {
@@ -131,7 +132,11 @@ def panels(count: int, width: float, height: float) -> tuple[plt.Figure, list[Ax
 
 
 def save(fig: plt.Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    """Written whole or not at all (`write_atomic`: a full disk names the file)."""
+    try:
+        write_atomic(
+            path, lambda tmp: fig.savefig(tmp, format=path.suffix[1:], dpi=120, bbox_inches="tight")
+        )
+    finally:
+        plt.close(fig)
     return path

@@ -101,6 +101,11 @@ class Emulator(abc.ABC):
         """The emulator's own counters by rank, saved with each shaping (None: it has none)."""
         return None
 
+    def gone(self) -> str | None:
+        """Why the emulator no longer emulates (its process died), or None while it does:
+        what a session that lost it says. Kernel qdiscs cannot die on their own: None."""
+        return None
+
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Removes what `start` built (idempotent)."""
 

@@ -209,6 +209,15 @@ class Links:
         and, on the serial emulator, its port's stalls (else None)."""
         return self.emulator.counters()
 
+    def gone(self) -> str | None:
+        """Why a device or the emulator no longer runs, or None: the first device that
+        stopped, named, else the emulator."""
+        for device in self.backend.devices:
+            why = self.backend.gone(device)
+            if why is not None:
+                return f"device {device.rank} stopped: {why}"
+        return self.emulator.gone()
+
     def stop(self) -> None:
         self.emulator.stop()
 

@@ -27,7 +27,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from testbed.errors import TestbedError
+from testbed.errors import StorageError, TestbedError
 from testbed.results import stats
 from testbed.results.columns import TRIAL_NAMES
 
@@ -36,11 +36,21 @@ LAYER_ROWS = "layers.parquet"
 
 
 def write_atomic(path: Path, write: Any) -> Path:
-    """Call `write(tmp_path)` then rename into place: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Call `write(tmp_path)` then rename into place: readers never see half a file. A write
+    that fails (a full disk) removes its temporary file and raises StorageError naming the
+    file; what was written before stays whole, and `--resume` finishes the run."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(
+            f"cannot write {path}: {error.strerror or error}; what was written before is "
+            "whole: free space and finish the run with `python -m testbed.run --resume "
+            "RUN_DIR`"
+        ) from None
     return path
 
 

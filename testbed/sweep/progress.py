@@ -69,6 +69,14 @@ class TrialProgress:
         self.bar.update(trials)
         self.bar.set_postfix_str(self.remaining() if self.sessions else "done")
 
+    def skip(self, key: Hashable, what: str, outcome: str) -> None:
+        """A session that could not start: its trials counted, no time learnt from it."""
+        trials, _ = self.sessions.pop(key)
+        voice.say(f"{what}: {outcome}")
+        if self.bar is not None:
+            self.bar.update(trials)
+            self.bar.set_postfix_str(self.remaining() if self.sessions else "done")
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

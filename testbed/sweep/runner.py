@@ -21,13 +21,14 @@ import yaml
 
 from testbed import voice
 from testbed.backends.base import Backend, DeviceSpec
+from testbed.errors import StorageError
 from testbed.experiment.schema import Experiment
 from testbed.figures import make_figures
 from testbed.link.links import Links, LinkState
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
-from testbed.results.facts import PlanRow, RunFacts
+from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
 from testbed.results.level_accuracy import load_level_accuracy
 from testbed.results.rows import RowFacts, assemble
 from testbed.results.store import (
@@ -53,7 +54,7 @@ from testbed.sweep.plan import (
 )
 from testbed.sweep.preflight import check_experiment
 from testbed.sweep.progress import TrialProgress
-from testbed.sweep.sessions import WORKER_PORT, run_session, session_id
+from testbed.sweep.sessions import WORKER_PORT, SessionOutcome, run_session, session_id
 
 PlanRows = dict[tuple[str, int], PlanRow]
 
@@ -125,13 +126,19 @@ class Runner:
         files = prepare_run_files(self.experiment, self.trials, self.run_dir)
         todo = [t for t in self.trials if t.trial_id not in done]
         progress = TrialProgress(self.experiment.name, self._link_times(todo, plan, files))
+        failed = True
         try:
             for count, group in itertools.groupby(todo, key=lambda t: t.devices):
                 self._run_count(count, list(group), plan, files, outcome, progress)
+            failed = False
         finally:
             progress.close()
             if (self.run_dir / "trials").is_dir():
-                combine(self.run_dir)
+                try:
+                    combine(self.run_dir)
+                except StorageError:
+                    if not failed:  # else the first error is the one to report
+                        raise
         with voice.phase("figures", f"drawing into {self.run_dir / 'figures'}") as step:
             written = make_figures(load(self.run_dir))
             step.outcome = f"{len(written)} written"
@@ -178,6 +185,7 @@ class Runner:
             ) as links:
                 self._write_environment(backend, count)
                 by_link = itertools.groupby(trials, key=lambda t: (t.bandwidth_mbit, t.impairment))
+                lost = ""  # a device or the emulator died: these devices run no more sessions
                 for (rate, impairment), grouped in by_link:
                     group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
                     if self.trace is not None:
@@ -185,6 +193,10 @@ class Runner:
                     if impairment:
                         what += f" {impairment_label(group[0].impairments)}"
                     interrupts.check()
+                    if lost:
+                        self._record_unrun(backend, group, plan, rate, f"not run: {lost}", outcome)
+                        progress.skip((count, rate, impairment), what, "NOT RUN")
+                        continue
                     progress.start((count, rate, impairment), what)
                     # a trace's link is shaped and probed at its first step
                     shaped = rate if self.trace is None else self.trace.rates_mbit[0]
@@ -193,8 +205,11 @@ class Runner:
                     link = links.shape(shaped, self.experiment.link.probe_s, profile, uplinks)
                     self._save_link(link, count, group[0])
                     voice.say(f"{what}: {self.emulator.name} link, {_probed(link, count)}")
-                    ok = self._run_session(links, group, plan, files, link, outcome)
-                    progress.finish((count, rate, impairment), what, "ok" if ok else "FAILED")
+                    result = self._run_session(links, group, plan, files, link, outcome)
+                    progress.finish(
+                        (count, rate, impairment), what, "ok" if result.ok else "FAILED"
+                    )
+                    lost = result.lost
                     interrupts.check()
 
     def _run_session(
@@ -205,7 +220,7 @@ class Runner:
         files: RunFiles,
         link: LinkState,
         outcome: RunOutcome,
-    ) -> bool:
+    ) -> SessionOutcome:
         name = session_id(trials[0])
         directory = self.run_dir / "sessions" / name
         if directory.exists():  # a resumed run: keep the earlier session's files
@@ -216,21 +231,20 @@ class Runner:
         self.sessions += 1
         replay = None if self.trace is None else TraceReplay(links.set_rate, self.trace)
         result = run_session(
-            backend, self.experiment, trials, directory, port, link, files, links.counters, replay
+            backend,
+            self.experiment,
+            trials,
+            directory,
+            port,
+            link,
+            files,
+            links.counters,
+            replay,
+            links.gone,
         )
         if replay is not None:
             self._save_replay(replay, name)
-        run = RunFacts(
-            run_id=self.run_id,
-            backend=backend.name,
-            emulator=self.emulator.name,
-            batch=self.experiment.batch,
-            cpus=self.experiment.devices.cpus,
-            threads=backend.devices[0].threads,
-            oversubscribed=backend.oversubscribed,
-            trace="" if self.trace is None else self.trace.name,
-            shared_clock=type(backend).on_this_host,
-        )
+        run = self._run_facts(backend)
         for trial in trials:
             ranks = {rank: plan[(trial.trial_id, rank)] for rank in range(trial.devices)}
             facts = RowFacts(ranks, run, link, result.facts, self.level_accuracy)
@@ -244,7 +258,39 @@ class Runner:
         if not result.ok:
             voice.say(f"session {name} failed: {result.error}")
         combine(self.run_dir)
-        return result.ok
+        return result
+
+    def _run_facts(self, backend: Backend) -> RunFacts:
+        return RunFacts(
+            run_id=self.run_id,
+            backend=backend.name,
+            emulator=self.emulator.name,
+            batch=self.experiment.batch,
+            cpus=self.experiment.devices.cpus,
+            threads=backend.devices[0].threads,
+            oversubscribed=backend.oversubscribed,
+            trace="" if self.trace is None else self.trace.name,
+            shared_clock=type(backend).on_this_host,
+        )
+
+    def _record_unrun(
+        self,
+        backend: Backend,
+        trials: list[Trial],
+        plan: PlanRows,
+        rate_mbit: float,
+        error: str,
+        outcome: RunOutcome,
+    ) -> None:
+        """Failed rows for trials whose session could not start (its devices are gone)."""
+        run, link = self._run_facts(backend), LinkState(rate_mbit)
+        for trial in trials:
+            ranks = {rank: plan[(trial.trial_id, rank)] for rank in range(trial.devices)}
+            facts = RowFacts(ranks, run, link, HostSessionFacts(""), self.level_accuracy)
+            save_trial(self.run_dir, trial.trial_id, *assemble(facts, None, error))
+            outcome.failed += 1
+            outcome.failures.append(f"{trial.trial_id}: {error}")
+        combine(self.run_dir)
 
     def _write_environment(self, backend: Backend, count: int) -> None:
         """environment.json: the host's facts, and per device count its devices' facts."""

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 WORKER_PORT = 7100
 CONNECT_TIMEOUT_S = 60.0
+WATCH_S = 0.5  # how often a running session checks that its devices and emulator live
+LAST_WORDS = 5  # lines of a dead device's worker log that its trials' error quotes
 
 
 @dataclass
@@ -49,6 +51,7 @@ class SessionOutcome:
     error: str = ""
     runs: dict[str, dict[int, DeviceRecords]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    lost: str = ""  # a device or the emulator died: no later session of these devices can run
 
     @property
     def ok(self) -> bool:
@@ -112,25 +115,38 @@ def device_spec(
 
 
 def run_workers(
-    backend: Backend, argvs: list[list[str]], timeout_s: float, why: str = "timeout_s"
+    backend: Backend,
+    argvs: list[list[str]],
+    timeout_s: float,
+    why: str = "timeout_s",
+    gone: Callable[[], str | None] | None = None,
 ) -> list[ExecResult]:
-    """Start every worker, wait for all; a failure or the deadline (`why` explains it in the
-    error) kills the rest."""
+    """Start every worker, wait for all; a failure, the deadline (`why` explains it in the
+    error) or what `gone()` reports every WATCH_S (a device or the link emulator that died:
+    the workers would wait out their timeout on a link that no longer carries anything)
+    kills the rest."""
     processes = [
         backend.spawn(device, argv) for device, argv in zip(backend.devices, argvs, strict=True)
     ]
     deadline = time.monotonic() + timeout_s
     results: list[ExecResult | None] = [None] * len(processes)
     try:
-        for rank, process in enumerate(processes):
-            remaining = max(deadline - time.monotonic(), 0.1)
-            try:
-                results[rank] = process.wait(remaining)
-            except TimeoutError:
-                results[rank] = ExecResult(
-                    -1, "", f"worker {rank}: no result within {timeout_s:g} s ({why})"
-                )
+        while (
+            rank := next((r for r, done in enumerate(results) if done is None), None)
+        ) is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                message = f"worker {rank}: no result within {timeout_s:g} s ({why})"
+                results[rank] = ExecResult(-1, "", message)
                 break
+            lost = gone() if gone is not None else None
+            if lost is not None:
+                results[rank] = ExecResult(-1, "", f"worker {rank}: stopped because {lost}")
+                break
+            try:
+                results[rank] = processes[rank].wait(min(remaining, WATCH_S))
+            except TimeoutError:
+                continue
     finally:
         for process in processes:
             process.kill()
@@ -153,11 +169,14 @@ def run_session(
     files: RunFiles,
     link_counters: Callable[[], dict[int, LinkCounters]],
     replay: TraceReplay | None = None,
+    gone: Callable[[], str | None] | None = None,
 ) -> SessionOutcome:
     """Run `trials` in one session on the backend's devices, in `directory` (whose name is the
     session's id); `link_counters()` reads each device's link counters (Links.counters),
     before and after the session; `replay`, a trace to play on the links while the workers run
-    (from their start to their end)."""
+    (from their start to their end); `gone()` says why a device or the emulator died
+    (Links.gone), watched while the workers run: the session then fails at once, naming
+    it, with the workers' last lines, and no trial of it counts as run on an emulated link."""
     peers = [f"{d.address}:{port}" for d in backend.devices]
     outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
     argvs = []
@@ -173,9 +192,10 @@ def run_session(
     deadline_s = experiment.timeout_s * len(trials)
     why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
     with replay or contextlib.nullcontext():
-        results = run_workers(backend, argvs, deadline_s, why)
+        results = run_workers(backend, argvs, deadline_s, why, gone)
     session_s = round(time.monotonic() - started, 3)
-    after = link_counters()
+    lost = (gone() if gone is not None else None) or ""
+    after = {} if lost else link_counters()
     for device in backend.devices:
         backend.collect(device, outs[device.rank])
     for rank, result in enumerate(results):
@@ -187,13 +207,20 @@ def run_session(
         session_id=directory.name,
         session_s=session_s,
         sent_bytes={rank: after[rank].sent_bytes - before[rank].sent_bytes for rank in after},
-        stalls=_session_stalls(after, started_ns),
-        events=_session_events(after, started_ns),
+        stalls=_session_stalls(after, started_ns) if after else None,
+        events=_session_events(after, started_ns) if after else None,
         replay=replay,
     )
     failures = [r for r in results if not r.ok]
     error = (failures[0].tail(1) or f"exit status {failures[0].returncode}") if failures else ""
-    outcome = SessionOutcome(facts, error)
+    if lost:
+        words = "; ".join(
+            f"worker {rank}: "
+            + (" | ".join(r.tail(LAST_WORDS).splitlines()) or f"exit {r.returncode}")
+            for rank, r in enumerate(results)
+        )
+        error = f"{lost}, {session_s:g} s into session {directory.name} (last lines: {words})"
+    outcome = SessionOutcome(facts, error, lost=lost)
     if error:
         return outcome
     try:

@@ -260,3 +260,33 @@ def test_exact_embedding_placements_count_one_message_fewer():
     assert exchanges(method_spec("trace-b", placement="2 A"), 12) == 11
     assert exchanges(method_spec("trace-b"), 12) == 12
     assert exchanges(method_spec("astra"), 12) == 12
+
+
+def test_a_receiver_decodes_at_the_level_in_the_header(model, bundle, inputs):
+    """A message encoded at level 0 read by a receiver whose own method is at the finest
+    level: the rows of level 0 (the header's), not of the receiver's level."""
+    coarse = make_method("trace-b", model, bundle, K=K, level_k=2)
+    _, message = _messages(coarse, model, inputs)
+    expected = DeviceRun(coarse, 0, 2, inputs).receivers[1].remote_kv(0, message)
+    fine = make_method("trace-b", model, bundle, K=K)
+    got = DeviceRun(fine, 0, 2, inputs).receivers[1].remote_kv(0, message)
+    torch.testing.assert_close(got.rows, expected.rows)
+    assert len(torch.unique(got.rows)) <= 2  # level 0: two codewords
+
+
+def test_a_session_of_devices_at_different_levels(model, bundle, inputs):
+    """`simulate(levels=...)`: each device encodes at its own level. Both at level 0 is the
+    uniform run at level_k 2; device 0 coarse and device 1 fine is neither uniform run."""
+    method = make_method("trace-b", model, bundle, K=K)
+    finest = len(method.level_bits) - 1
+    uniform = tracevq.simulate(model, inputs, "trace-b", 2, bundle=bundle, K=K, level_k=2)
+    both = tracevq.simulate(model, inputs, method, 2, levels=[0, 0])
+    torch.testing.assert_close(both.logits, uniform.logits)
+    assert method.level == finest  # as given
+    mixed = tracevq.simulate(model, inputs, method, 2, levels=[0, finest])
+    fine = tracevq.simulate(model, inputs, method, 2)
+    assert not torch.allclose(mixed.logits, uniform.logits)
+    assert not torch.allclose(mixed.logits, fine.logits)
+    assert mixed.payload_bits[1, 0] < mixed.payload_bits[1, 1]  # device 0 sends fewer bits
+    with pytest.raises(ConfigError, match=r"levels \[0\]: one per device"):
+        tracevq.simulate(model, inputs, method, 2, levels=[0])

@@ -263,13 +263,15 @@ def test_worker_matches_simulation(tmp_path, model, bundle_path, devices):
         assert warmups == sent / 2
 
 
-def simulate_input(model, bundle_path, method, params, devices, index):
+def simulate_input(model, bundle_path, method, params, devices, index, levels=None):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         bundle = tracevq.Bundle.load(bundle_path)
         inputs = generated_batch(model.config, BATCH, seed=0, index=index)
-        return tracevq.simulate(model, inputs, method, devices, bundle=bundle, **params).logits
+        return tracevq.simulate(
+            model, inputs, method, devices, bundle=bundle, levels=levels, **params
+        ).logits
     finally:
         torch.set_num_threads(threads)
 
@@ -318,6 +320,40 @@ def test_auto_level_starts_coarsest_on_a_slow_link_then_follows_the_messages(
             continue
         reference = simulate_input(
             model, bundle_path, "trace-b", {"K": K, "level_k": sizes[level]}, 2, index
+        )
+        np.testing.assert_allclose(logits[index], reference.numpy(), atol=1e-5, rtol=0)
+
+
+def test_devices_at_different_levels_read_each_others_messages(tmp_path, model, bundle_path):
+    """Devices of one session choose their levels on their own: here device 0 is given a
+    100 bit/s link (level_k auto: the coarsest level), device 1 none (the finest). Each
+    encodes at its own level and reads its peer's at the level in the header; the logits of
+    every inference are the simulation's with each device at the level it recorded (after
+    the first, each re-chooses from the messages: the levels may meet or stay apart)."""
+    run = MethodRun(
+        id="auto",
+        method="trace-b",
+        params={"K": K, "level_k": "auto"},
+        bundle=bundle_path,
+        inferences=2,
+    )
+    peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    paths = [
+        write_spec(tmp_path, 0, peers, [run], rate_mbit=0.0001, warmup=0),
+        write_spec(tmp_path, 1, peers, [run], warmup=0),
+    ]
+    processes = [start([sys.executable, "-m", "devices.worker", str(path)]) for path in paths]
+    for rank, (status, stderr) in enumerate(finish(processes, SESSION_TIMEOUT_S)):
+        assert status == 0, f"worker {rank} failed: {stderr}"
+    finest = len(tracevq.Bundle.load(bundle_path).family("trace-b")[1][0].level_sizes) - 1
+    levels = [
+        [r.level for r in read_records(tmp_path / f"device{rank}").inferences] for rank in range(2)
+    ]
+    assert (levels[0][0], levels[1][0]) == (0, finest), levels
+    logits = np.load(tmp_path / "device0" / "logits" / "auto.npy")
+    for index, pair in enumerate(zip(*levels, strict=True)):
+        reference = simulate_input(
+            model, bundle_path, "trace-b", {"K": K}, 2, index, levels=list(pair)
         )
         np.testing.assert_allclose(logits[index], reference.numpy(), atol=1e-5, rtol=0)
 

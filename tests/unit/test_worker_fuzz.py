@@ -16,6 +16,7 @@ import os
 import random
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -31,7 +32,7 @@ from test_worker_protocol import free_ports
 import tracevq
 from devices.device import Device
 from devices.errors import ConnectError, PeerLostError, ProtocolError
-from devices.frames import FRAME_HEADER
+from devices.frames import FRAME_HEADER, CountingSocket
 from devices.handshake import CLOCK, CLOCK_ROUNDS, LARGE_ROUND_BYTES, PING, shake
 from devices.spec import MethodRun, RunSpec
 from devices.worker import load_methods
@@ -523,3 +524,127 @@ def test_a_peer_that_cannot_prove_the_secret_is_refused(tmp_path, model, bundle_
         f"handshake with device 1 ({peers[1]}): its proof of the run secret is {wrong}: it "
         "does not know this run's secret"
     )
+
+
+# The holes a hostile peer found after the cases above: a reset right after the handshake,
+# finite values too large for the model, messages sent twice, text that drives a terminal,
+# clock answers that are not times.
+
+
+def test_a_peer_that_resets_right_after_the_handshake_is_named(tmp_path, model, bundle_path):
+    """The scripted device 1 finishes the handshake, then resets its connection (SO_LINGER
+    0) instead of sending the start signal: the worker's barrier names it, whichever of its
+    send and its read meets the reset."""
+    fake, peers = session_with_scripted_peer(tmp_path, model, bundle_path, "voltage")
+    worker = Worker(make_spec(tmp_path, 0, peers, "voltage", bundle_path), model)
+    hello, names = fake.hello(), [fake.mesh.name(p) for p in range(2)]
+    with fake.mesh:
+        fake.mesh.open(
+            TIME_LIMIT_S,
+            lambda conn, wanted, connected: shake(
+                conn, hello, wanted, connected, names, fake.clock
+            ),
+        )
+        sock = fake.mesh.links[0].sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+        error = worker.outcome()
+    assert isinstance(error, PeerLostError), repr(error)
+    assert str(error).startswith(f"lost device 1 ({peers[1]}) before the session started ("), error
+
+
+def test_finite_values_too_large_for_the_model_name_the_peer(tmp_path, model, bundle_path):
+    """3e38 is finite, and overflows the receiver's LayerNorm: the worker refuses the block
+    before it sends anything made from it."""
+    fake, peers = session_with_scripted_peer(tmp_path, model, bundle_path, "voltage")
+    worker = Worker(make_spec(tmp_path, 0, peers, "voltage", bundle_path), model)
+    with fake.mesh:
+        open_fake(fake)
+        huge = np.full((BATCH, 8, 64), 3e38, dtype="<f4").tobytes()
+        fake.mesh.links[0].sock.sendall(huge)
+        error = worker.outcome()
+    assert isinstance(error, ProtocolError), repr(error)
+    assert str(error) == (
+        f"inference 0 of run v: voltage message from device 1 ({peers[1]}) for block 0: its "
+        "keys and values are not finite"
+    )
+
+
+def test_a_peer_that_sends_every_message_twice_is_refused_at_the_end(tmp_path, model, bundle_path):
+    """Voltage messages carry no block number: the copies pass for the next blocks'
+    messages, and what is left after the last one is the protocol error."""
+    fake, peers = session_with_scripted_peer(tmp_path, model, bundle_path, "voltage")
+    worker = Worker(make_spec(tmp_path, 0, peers, "voltage", bundle_path), model)
+    expected = len(list(worker.device._formats(1, worker.device.slots())))
+    with fake.mesh:
+        open_fake(fake)
+        sock = fake.mesh.links[0].sock
+        for _ in range(expected):
+            sock.sendall(voltage_with(0.5) * 2)
+        sock.shutdown(socket.SHUT_WR)
+        error = worker.outcome()
+    assert isinstance(error, ProtocolError), repr(error)
+    assert str(error) == (
+        f"device 1 ({peers[1]}) sent data after its last message (b'\\x00'...): the peers "
+        "are out of step"
+    )
+    session = json.loads((tmp_path / "device0" / "session.json").read_text())
+    assert session["status"] == "failed" and "sent data after its last message" in session["error"]
+
+
+TERMINAL_TRICK = "\x1b]0;owned\x07\x1b[2K\rworker 0: all good"
+
+
+@pytest.mark.parametrize("where", ["hello-model", "refusal"])
+def test_text_a_peer_controls_is_escaped(tmp_path, model, bundle_path, where):
+    """A hello's model and a refusal's reason reach the error line as escapes, never as the
+    escape sequences, carriage returns and bells that would drive a terminal."""
+    ports = free_ports(2)
+    peers = [f"127.0.0.1:{port}" for port in ports]
+    worker = Worker(make_spec(tmp_path, 0, peers, "voltage", bundle_path), model)
+    with connect(ports[0]) as sock:
+        hello = valid_hello(worker, 1)
+        if where == "hello-model":
+            sock.sendall(frame({**hello, "model": TERMINAL_TRICK}))
+        else:
+            sock.sendall(frame(hello))
+            sock.sendall(frame({"ok": False, "error": TERMINAL_TRICK}))
+        error = worker.outcome()
+    assert isinstance(error, ProtocolError), repr(error)
+    text = str(error)
+    assert text.isprintable(), repr(text)
+    assert "\\x1b]0;owned\\x07\\x1b[2K\\rworker 0: all good" in text, text
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (lambda t0: (-(2**63), 0), "gives times -9223372036854775808 and 0 ns, outside 0..2^62"),
+        (lambda t0: (t0, t0 + 10**10), "spends 10000000000 ns between the ping and its answer"),
+    ],
+    ids=["int64-min", "turnaround-past-the-round-trip"],
+)
+def test_clock_answers_that_are_not_times_are_refused(
+    tmp_path, model, bundle_path, answer, expected
+):
+    """The worker is device 1 and drives the clock ping-pong with the scripted device 0,
+    whose first answer is not a time: refused before it becomes an offset."""
+    ports = free_ports(2)
+    peers = [f"127.0.0.1:{port}" for port in ports]
+    with socket.create_server(("127.0.0.1", ports[0])) as server:
+        worker = Worker(make_spec(tmp_path, 1, peers, "voltage", bundle_path), model)
+        server.settimeout(TIME_LIMIT_S)
+        sock, _ = server.accept()
+        with sock:
+            sock.settimeout(TIME_LIMIT_S)
+            sock.sendall(frame(valid_hello(worker, 0)))
+            sock.sendall(frame({"ok": True, "error": None}))
+            conn = CountingSocket(sock)
+            conn.recv_frame(), conn.recv_frame()  # its hello and its verdict
+            assert conn.recv_exact(len(PING)) == PING
+            sock.sendall(CLOCK.pack(*answer(time.time_ns())))
+            error = worker.outcome()
+    assert isinstance(error, ProtocolError), repr(error)
+    assert str(error).startswith(
+        f"handshake with device 0 ({peers[0]}): clock answer 0 {expected}"
+    ), str(error)

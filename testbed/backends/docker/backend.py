@@ -271,6 +271,21 @@ class DockerBackend(Backend):
         exec_id = self.client.api.exec_create(device.name, list(argv))["Id"]
         return DockerProcess(self.client.api, exec_id, device.name)
 
+    def gone(self, device: Device) -> str | None:
+        """Why the device's container no longer runs (its exit status, and whether the
+        kernel killed it for memory), or None while it does."""
+        try:
+            state = self.client.containers.get(device.name).attrs["State"]
+        except Exception as error:  # noqa: BLE001 - NotFound and API errors alike
+            return f"its container {device.name} cannot be found ({type(error).__name__})"
+        if state.get("Running"):
+            return None
+        code = state.get("ExitCode")
+        why = " (SIGKILL)" if code == 137 else ""
+        if state.get("OOMKilled"):
+            why = " (out of memory: the device's memory_mb)"
+        return f"its container {device.name} exited with status {code}{why}"
+
     def logs(self, device: Device) -> str:
         return self.client.containers.get(device.name).logs().decode(errors="replace")
 

@@ -6,7 +6,9 @@
  * downlink and the pair's rate), sleep until the end, forward it, count it: the schedule and
  * the counters of the Python loop in program.py, without the interpreter on the frame's path
  * and without its lock between ports. The Python program opens the sockets, sets the rates
- * and reads the counters; impairments stay in Python (this core draws none).
+ * and reads the counters; impairments stay in Python (this core draws none). With
+ * serial_spin(ns), a data frame that found its line free sleeps until `ns` before its end
+ * and polls the clock from there (program.py, "Waiting").
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -49,6 +51,7 @@ static struct port ports[MAX_PORTS];
 static int port_count;
 static volatile double pair_bit_s[MAX_PORTS][MAX_PORTS]; /* 0: none */
 static volatile int pairs_set;
+static volatile int64_t spin_ns;  /* a data frame that found the line free polls its last spin_ns */
 static unsigned char macs[MAX_MACS][6];
 static int mac_port[MAX_MACS];
 static int mac_count;
@@ -89,6 +92,12 @@ int serial_rate(int index, double rate_bit_s) {
 int serial_down(int index, double rate_bit_s) {
     if (index < 0 || index >= port_count || rate_bit_s < 0) return -EINVAL;
     ports[index].down_bit_s = rate_bit_s;
+    return 0;
+}
+
+int serial_spin(int64_t ns) {
+    if (ns < 0) return -EINVAL;
+    spin_ns = ns;
     return 0;
 }
 
@@ -176,6 +185,16 @@ static void forward(int index, const unsigned char *frame, ssize_t size) {
         if (i != index && ports[i].fd >= 0) transmit(&ports[i], frame, size);
 }
 
+/* Whether a frame is an IPv4 TCP segment without payload (an ACK): its time moves no
+ * message's latency, so it never polls. */
+static int bare_ack(const unsigned char *frame, ssize_t size) {
+    if (size < 54 || frame[12] != 0x08 || frame[13] != 0x00) return 0;
+    const unsigned char *ip = frame + 14;
+    int header = (ip[0] & 15) * 4, total = ip[2] << 8 | ip[3];
+    if ((ip[0] >> 4) != 4 || ip[9] != 6 || size < 14 + header + 20) return 0;
+    return total == header + (ip[header + 12] >> 4) * 4;
+}
+
 static int64_t arrival_ns(struct msghdr *message, struct port *port) {
     int64_t now = now_ns();
     for (struct cmsghdr *c = CMSG_FIRSTHDR(message); c; c = CMSG_NXTHDR(message, c)) {
@@ -235,8 +254,13 @@ int serial_serve(int index) {
         int64_t start = arrival > port->free_at_ns ? arrival : port->free_at_ns;
         int64_t end = start + (int64_t)((double)size * 8e9 / rate);
         port->free_at_ns = end;
-        struct timespec due = {end / 1000000000LL, end % 1000000000LL};
-        while (clock_nanosleep(CLOCK_REALTIME, TIMER_ABSTIME, &due, NULL) == EINTR) {
+        int poll = start == arrival && spin_ns && !bare_ack(frame, size);
+        int64_t wake = poll ? end - spin_ns : end;
+        struct timespec due = {wake / 1000000000LL, wake % 1000000000LL};
+        if (wake > now_ns())
+            while (clock_nanosleep(CLOCK_REALTIME, TIMER_ABSTIME, &due, NULL) == EINTR) {
+            }
+        while (poll && now_ns() < end) {
         }
         int64_t late = now_ns() - end;
         forward(index, frame, size);

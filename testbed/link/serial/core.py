@@ -87,6 +87,7 @@ def load() -> ctypes.CDLL | None:
         return None
     library.serial_rate.argtypes = library.serial_down.argtypes = [ctypes.c_int, ctypes.c_double]
     library.serial_port.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double]
+    library.serial_spin.argtypes = [ctypes.c_int64]
     library.serial_pair.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double]
     library.serial_counters.argtypes = [
         ctypes.c_int,

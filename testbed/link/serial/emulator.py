@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 from dataclasses import replace
 from ipaddress import ip_network
 
@@ -29,6 +30,7 @@ from testbed.link.serial.switch import SerialSwitch
 
 DEFAULT_RATE_MBIT = 10.0  # the ports' rate until the first shaping
 CORE_ENV = "TESTBED_SERIAL_CORE"
+SPIN_ENV = "TESTBED_SERIAL_SPIN_US"  # the program's --spin-us, to measure polling
 
 
 def port_seed(seed: int, devices: int, rate_mbit: float, place: int | str) -> int:
@@ -78,7 +80,16 @@ class SerialEmulator(Emulator):
         # a run of rates alone gets the C core where it builds; impairments are Python's;
         # TESTBED_SERIAL_CORE (c, python) overrides it, to measure one against the other
         core = os.environ.get(CORE_ENV) or ("python" if self.draws else None)
-        switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, cpusets=cpusets, core=core)
+        spin = os.environ.get(SPIN_ENV)
+        switch = SerialSwitch(
+            run_tag(self.run_id),
+            paths,
+            subnet,
+            rate,
+            spin_us=None if spin is None else float(spin),
+            cpusets=cpusets,
+            core=core,
+        )
         self.switch = switch.start()  # a switch that fails to start removes what it made
         backend.devices = [
             replace(d, address=switch.address(d.rank), interface=switch.interface)
@@ -143,6 +154,16 @@ class SerialEmulator(Emulator):
 
     def stats(self) -> dict[int, dict[str, object]] | None:
         return None if self.switch is None else self.switch.stats()
+
+    def gone(self) -> str | None:
+        status = None if self.switch is None else self.switch.exited()
+        if status is None:
+            return None
+        try:
+            killed = f" ({signal.Signals(-status).name})" if status < 0 else ""
+        except ValueError:
+            killed = ""
+        return f"the serial link emulator exited with status {status}{killed}"
 
     def stop(self) -> None:
         if self.switch is not None:

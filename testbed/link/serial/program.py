@@ -46,7 +46,12 @@ Decisions:
   at 1 and 5 Mbit/s (195 to 201-205 ms); on the local backend compute did not move; on
   vit-tiny it rose 3-5% at 20 Mbit/s. An earlier rule, 150 us for every frame, raised
   vit-tiny's compute from 4.7-5.2 to 5.8-6.3 ms. A plain sleep wakes a median 5-16 us late
-  after waits under 1 ms, 40-70 us after 2-12 ms idle.
+  after waits under 1 ms, 40-70 us after 2-12 ms idle. The C core polls the last `spin_us`
+  of such a frame's wait whole, without yielding: `python -m bench.serial_link_check
+  --shapers serial+tbf --cores c --spin-us 150` on 2026-12-02 (two runs, interleaved with
+  0): beyond the wire time 0.080-0.091 ms at 1 Mbit/s (0.144-0.174 without), 0.075-0.081
+  for 200 bytes at 20 (0.119) and 0.086-0.152 for 14 (0.085-0.089), its bulk CPU unchanged
+  (10-12% of a core at 20 Mbit/s): the issue's 0.08 ms, at the devices' compute's expense.
 - Queue: frames wait, with their timestamps, in the packet socket's receive buffer while the
   port's thread sleeps. Its size (`wire.queue_frames`) is tbf's, 50 ms at the rate
   plus two frames, but at least `MIN_QUEUE_FRAMES` so that TCP's initial window fits; times
@@ -307,8 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if library is None and args.core == "c":
             log.error("--core c: the C core cannot be built or loaded")
             return 1
-    if library is not None and args.spin_us:
-        log.warning("--spin-us is the Python loop's: the C core does not poll")
+    if library is not None:
+        library.serial_spin(round(1e3 * args.spin_us))
     switch = Switch(ports, library)
     try:
         switch.start()

@@ -307,6 +307,10 @@ class SerialSwitch:
             )
         return line
 
+    def exited(self) -> int | None:
+        """The emulator's exit status if it has exited (None while it runs or before start)."""
+        return None if self.process is None else self.process.poll()
+
     def _exit_status(self) -> int | None:
         """The emulator's exit status once its output has ended (None if it lingers)."""
         with contextlib.suppress(subprocess.TimeoutExpired):
