@@ -14,6 +14,7 @@ import logging
 import platform
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from devices.records import (
     BlockRecord,
     InferenceRecord,
     SessionFacts,
+    write_atomic,
     write_json,
     write_records,
 )
@@ -40,6 +42,14 @@ from tracevq.methods import Method, TraceMethod
 from tracevq.partition import partition_sizes
 
 log = logging.getLogger(__name__)
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as stream:
+            np.save(stream, array)
+
+    write_atomic(path, write)
 
 
 class Device:
@@ -194,7 +204,7 @@ class Device:
         for run_id, outputs in logits.items():
             if outputs:
                 folder.mkdir(exist_ok=True)
-                np.save(folder / f"{run_id}.npy", torch.stack(outputs).numpy())  # (I, B, C)
+                save_array(folder / f"{run_id}.npy", torch.stack(outputs).numpy())  # (I, B, C)
 
     def _describe(self, run: MethodRun) -> dict[str, Any]:
         return {**self.methods[run.id][0].describe(), "level_choice": self.levels.get(run.id)}

@@ -157,14 +157,25 @@ class DeviceRecords:
     arrivals: list[ArrivalRecord]
 
 
+def write_atomic(path: Path, write: Any) -> Path:
+    """`write(tmp)` then rename into place: a reader never sees half a file, nor a temporary
+    one after a failed write (a full disk), which raises."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def write_json(path: Path, payload: Any) -> Path:
-    """Write atomically (a reader never sees half a file); dataclasses become objects."""
+    """Written atomically (`write_atomic`); dataclasses become objects."""
     if dataclasses.is_dataclass(payload):
         payload = dataclasses.asdict(payload)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    text = json.dumps(payload, indent=1, default=str) + "\n"
+    return write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def write_records(

@@ -139,10 +139,8 @@ def run_workers(
                 message = f"worker {rank}: no result within {timeout_s:g} s ({why})"
                 results[rank] = ExecResult(-1, "", message)
                 break
-            lost = gone() if gone is not None else None
-            if lost is not None:
-                results[rank] = ExecResult(-1, "", f"worker {rank}: stopped because {lost}")
-                break
+            if gone is not None and gone() is not None:
+                break  # the workers are killed: what they said is collected below
             try:
                 results[rank] = processes[rank].wait(min(remaining, WATCH_S))
             except TimeoutError:
