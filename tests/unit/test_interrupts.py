@@ -1,5 +1,6 @@
 """A Ctrl-C that lands inside a fork's at-fork callback is not lost (seen in CI: the
-KeyboardInterrupt is raised there, printed as "Exception ignored" and dropped)."""
+KeyboardInterrupt is raised there, printed as "Exception ignored" and dropped), and the
+interpreter's report of it is not printed (a traceback a user would see)."""
 
 import subprocess
 import sys
@@ -30,6 +31,6 @@ def test_an_interrupt_dropped_inside_a_fork_callback_is_raised_at_the_next_check
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
-    assert "Exception ignored" in done.stderr  # the interrupt really was dropped there
-    assert done.stdout == "went on\n"
+    assert done.stdout == "went on\n"  # the interrupt really was dropped there
+    assert done.stderr == ""
     assert done.returncode == 130, done.stderr

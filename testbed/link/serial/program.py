@@ -47,11 +47,9 @@ Decisions:
   vit-tiny it rose 3-5% at 20 Mbit/s. An earlier rule, 150 us for every frame, raised
   vit-tiny's compute from 4.7-5.2 to 5.8-6.3 ms. A plain sleep wakes a median 5-16 us late
   after waits under 1 ms, 40-70 us after 2-12 ms idle. The C core polls the last `spin_us`
-  of such a frame's wait whole, without yielding: `python -m bench.serial_link_check
-  --shapers serial+tbf --cores c --spin-us 150` on 2026-12-02 (two runs, interleaved with
-  0): beyond the wire time 0.080-0.091 ms at 1 Mbit/s (0.144-0.174 without), 0.075-0.081
-  for 200 bytes at 20 (0.119) and 0.086-0.152 for 14 (0.085-0.089), its bulk CPU unchanged
-  (10-12% of a core at 20 Mbit/s): the issue's 0.08 ms, at the devices' compute's expense.
+  of such a frame's wait whole, without yielding, and never for a bare ACK: at 150 us the
+  path cost per small message fell from 0.11-0.12 to 0.07-0.08 ms at 2 Mbit/s and compute
+  rose 4-6% (docs/benchmarks.md, 2026-12-02, six interleaved rounds): off by default too.
 - Queue: frames wait, with their timestamps, in the packet socket's receive buffer while the
   port's thread sleeps. Its size (`wire.queue_frames`) is tbf's, 50 ms at the rate
   plus two frames, but at least `MIN_QUEUE_FRAMES` so that TCP's initial window fits; times
