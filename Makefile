@@ -113,6 +113,13 @@ BENCH_ARGS ?=
 bench: venv host-setup
 	$(VENV_PY) -m bench.bench_trace $(BENCH_ARGS)
 
+# 10,000 inferences through the serial emulator on docker: the workers' and the emulator's
+# memory and file descriptors at the start and the end (bench/soak.py; about 2 minutes).
+SOAK_ARGS ?=
+.PHONY: soak
+soak: venv host-setup
+	$(VENV_PY) -m bench.soak $(SOAK_ARGS)
+
 # Accuracy study (issue 6): base model, VQ fine-tuning, codebook trees, every method through
 # tracevq.simulate; CSV tables, figures and model + bundle pairs in results/accuracy/<task>/.
 # A base model trained earlier with the same settings is reused (delete base/ to retrain).

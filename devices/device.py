@@ -25,15 +25,7 @@ from devices.handshake import make_hello, shake
 from devices.inputs import InputSource
 from devices.level import LiveLevel, choose_level
 from devices.mesh import Mesh
-from devices.records import (
-    ArrivalRecord,
-    BlockRecord,
-    InferenceRecord,
-    SessionFacts,
-    write_atomic,
-    write_json,
-    write_records,
-)
+from devices.records import RecordLog, SessionFacts, write_atomic, write_json
 from devices.session import Session, stamped
 from devices.spec import MethodRun, RunSpec, read_secret
 from devices.transport import MessageFormat
@@ -145,29 +137,27 @@ class Device:
         }
         live = self._live_levels()
         self.mesh.start(lambda peer: self._formats(peer, self.slots()))
-        inferences: list[InferenceRecord] = []
-        blocks: list[BlockRecord] = []
-        arrivals: list[ArrivalRecord] = []
-        logits: dict[str, list[torch.Tensor]] = {run.id: [] for run in spec.runs}
-        for run, index, measured in self.slots():
-            inputs, labels = self.inputs.get(index)
-            label = f"{'inference' if measured else 'warm-up'} {index} of run {run.id}"
-            record, rows, arrived, output = sessions[run.id].infer(run.id, index, inputs, label)
-            if run.id in live:
-                record.est_rate_mbit = live[run.id].rate_mbit
-                live[run.id].update(arrived, rows)  # the level of this run's next inference
-            if not measured:
-                continue
-            if output is not None:
-                predicted = output.argmax(dim=-1)
-                record.predicted = predicted.tolist()
-                if labels is not None:
-                    record.correct = int((predicted == labels).sum())
-                logits[run.id].append(output)
-            inferences.append(record)
-            blocks += rows
-            arrivals += arrived
-        write_records(spec.out, inferences, blocks, arrivals)
+        # device 0's logits of each run, (inferences, batch, classes), filled as they come
+        logits: dict[str, np.ndarray] = {}
+        with RecordLog(spec.out) as records:
+            for run, index, measured in self.slots():
+                inputs, labels = self.inputs.get(index)
+                label = f"{'inference' if measured else 'warm-up'} {index} of run {run.id}"
+                session = sessions[run.id]
+                record, rows, arrived, output = session.infer(run.id, index, inputs, label)
+                if run.id in live:
+                    record.est_rate_mbit = live[run.id].rate_mbit
+                    live[run.id].update(arrived, rows)  # the level of this run's next inference
+                if not measured:
+                    continue
+                if output is not None:
+                    predicted = output.argmax(dim=-1)
+                    record.predicted = predicted.tolist()
+                    if labels is not None:
+                        record.correct = int((predicted == labels).sum())
+                    shape = (run.inferences, *output.shape)
+                    logits.setdefault(run.id, np.zeros(shape, np.float32))[index] = output
+                records.add(record, rows, arrived)
         self._write_logits(logits)
 
     def _live_levels(self) -> dict[str, LiveLevel]:
@@ -199,12 +189,11 @@ class Device:
                 if method.exchanges_at(block):
                     yield MessageFormat(method.header_bytes, size, stamped(method))
 
-    def _write_logits(self, logits: dict[str, list[torch.Tensor]]) -> None:
+    def _write_logits(self, logits: dict[str, np.ndarray]) -> None:
         folder = self.spec.out / "logits"
-        for run_id, outputs in logits.items():
-            if outputs:
-                folder.mkdir(exist_ok=True)
-                save_array(folder / f"{run_id}.npy", torch.stack(outputs).numpy())  # (I, B, C)
+        for run_id, array in logits.items():
+            folder.mkdir(exist_ok=True)
+            save_array(folder / f"{run_id}.npy", array)  # (I, B, C)
 
     def _describe(self, run: MethodRun) -> dict[str, Any]:
         return {**self.methods[run.id][0].describe(), "level_choice": self.levels.get(run.id)}

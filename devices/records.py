@@ -4,8 +4,10 @@ A device's output directory holds
 - `session.json`: `SessionFacts`, written when the session starts ("running") and again when
   it ends ("done" or "failed", with the error): the resolved spec, the clock offset of every
   peer (from the handshake), the level each run chose, byte counts, threads, versions.
-- `records.json`: the measured `InferenceRecord`s, `BlockRecord`s and `ArrivalRecord`s of
-  every run of the session (warm-ups are not recorded).
+- `records.jsonl`: the measured `InferenceRecord`s, `BlockRecord`s and `ArrivalRecord`s of
+  every run of the session (warm-ups are not recorded): a line of column names, then one
+  line per inference as it ends (`RecordLog`: a session of any length holds none of them in
+  memory), renamed into place when the session ends.
 - `logits/<run id>.npy` (device 0): the logits of a run's measured inferences,
   (inferences, batch, classes).
 
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 SESSION_FILE = "session.json"
-RECORDS_FILE = "records.json"
+RECORDS_FILE = "records.jsonl"
 
 
 @dataclass
@@ -178,20 +180,40 @@ def write_json(path: Path, payload: Any) -> Path:
     return write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
-def write_records(
-    out: Path,
-    inferences: list[InferenceRecord],
-    blocks: list[BlockRecord],
-    arrivals: list[ArrivalRecord],
-) -> Path:
-    kinds = {"inferences": inferences, "blocks": blocks, "arrivals": arrivals}
-    payload = {kind: [dataclasses.astuple(r) for r in rows] for kind, rows in kinds.items()}
-    payload["columns"] = {
-        "inferences": _names(InferenceRecord),
-        "blocks": _names(BlockRecord),
-        "arrivals": _names(ArrivalRecord),
-    }
-    return write_json(out / RECORDS_FILE, payload)
+RECORD_KINDS = {"inferences": InferenceRecord, "blocks": BlockRecord, "arrivals": ArrivalRecord}
+
+
+class RecordLog:
+    """The session's records, one line per measured inference as it ends; written to a
+    temporary file and renamed into place by `close()`, so a reader never sees part of
+    it. Use as a context manager: an error discards the file."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / RECORDS_FILE
+        self.tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        self.stream = self.tmp.open("w")
+        columns = {kind: _names(record) for kind, record in RECORD_KINDS.items()}
+        self.stream.write(json.dumps({"columns": columns}) + "\n")
+
+    def add(
+        self, inference: InferenceRecord, blocks: list[BlockRecord], arrivals: list[ArrivalRecord]
+    ) -> None:
+        line = {
+            "inferences": [dataclasses.astuple(inference)],
+            "blocks": [dataclasses.astuple(r) for r in blocks],
+            "arrivals": [dataclasses.astuple(r) for r in arrivals],
+        }
+        self.stream.write(json.dumps(line, default=str) + "\n")
+
+    def __enter__(self) -> RecordLog:
+        return self
+
+    def __exit__(self, kind: type | None, *_: object) -> None:
+        self.stream.close()
+        if kind is None:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink(missing_ok=True)
 
 
 def _names(kind: type) -> list[str]:
@@ -208,12 +230,14 @@ def read_session(out: Path) -> SessionFacts:
 
 def read_records(out: Path) -> DeviceRecords:
     """Everything a device wrote to `out`, typed. Raises OSError/ValueError on a bad file."""
-    out = Path(out)
-    data = json.loads((out / RECORDS_FILE).read_text())
-    kinds = {"inferences": InferenceRecord, "blocks": BlockRecord, "arrivals": ArrivalRecord}
-    rows = {}
-    for key, kind in kinds.items():
-        if data["columns"][key] != _names(kind):
-            raise ValueError(f"{out / RECORDS_FILE}: {key} written by another version")
-        rows[key] = [kind(*values) for values in data[key]]
+    path = Path(out) / RECORDS_FILE
+    rows: dict[str, list[Any]] = {kind: [] for kind in RECORD_KINDS}
+    with path.open() as lines:
+        columns = json.loads(next(lines, "{}")).get("columns")
+        if columns != {kind: _names(record) for kind, record in RECORD_KINDS.items()}:
+            raise ValueError(f"{path}: written by another version (columns differ)")
+        for line in lines:
+            data = json.loads(line)
+            for kind, record in RECORD_KINDS.items():
+                rows[kind] += [record(*values) for values in data[kind]]
     return DeviceRecords(read_session(out), rows["inferences"], rows["blocks"], rows["arrivals"])

@@ -8,7 +8,7 @@ each trial in turn, so a slow minute of the shared host falls on every method al
 model is loaded once. A worker that fails fails every trial of its session (their rows say
 why and the workers' logs are kept); the sweep goes on with the next session.
 
-    <run dir>/sessions/<session id>/rank<r>/   spec.json, session.json, records.json, logits/
+    <run dir>/sessions/<session id>/rank<r>/   spec.json, session.json, records.jsonl, logits/
     <run dir>/sessions/<session id>/rank<r>.log
 """
 

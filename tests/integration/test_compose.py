@@ -62,7 +62,9 @@ def test_docker_compose_up_runs_both_devices_to_the_end_on_a_shaped_link(tmp_pat
     # the workers and the fit ran as `worker`, not as the root that shaped the link
     written = [tmp_path / "codebooks" / "bundle-K16.pt"]
     written += [
-        tmp_path / f"d{rank}" / name for rank in (0, 1) for name in ("records.json", "session.json")
+        tmp_path / f"d{rank}" / name
+        for rank in (0, 1)
+        for name in ("records.jsonl", "session.json")
     ]
     assert {path.stat().st_uid for path in written} == {WORKER_UID}
     # each device's egress went through its 10 Mbit/s token bucket, its messages with it

@@ -132,4 +132,4 @@ def test_a_worker_without_the_run_secret_is_refused_in_the_handshake(
         assert "handshake with device 1" in logs[0] and "proof of the run secret is" in logs[0]
         assert "handshake with device 0" in logs[1] and "proof of the run secret is" in logs[1]
     assert "run secret" in outcome.error
-    assert not list(directory.glob("rank*/records.json"))
+    assert not list(directory.glob("rank*/records.jsonl"))

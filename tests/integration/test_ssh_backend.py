@@ -481,7 +481,7 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
         lambda: {rank: LinkCounters(0) for rank in (0, 1)},
     )
     assert outcome.ok, outcome.error
-    assert {"session.json", "records.json", "spec.json"} <= {
+    assert {"session.json", "records.jsonl", "spec.json"} <= {
         p.name for p in (directory / "rank1").iterdir()
     }
     # the workers proved the run secret to each other; it came back in no file of the run
