@@ -277,7 +277,9 @@ class DockerBackend(Backend):
         try:
             state = self.client.containers.get(device.name).attrs["State"]
         except Exception as error:  # noqa: BLE001 - NotFound and API errors alike
-            return f"its container {device.name} cannot be found ({type(error).__name__})"
+            if _gone(error):
+                return f"its container {device.name} was removed"
+            return f"the Docker engine does not answer ({type(error).__name__})"
         if state.get("Running"):
             return None
         code = state.get("ExitCode")
@@ -290,12 +292,18 @@ class DockerBackend(Backend):
         return self.client.containers.get(device.name).logs().decode(errors="replace")
 
     def stop(self) -> None:
+        """Removes the run's containers and network; what the engine could not remove (it
+        is down: restarted mid-run) is named in one warning with the command that removes
+        it once the engine is back."""
+        kept = []
         for container in self.containers:
             log.debug("docker rm -f %s", container.name)
             try:
                 container.remove(force=True)
             except Exception as error:  # noqa: BLE001 - already gone is fine
                 log.debug("removing %s: %s", container.name, error)
+                if not _gone(error):
+                    kept.append(container.name)
         self.containers = []
         if self.network is not None:
             log.debug("docker network rm %s", self.network.name)
@@ -303,7 +311,16 @@ class DockerBackend(Backend):
                 self.network.remove()
             except Exception as error:  # noqa: BLE001
                 log.debug("removing network: %s", error)
+                if not _gone(error):
+                    kept.append(f"network {self.network.name}")
             self.network = None
+        if kept:
+            log.warning(
+                "the Docker engine did not remove %s (is it running?): `python -m testbed.clean "
+                "--run %s` removes them once it answers",
+                ", ".join(kept),
+                self.run_id,
+            )
         if self.private_dir is not None:
             log.debug("rm -r %s", self.private_dir)
             shutil.rmtree(self.private_dir, ignore_errors=True)
@@ -311,6 +328,12 @@ class DockerBackend(Backend):
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+def _gone(error: Exception) -> bool:
+    """Whether a removal failed because the object is already gone (404), not because the
+    engine did not answer."""
+    return getattr(getattr(error, "response", None), "status_code", None) == 404
 
 
 def leftovers_by_run() -> dict[str, list[str]]:
