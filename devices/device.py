@@ -170,8 +170,9 @@ class Device:
         def echo(peer: int, ns_per_byte: float) -> None:
             self.mesh.links[peer].echo_ps_per_byte = round(1000 * ns_per_byte)
 
+        given = self.spec.rate_mbit is not None
         return {
-            run.id: LiveLevel(method, tokens, batch, offsets, echo, latencies)
+            run.id: LiveLevel(method, tokens, batch, offsets, echo, latencies, given)
             for run in self.spec.runs
             if isinstance(method := self.methods[run.id][0], TraceMethod) and stamped(method)
         }

@@ -28,13 +28,17 @@ message carries its level, so the receivers follow.
   those). After a drop in rate the newest large messages say so at once; after a rise, a
   device at a coarse level sees it through its small messages only. What a device measures
   of a peer's messages it echoes back in its own stamps to that peer, so each device chooses
-  from how its own messages travelled, as the slowest of its peers saw them; until the first
-  echo arrives, from how the peers' messages to it travelled (the same link where devices
-  share one channel). The latency is the handshake's: a delay that changes during the
-  session (none does today) would need it measured again. On a link much faster than the
-  testbed's (loopback), the serialisation is less than the latency's own noise and can read
-  zero or less: a message is taken to cross at MAX_ESTIMATE_MBIT at most, so the estimate
-  says "at least that fast" (and auto keeps the finest level) instead of "not measured".
+  from how its own messages travelled, as the slowest of its peers saw them. Until the first
+  echo arrives it keeps the level it started with when the testbed's probe gave its own
+  uplink's rate (the peers' links may differ from its own: a device on a 0.05 Mbit/s uplink
+  whose peer's is 20 Mbit/s went to the finest level for an inference, reading its peer's
+  fast messages); without a rate, from how the peers' messages to it travelled (the same
+  link where devices share one channel). The latency is the handshake's: a delay that
+  changes during the session (none does today) would need it measured again. On a link much
+  faster than the testbed's (loopback), the serialisation is less than the latency's own
+  noise and can read zero or less: a message is taken to cross at MAX_ESTIMATE_MBIT at most,
+  so the estimate says "at least that fast" (and auto keeps the finest level) instead of
+  "not measured".
 """
 
 from __future__ import annotations
@@ -116,9 +120,12 @@ class LiveLevel:
         offsets_ns: Mapping[int, int],
         echo: Callable[[int, float], None],
         latencies_ns: Mapping[int, int] | None = None,
+        rate_given: bool = False,
     ):
+        """`rate_given`: the start's level came from this device's own uplink rate (the
+        spec's rate_mbit), which a peer's link must not override before an echo comes."""
         self.method, self.offsets_ns = method, offsets_ns
-        self.echo = echo
+        self.echo, self.rate_given = echo, rate_given
         # per peer, the rate-independent part of its messages' one-way time (the handshake's)
         self.latencies_ns = dict(latencies_ns or {})
         rows = tokens * batch
@@ -155,8 +162,9 @@ class LiveLevel:
         for peer, per_byte in downlink.items():
             self.echo(peer, per_byte)
         # this device's own messages as its slowest peer saw them; before any echo came back,
-        # the peers' messages as this device saw them
-        seen = echoed or downlink
+        # the start's level if it came from this device's own rate, else the peers' messages
+        # as this device saw them
+        seen = echoed or ({} if self.rate_given else downlink)
         ffn_ms = [(b.ffn_end_ns - b.ffn_start_ns) / 1e6 for b in blocks]
         if not seen or not ffn_ms:
             return self.method.level

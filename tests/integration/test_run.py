@@ -387,6 +387,33 @@ def test_impairment_variants_on_the_serial_link(tmp_path):
 
 @pytest.mark.netns
 @pytest.mark.slow
+def test_devices_on_different_links_choose_their_own_levels(tmp_path):
+    """level_k auto with device 0's uplink at 0.05 Mbit/s and device 1's at 20: each device
+    chooses the level of its own messages from what its link carries, so once each has its
+    peer's echo (from the second inference on) device 0 runs coarser than device 1, and every
+    trial ends ok: each reads its peer's messages at the level in their header (a receiver at
+    its own level crashed). The first inference runs at the levels the probe gave, never
+    device 0 finer than device 1 (the probe of device 1's uplink is held to about 2 Mbit/s
+    by its ACKs on device 0's 0.05 Mbit/s uplink)."""
+    path = small_experiment(
+        tmp_path,
+        link={"profile": "ideal", "emulator": "serial", "bandwidth_mbit": [20]}
+        | {"uplink_mbit": {0: 0.05}},
+        methods=[{"name": "trace-b", "K": 16, "level_k": "auto"}],
+        repeats=6,
+    )
+    out = tmp_path / "out"
+    done = run_cli(str(path), "--out", str(out), "--backend", "local")
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = load(only_run_dir(out)).trials
+    assert (trials["status"] == "ok").all(), trials[["trial_id", "error"]]
+    levels = trials.pivot_table(index="repeat", columns="rank", values="level_k")
+    assert levels.loc[0, 0] <= levels.loc[0, 1], levels
+    assert (levels[0] < levels[1]).iloc[1:].all(), levels
+
+
+@pytest.mark.netns
+@pytest.mark.slow
 def test_auto_keeps_the_finest_level_under_delay(tmp_path):
     """20 Mbit/s with 20 ms of one-way delay: Trace-b's finest messages (1,235 bytes of frames
     at K = 16 and a batch of 256) serialise in 0.5 ms, within vit-tiny's FFN, so `level_k:
@@ -416,8 +443,6 @@ def test_auto_keeps_the_finest_level_under_delay(tmp_path):
     assert len(estimated) and 10 <= estimated.median() <= 40, estimated.describe()
 
 
-@pytest.mark.netns
-@pytest.mark.slow
 def voltage_on_serial(tmp_path, **link) -> tuple[subprocess.CompletedProcess, Path]:
     """Voltage, 3 repetitions, on the local backend's serial link at 5 Mbit/s with `link`'s
     fields added; the finished run and its directory."""
@@ -431,6 +456,8 @@ def voltage_on_serial(tmp_path, **link) -> tuple[subprocess.CompletedProcess, Pa
     return done, only_run_dir(out)
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 def test_a_pairs_and_a_downlinks_delay(tmp_path):
     """link.pair_impairments and link.downlink_impairments on the serial link: what device 0
     sends to device 1 meets 15 ms on the pair's hop and 10 ms on device 1's downlink; what
@@ -451,6 +478,8 @@ def test_a_pairs_and_a_downlinks_delay(tmp_path):
     assert {"0", "1", "down1", "0->1"} <= set(shaping["impairment_seeds"]), shaping
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 def test_a_devices_own_uplink_delay(tmp_path):
     """link.uplink_impairments on the serial link: device 1's uplink has 20 ms of delay,
     device 0's none. Device 1's messages take 20 ms more than device 0's; each row names its

@@ -281,10 +281,11 @@ def test_auto_level_starts_coarsest_on_a_slow_link_then_follows_the_messages(
 ):
     """level_k=auto with a 100 bit/s link given at the start: nothing fits under the FFN (even
     level 0's 24 bits take 240 ms, far more than a loaded machine's FFN of this model), so the
-    first inference runs at level 0 (1 bit). From then on each device re-chooses from the
-    stamped messages' one-way times on loopback; whatever it chose, the logits of every
-    inference are the simulation's at the level that inference recorded, and the estimate
-    it chose from is recorded. Two threads, recorded."""
+    first inference runs at level 0 (1 bit), and so does the second: the start's level came
+    from this device's own rate, and the peer's measure of its messages comes back with the
+    peer's stamps of the second inference. From then on each device re-chooses from that
+    echo; whatever it chose, the logits of every inference are the simulation's at the level
+    that inference recorded, and the estimate it chose from is recorded. Two threads."""
     run = MethodRun(
         id="auto",
         method="trace-b",
@@ -302,9 +303,10 @@ def test_auto_level_starts_coarsest_on_a_slow_link_then_follows_the_messages(
         choice = device.session.runs["auto"]["level_choice"]
         assert choice["mode"] == "auto" and choice["level"] == 0 and choice["ffn_ms"] > 0
         assert device.session.threads["torch"] == 2
-        first, *later = device.inferences
+        first, second, *later = device.inferences
         assert (first.level, first.level_k, first.r_bits, first.est_rate_mbit) == (0, 2, 1, None)
-        assert all(r.est_rate_mbit is not None and r.est_rate_mbit > 0 for r in later)
+        assert (second.level, second.est_rate_mbit) == (0, None)
+        assert later and all(r.est_rate_mbit is not None and r.est_rate_mbit > 0 for r in later)
         assert all(a.sent_ns is not None for a in device.arrivals)
         # the first inference's stamps echo nothing (nothing measured yet), later ones do
         echoes = {a.inference: a.echo_ps_per_byte for a in device.arrivals}
