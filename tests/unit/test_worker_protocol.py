@@ -220,6 +220,29 @@ def test_data_after_the_last_expected_message_is_named():
             mesh.close(graceful=False)
 
 
+def test_a_message_no_peer_takes_names_the_peer():
+    """A copy the kernel never took within the receive timeout (the peer stopped reading):
+    the error names the peer that did not take it."""
+    import tracevq
+    from devices.session import Session
+    from tracevq.methods import make_method
+
+    meshes = connected_pair()
+    try:
+        method = make_method("voltage", tracevq.build_model("vit-tiny"))
+        session = Session(method, 0, meshes[0], batch=1, recv_timeout_s=0.1)
+        stuck = Outgoing(block=3, message=b"x", peers=1)
+        with pytest.raises(PeerLostError) as raised:
+            session._await_sends({3: stuck}, "inference 0 of run v")
+        assert str(raised.value) == (
+            f"the message for block 3 of inference 0 of run v was not written to "
+            f"{meshes[0].name(1)} within 0.1 s (the peer stopped reading)"
+        )
+    finally:
+        for mesh in meshes:
+            mesh.close(graceful=False)
+
+
 def test_a_mesh_listens_on_its_own_address_only():
     """Device 0 at 127.0.0.2 is not reachable at 127.0.0.1 (it would be on 0.0.0.0), and a
     device whose spec address is not the host's stops at once, naming the address."""
