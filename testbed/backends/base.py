@@ -214,6 +214,11 @@ class Backend(abc.ABC):
             return f"its network namespace {path} is gone"
         return None
 
+    def out_of_memory(self, device: Device) -> bool:
+        """Whether the kernel has killed a process of `device` for memory (its memory
+        limit); False where the backend cannot tell."""
+        return False
+
     def device_path(self, host_path: Path) -> str:
         """Path under which a device sees a file of the run directory."""
         return str(Path(host_path).resolve())

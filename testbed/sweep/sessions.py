@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 WORKER_PORT = 7100
 CONNECT_TIMEOUT_S = 60.0
 WATCH_S = 0.5  # how often a running session checks that its devices and emulator live
+PEER_GRACE_S = 10.0  # what the other workers get to end on their own after one failed
 LAST_WORDS = 5  # lines of a dead device's worker log that its trials' error quotes
 
 
@@ -120,31 +121,40 @@ def run_workers(
     timeout_s: float,
     why: str = "timeout_s",
     gone: Callable[[], str | None] | None = None,
-) -> list[ExecResult]:
-    """Start every worker, wait for all; a failure, the deadline (`why` explains it in the
-    error) or what `gone()` reports every WATCH_S (a device or the link emulator that died:
-    the workers would wait out their timeout on a link that no longer carries anything)
-    kills the rest."""
+) -> tuple[list[ExecResult], int | None]:
+    """Start every worker, wait for all; returns their results and the rank of the first
+    that failed (None: none did). The rest are killed on the deadline (`why` explains it in
+    the error), on what `gone()` reports every WATCH_S (a device or the link emulator that
+    died: the workers would wait out their timeout on a link that no longer carries
+    anything), and PEER_GRACE_S after a worker failed (its peers normally fail at once
+    naming it; a peer slowed to a crawl, e.g. by a memory limit, would not)."""
     processes = [
         backend.spawn(device, argv) for device, argv in zip(backend.devices, argvs, strict=True)
     ]
     deadline = time.monotonic() + timeout_s
     results: list[ExecResult | None] = [None] * len(processes)
+    first: int | None = None
+    failed_at = 0.0
     try:
-        while (
-            rank := next((r for r, done in enumerate(results) if done is None), None)
-        ) is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                message = f"worker {rank}: no result within {timeout_s:g} s ({why})"
-                results[rank] = ExecResult(-1, "", message)
+        while pending := [rank for rank, done in enumerate(results) if done is None]:
+            now = time.monotonic()
+            if now >= deadline:
+                message = f"worker {pending[0]}: no result within {timeout_s:g} s ({why})"
+                results[pending[0]] = ExecResult(-1, "", message)
+                first = pending[0] if first is None else first
+                break
+            if first is not None and now - failed_at > PEER_GRACE_S:
                 break
             if gone is not None and gone() is not None:
                 break  # the workers are killed: what they said is collected below
-            try:
-                results[rank] = processes[rank].wait(min(remaining, WATCH_S))
-            except TimeoutError:
-                continue
+            for rank in pending:
+                try:
+                    result = processes[rank].wait(min(deadline - now, WATCH_S) / len(pending))
+                except TimeoutError:
+                    continue
+                results[rank] = result
+                if not result.ok and first is None:
+                    first, failed_at = rank, time.monotonic()
     finally:
         for process in processes:
             process.kill()
@@ -154,7 +164,7 @@ def run_workers(
                 results[rank] = process.wait(5)
             except TimeoutError:
                 results[rank] = ExecResult(-1, "", f"worker {rank}: killed")
-    return [r for r in results if r is not None]
+    return [r for r in results if r is not None], first
 
 
 def run_session(
@@ -190,7 +200,7 @@ def run_session(
     deadline_s = experiment.timeout_s * len(trials)
     why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
     with replay or contextlib.nullcontext():
-        results = run_workers(backend, argvs, deadline_s, why, gone)
+        results, first = run_workers(backend, argvs, deadline_s, why, gone)
     session_s = round(time.monotonic() - started, 3)
     lost = (gone() if gone is not None else None) or ""
     after = {} if lost else link_counters()
@@ -209,8 +219,7 @@ def run_session(
         events=_session_events(after, started_ns) if after else None,
         replay=replay,
     )
-    failures = [r for r in results if not r.ok]
-    error = (failures[0].tail(1) or f"exit status {failures[0].returncode}") if failures else ""
+    error = "" if first is None else _worker_error(backend, experiment, first, results[first])
     if lost:
         words = "; ".join(
             f"worker {rank}: "
@@ -234,6 +243,16 @@ def run_session(
         except TestbedError as problem:
             outcome.failures[trial.trial_id] = str(problem)
     return outcome
+
+
+def _worker_error(backend: Backend, experiment: Experiment, rank: int, result: ExecResult) -> str:
+    """Why the first worker to fail failed: its last line, or its exit status, with the
+    kernel's out-of-memory kill named where the backend can tell."""
+    said = result.tail(1) or f"worker {rank}: exit status {result.returncode}"
+    if result.returncode in (137, -9) and backend.out_of_memory(backend.devices[rank]):
+        memory = experiment.devices.memory_mb
+        return f"{said}: the kernel killed it for memory (the device has memory_mb {memory})"
+    return said
 
 
 def only_run(records: DeviceRecords, run: str) -> DeviceRecords:

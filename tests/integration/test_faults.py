@@ -1,5 +1,6 @@
 """Faults during a run: a device's container killed mid-session, the serial link emulator
-killed mid-session (docker backend), a full `--out` (local backend), two runs at once.
+killed mid-session, a device out of memory (docker backend), a full `--out` (local
+backend), two runs at once.
 
 A death has one outcome: the session ends at once (not after the workers' timeout), its
 trials fail with a reason that names what died and quotes the workers' last lines, the
@@ -159,6 +160,39 @@ def test_a_killed_emulator_fails_its_session_at_once_and_names_it(tmp_path, dock
     reason = "the serial link emulator exited with status -9 (SIGKILL)"
     check_rows(run_dir, f"{reason}, ", f"not run: {reason}")
     check_left_nothing(docker_client, run_id)
+
+
+@pytest.mark.docker
+def test_a_device_out_of_memory_is_named(tmp_path, docker_client):
+    """ViT-B/16's weights (344 MB) in devices of 256 MB: the kernel kills the workers as
+    they build the model. The first to die is named, with the cause, within seconds (the
+    other workers get PEER_GRACE_S to end on their own, not the session's timeout)."""
+    experiment = yaml.safe_load(long_experiment(tmp_path).read_text())
+    experiment.update(
+        model={"name": "vit-b16"},
+        devices={"count": [2], "cpus": 1, "memory_mb": 256},
+        repeats=2,
+        link={"profile": "ideal", "emulator": "serial", "bandwidth_mbit": [5]},
+    )
+    path = tmp_path / "oom.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "testbed.run", str(path), "--out", str(tmp_path / "out")]
+        + ["--backend", "docker"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert time.monotonic() - began < TIMEOUT_S, "the run waited out the workers"
+    run_dir = run_dir_of(tmp_path / "out")
+    assert run_dir is not None
+    errors = load(run_dir).trials["error"]
+    expected = r"worker \d: exit status 137: the kernel killed it for memory \(the device has "
+    assert errors.str.match(expected + r"memory_mb 256\)$").all(), errors
+    check_left_nothing(docker_client, run_dir.name)
 
 
 @pytest.mark.docker

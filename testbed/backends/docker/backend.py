@@ -53,6 +53,13 @@ log = logging.getLogger(__name__)
 
 LABEL = "testbed.run"
 NAME_PREFIX = "testbed-"
+# where a container's memory cgroup counts its OOM kills (cgroup v1; v2 with the systemd or
+# the cgroupfs driver)
+CGROUP_MEMORY_EVENTS = (
+    "/sys/fs/cgroup/memory/docker/{id}/memory.oom_control",
+    "/sys/fs/cgroup/system.slice/docker-{id}.scope/memory.events",
+    "/sys/fs/cgroup/docker/{id}/memory.events",
+)
 DEVICE_RUN_DIR = "/run-dir"  # the run directory, read-only
 DEVICE_OUT_DIR = "/out"  # the device's own output folder, read-write
 DEVICE_SECRET_FILE = "/run/testbed/run.key"
@@ -287,6 +294,24 @@ class DockerBackend(Backend):
         if state.get("OOMKilled"):
             why = " (out of memory: the device's memory_mb)"
         return f"its container {device.name} exited with status {code}{why}"
+
+    def out_of_memory(self, device: Device) -> bool:
+        """The container's memory cgroup counted an OOM kill (cgroup v1's memory.oom_control,
+        v2's memory.events), or the engine says the container died of it."""
+        try:
+            container = self.client.containers.get(device.name)
+        except Exception:  # noqa: BLE001 - gone, or the engine does not answer
+            return False
+        if container.attrs["State"].get("OOMKilled"):
+            return True
+        for path in CGROUP_MEMORY_EVENTS:
+            try:
+                text = Path(path.format(id=container.id)).read_text()
+            except OSError:
+                continue
+            counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+            return int(counts.get("oom_kill", "0")) > 0
+        return False
 
     def logs(self, device: Device) -> str:
         return self.client.containers.get(device.name).logs().decode(errors="replace")
