@@ -193,7 +193,11 @@ class RecordLog:
         self.tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         self.stream = self.tmp.open("w")
         columns = {kind: _names(record) for kind, record in RECORD_KINDS.items()}
-        self.stream.write(json.dumps({"columns": columns}) + "\n")
+        try:
+            self.stream.write(json.dumps({"columns": columns}) + "\n")
+        except OSError:
+            self.__exit__(OSError)
+            raise
 
     def add(
         self, inference: InferenceRecord, blocks: list[BlockRecord], arrivals: list[ArrivalRecord]
@@ -209,11 +213,15 @@ class RecordLog:
         return self
 
     def __exit__(self, kind: type | None, *_: object) -> None:
-        self.stream.close()
-        if kind is None:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
+        published = False
+        try:
+            self.stream.close()  # flushes: a full disk raises here too
+            if kind is None:
+                os.replace(self.tmp, self.path)
+                published = True
+        finally:
+            if not published:
+                self.tmp.unlink(missing_ok=True)
 
 
 def _names(kind: type) -> list[str]:
