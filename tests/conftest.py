@@ -82,7 +82,7 @@ def stolen_s() -> float:
 STOLEN = pytest.StashKey[float]()
 SESSION_STOLEN = {"start": stolen_s(), "since": time.monotonic()}
 RERUN_SHARE = 0.05  # of every CPU's time, stolen during a failed call: measured again
-RERUNS = 2
+RERUNS = 3
 RERUN_LOG: list[str] = []
 
 
