@@ -11,6 +11,7 @@ one line and exit status.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -215,11 +217,10 @@ def test_a_malformed_hello_is_refused_naming_the_peer(tmp_path, model, bundle_pa
     assert "Traceback" not in text and "\n" not in text
 
 
-def test_the_connecting_side_refuses_a_malformed_hello_naming_the_device(
-    tmp_path, model, bundle_path
-):
-    """The worker is device 1 and connects to the scripted device 0, which answers with a
-    hello whose runs are nested 5,000 deep (deeper than the JSON parser goes)."""
+@contextlib.contextmanager
+def connecting_worker(tmp_path, model, bundle_path) -> Iterator[tuple[Worker, socket.socket, list]]:
+    """The worker as device 1, connected to the scripted device 0 listening on its port:
+    (the worker, the scripted side's socket, the peers' addresses)."""
     ports = free_ports(2)
     peers = [f"127.0.0.1:{port}" for port in ports]
     with socket.create_server(("127.0.0.1", ports[0])) as server:
@@ -227,9 +228,18 @@ def test_the_connecting_side_refuses_a_malformed_hello_naming_the_device(
         server.settimeout(TIME_LIMIT_S)
         sock, _ = server.accept()
         with sock:
-            body = json.dumps({**valid_hello(worker, 0), "runs": "@"})
-            sock.sendall(frame(body.replace('"@"', "[" * 5000 + "]" * 5000).encode()))
-            error = worker.outcome()
+            yield worker, sock, peers
+
+
+def test_the_connecting_side_refuses_a_malformed_hello_naming_the_device(
+    tmp_path, model, bundle_path
+):
+    """The worker is device 1 and connects to the scripted device 0, which answers with a
+    hello whose runs are nested 5,000 deep (deeper than the JSON parser goes)."""
+    with connecting_worker(tmp_path, model, bundle_path) as (worker, sock, peers):
+        body = json.dumps({**valid_hello(worker, 0), "runs": "@"})
+        sock.sendall(frame(body.replace('"@"', "[" * 5000 + "]" * 5000).encode()))
+        error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
     assert (
         str(error) == f"handshake with device 0 ({peers[0]}): handshake frame is nested too deeply"
@@ -629,21 +639,15 @@ def test_clock_answers_that_are_not_times_are_refused(
 ):
     """The worker is device 1 and drives the clock ping-pong with the scripted device 0,
     whose first answer is not a time: refused before it becomes an offset."""
-    ports = free_ports(2)
-    peers = [f"127.0.0.1:{port}" for port in ports]
-    with socket.create_server(("127.0.0.1", ports[0])) as server:
-        worker = Worker(make_spec(tmp_path, 1, peers, "voltage", bundle_path), model)
-        server.settimeout(TIME_LIMIT_S)
-        sock, _ = server.accept()
-        with sock:
-            sock.settimeout(TIME_LIMIT_S)
-            sock.sendall(frame(valid_hello(worker, 0)))
-            sock.sendall(frame({"ok": True, "error": None}))
-            conn = CountingSocket(sock)
-            conn.recv_frame(), conn.recv_frame()  # its hello and its verdict
-            assert conn.recv_exact(len(PING)) == PING
-            sock.sendall(CLOCK.pack(*answer(time.time_ns())))
-            error = worker.outcome()
+    with connecting_worker(tmp_path, model, bundle_path) as (worker, sock, peers):
+        sock.settimeout(TIME_LIMIT_S)
+        sock.sendall(frame(valid_hello(worker, 0)))
+        sock.sendall(frame({"ok": True, "error": None}))
+        conn = CountingSocket(sock)
+        conn.recv_frame(), conn.recv_frame()  # its hello and its verdict
+        assert conn.recv_exact(len(PING)) == PING
+        sock.sendall(CLOCK.pack(*answer(time.time_ns())))
+        error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
     assert str(error).startswith(
         f"handshake with device 0 ({peers[0]}): clock answer 0 {expected}"
