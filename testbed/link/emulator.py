@@ -58,7 +58,6 @@ class Emulator(abc.ABC):
         self.backend, self.profile, self.run_id = backend, profile, run_id
         self.uplinks: dict[int, LinkProfile] = {}  # a device's own (link.uplink_impairments)
         self.paths = PathImpairments()  # the later hops (impairs_paths emulators only)
-        self.draws = True  # whether the run may ask for impairments (false: rates alone)
         self.step: dict[str, float] = {}  # a replayed trace's step: its delay and loss
         self.seeds = {}
 

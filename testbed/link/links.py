@@ -93,7 +93,6 @@ class Links:
         run_id: str,
         overrides: RateOverrides | None = None,
         paths: PathImpairments | None = None,
-        draws: bool = True,
     ):
         self.backend, self.profile = backend, profile
         self.overrides = overrides or RateOverrides()
@@ -108,7 +107,7 @@ class Links:
                 "emulator impairs uplinks only"
             )
         self.emulator = emulator(backend, profile, run_id)
-        self.emulator.paths, self.emulator.draws = paths, draws
+        self.emulator.paths = paths
         self.emulator.start()
 
     def shape(

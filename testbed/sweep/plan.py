@@ -112,20 +112,6 @@ def device_profiles(experiment: Experiment, trial: Trial) -> dict[int, LinkProfi
     return profiles
 
 
-def draws_impairments(experiment: Experiment) -> bool:
-    """Whether any trial's links draw impairments: a profile, variant or device's uplink that
-    impairs, a downlink or a pair hop, or a trace that carries delay or loss. Raises
-    ConfigError as device_profiles does."""
-    if PathImpairments.of(experiment.link):
-        return True
-    most = max(experiment.devices.count)
-    for impairment in impairment_variants(experiment.link):
-        trial = Trial(experiment.name, most, 1.0, "voltage", impairment=impairment)
-        if any(p.needs_netem for p in device_profiles(experiment, trial).values()):
-            return True
-    return experiment.link.trace is not None and bool(link_trace(experiment.link).impairments)
-
-
 def _short(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"

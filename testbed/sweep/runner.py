@@ -45,7 +45,6 @@ from testbed.sweep.lock import RunLock
 from testbed.sweep.plan import (
     Trial,
     device_profiles,
-    draws_impairments,
     impairment_label,
     link_profile,
     link_trace,
@@ -179,9 +178,8 @@ class Runner:
                 backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
             overrides = rate_overrides(self.experiment.link)
             paths = PathImpairments.of(self.experiment.link)
-            draws = draws_impairments(self.experiment)
             with Links(
-                backend, self.profile, self.emulator, self.run_id, overrides, paths, draws
+                backend, self.profile, self.emulator, self.run_id, overrides, paths
             ) as links:
                 self._write_environment(backend, count)
                 by_link = itertools.groupby(trials, key=lambda t: (t.bandwidth_mbit, t.impairment))

@@ -33,7 +33,7 @@ from tests.integration.test_serial_link_netns import (
 )
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
-SWITCH_CORE = "python"  # the loop that draws impairments
+SWITCH_CORE = "c"  # the default loop (test_impairments_python_netns: the Python one)
 
 MESSAGES = 2000
 MAX_LATE_SHARE = 0.005  # of the messages, held up past the jitter's bound unlogged

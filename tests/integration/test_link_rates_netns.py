@@ -44,10 +44,8 @@ def backend(root: None, tmp_path: Path) -> Iterator[LocalBackend]:
 
 
 def shaped(backend: LocalBackend, emulator: str, overrides: RateOverrides, swept: float):
-    # draws=False: the links of a run of rates alone (on serial, the C core's downlink and
-    # pair rates)
     profile, kind = load_profile("ideal"), EMULATORS[emulator]
-    links = Links(backend, profile, kind, backend.run_id, overrides, draws=False)
+    links = Links(backend, profile, kind, backend.run_id, overrides)
     return links, links.shape(swept, PROBE_S)
 
 

@@ -42,9 +42,8 @@ def test_a_replayed_step_trace_is_followed_by_the_link(root, tmp_path: Path, emu
     backend = LocalBackend(run_id, tmp_path)
     try:
         backend.start(DeviceSpec(count=2, cpus=1, memory_mb=512))
-        # draws=False: the links of a run of rates alone (on serial, its C core)
         profile, kind = load_profile("ideal"), EMULATORS[emulator]
-        with Links(backend, profile, kind, run_id, draws=False) as links:
+        with Links(backend, profile, kind, run_id) as links:
             links.shape(10.0, 0.2)
             sender, receiver = backend.devices
             measured, stalled = [], []

@@ -14,7 +14,7 @@ receiver the scheduler delays does not skew it:
 - `stop()` leaves no namespace, link or process behind.
 
 The switch runs its C core here (a build that fails fails the tests); the Python loop is
-judged with impairments in test_impairments_netns.
+judged in test_impairments_python_netns.
 
 Device `a` is given to the switch as /var/run/netns/<name> (the local backend's kind of path),
 device `b` as /proc/<pid>/ns/net of a process holding it (a container's kind).
@@ -40,7 +40,7 @@ from tests.conftest import stolen_s
 from tests.integration.conftest import SUBNET, Devices, namespaces
 
 pytestmark = pytest.mark.netns
-SWITCH_CORE = "c"  # the loop of a switch without impairments (test_impairments_netns: python)
+SWITCH_CORE = "c"  # the default loop (test_impairments_python_netns: the Python one)
 
 PORT = 5311
 MBIT = 1_000_000

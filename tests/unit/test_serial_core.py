@@ -1,6 +1,7 @@
 """The serial link's C core as the program sees it: built from the checkout, its counters'
 layout the same on both sides, its setters refusing what core.c refuses, a missing compiler
-leaving the Python loop, and a C switch refusing impairments (it draws none)."""
+leaving the Python loop, and its impairments drawn number for number as the Python loop's
+(the same seeds meet the same frames whichever loop serves a port)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,39 @@ import logging
 import pytest
 
 from testbed.link.serial import core
-from testbed.link.serial.program import Switch
+from testbed.link.serial.impairments import Impairments
+
+DRAWN_FRAMES = 20_000
+MODELS = {
+    "delay": {"delay_ms": 20},
+    "uniform jitter, correlated": {"delay_ms": 20, "jitter_ms": 5, "delay_correlation_pct": 25},
+    "normal jitter": {"delay_ms": 20, "jitter_ms": 2, "delay_distribution": "normal"},
+    "pareto, below zero": {"delay_ms": 1, "jitter_ms": 3, "delay_distribution": "pareto"},
+    "paretonormal": {"delay_ms": 5, "jitter_ms": 1.3, "delay_distribution": "paretonormal"},
+    "random loss, correlated": {"loss_pct": 5, "loss_correlation_pct": 30},
+    "Gilbert-Elliott": {
+        "loss_gemodel": {"p_pct": 2, "r_pct": 30, "one_minus_h_pct": 80, "one_minus_k_pct": 1}
+    },
+    "4-state": {
+        "loss_state": {"p13_pct": 3, "p31_pct": 40, "p32_pct": 20, "p23_pct": 10, "p14_pct": 1}
+    },
+    "duplicate and loss": {"duplicate_pct": 10, "duplicate_correlation_pct": 5, "loss_pct": 10},
+    "reorder with a gap": {
+        "delay_ms": 10,
+        "jitter_ms": 1,
+        "reorder_pct": 25,
+        "reorder_correlation_pct": 50,
+        "reorder_gap": 5,
+    },
+    "everything": {
+        "delay_ms": 30,
+        "jitter_ms": 10,
+        "delay_distribution": "normal",
+        "loss_pct": 0.5,
+        "duplicate_pct": 1,
+        "reorder_pct": 2,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +80,22 @@ def test_without_a_compiler_the_python_loop_runs(tmp_path, monkeypatch, caplog) 
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_switch_on_the_core_refuses_impairments() -> None:
-    switch = Switch([], core=object())
-    switch.ports = {"p0": None}  # type: ignore[dict-item]
-    answer = switch.execute('impair p0 1 {"delay_ms": 5}')
-    assert answer == (
-        "error impair p0: this switch runs the C core, which draws no impairments (start it "
-        "with --core python)"
-    )
-    assert switch.execute('impair-down p0 1 {"loss_pct": 1}').startswith("error impair-down p0")
+@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3, 2**63 - 1])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_core_draws_what_the_python_loop_draws(library, model, seed) -> None:
+    expected = Impairments(MODELS[model], seed)
+    handle = core.impairments(library, Impairments(MODELS[model], seed))
+    try:
+        drawn = core.draw(library, handle, DRAWN_FRAMES)
+    finally:
+        library.serial_impairments_free(handle)
+    frames = [expected.frame() for _ in range(DRAWN_FRAMES)]
+    first = next((f for f, (a, b) in enumerate(zip(drawn, frames, strict=True)) if a != b), None)
+    assert first is None, f"frame {first}: the core drew {drawn[first]}, Python {frames[first]}"
+    assert model == "delay" or len(set(map(tuple, frames))) > 1  # the draws vary
+
+
+def test_seed_keys_are_the_random_modules() -> None:
+    assert core.seed_key(0) == [0]
+    assert core.seed_key(-5) == [5]
+    assert core.seed_key(2**32 + 9) == [9, 1]

@@ -269,6 +269,9 @@ class RatedPort(FakePort):
     def _size_queue(self) -> None:
         self.resized += 1
 
+    def tell_core(self) -> None:  # no core here
+        pass
+
     def set_down(self, rate_bit_s: float | None) -> None:
         self.down_bit_s = rate_bit_s
 

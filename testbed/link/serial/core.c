@@ -6,22 +6,34 @@
  * downlink and the pair's rate), sleep until the end, forward it, count it: the schedule and
  * the counters of the Python loop in program.py, without the interpreter on the frame's path
  * and without its lock between ports. The Python program opens the sockets, sets the rates
- * and reads the counters; impairments stay in Python (this core draws none). With
- * serial_spin(ns), a data frame that found its line free sleeps until `ns` before its end
- * and polls the clock from there (program.py, "Waiting").
+ * and the impairments and reads the counters. With serial_spin(ns), a data frame that found
+ * its line free sleeps until `ns` before its end and polls the clock from there (program.py,
+ * "Waiting").
+ *
+ * A port with impairments (its uplink's, or later hops': a receiver's downlink, a pair;
+ * impair.c draws them as impairments.py does) serves its frames as port.py's Port.serve
+ * does: each copy a frame is sent as gets its time in a heap of pending frames, and the
+ * port reads ahead (polls its socket until the head is due) where one frame may overtake
+ * another (serial_mode).
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <linux/if_packet.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
 
+#include "impair.h"
+
 #define MAX_PORTS 64
 #define MAX_MACS 1024
 #define STALL_LOG 10000
+#define EVENT_LOG 100000              /* impairment events kept with their times (port.py's) */
+#define MAX_FAN 4                     /* copies of one frame after two hops that duplicate */
 #define FRAME_BUFFER 65536
 #define STALL_NS 1000000LL            /* a frame this late was held up by the machine */
 #define SANITY_NS 60000000000LL       /* a timestamp further than this from now is unusable */
@@ -35,6 +47,16 @@
 struct counters {              /* read by the program through ctypes: keep in step */
     uint64_t frames, bytes, send_errors, stalls, stall_logged, clock_fallbacks;
     int64_t queued_ns_sum, queued_ns_max, late_ns_sum, late_ns_max, stalled_ns;
+    uint64_t lost, duplicated, reordered, queue_drops, event_logged;
+};
+
+enum { LOST, DUPLICATED, REORDERED }; /* port.py's IMPAIRED */
+
+struct pending {               /* a copy of a frame waiting to be sent at `due` */
+    int64_t due, queued;
+    uint64_t order;
+    unsigned char *frame;
+    int size;
 };
 
 struct port {
@@ -44,7 +66,16 @@ struct port {
     int stalling;
     struct counters counters;
     int64_t stall_start_ns[STALL_LOG], stall_ns[STALL_LOG]; /* a ring */
-    pthread_mutex_t lock;      /* the counters and the stall ring, against a reader */
+    int64_t event_ns[EVENT_LOG];  /* a ring, with event_code */
+    unsigned char event_code[EVENT_LOG];
+    pthread_mutex_t lock;      /* the counters and the rings, against a reader */
+    struct impairments *up;    /* its uplink's, under up_lock */
+    struct impairments *down;  /* what its device receives meets, under hop_lock */
+    pthread_mutex_t up_lock;
+    volatile int reads_ahead, hops, queue_limit;
+    struct pending *pending;   /* a heap by (due, order), of pending_room */
+    int pending_count, pending_room;
+    uint64_t order;
 };
 
 static struct port ports[MAX_PORTS];
@@ -52,6 +83,8 @@ static int port_count;
 static volatile double pair_bit_s[MAX_PORTS][MAX_PORTS]; /* 0: none */
 static volatile int pairs_set;
 static volatile int64_t spin_ns;  /* a data frame that found the line free polls its last spin_ns */
+static struct impairments *pair_hops[MAX_PORTS][MAX_PORTS]; /* under hop_lock */
+static pthread_mutex_t hop_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned char macs[MAX_MACS][6];
 static int mac_port[MAX_MACS];
 static int mac_count;
@@ -69,9 +102,15 @@ int serial_init(int count) {
     if (count < 1 || count > MAX_PORTS) return -EINVAL;
     port_count = count;
     for (int i = 0; i < count; i++) {
+        serial_impairments_free(ports[i].up);
+        serial_impairments_free(ports[i].down);
+        free(ports[i].pending);
+        for (int j = 0; j < MAX_PORTS; j++) serial_impairments_free(pair_hops[i][j]), pair_hops[i][j] = NULL;
         memset(&ports[i], 0, sizeof ports[i]);
         ports[i].fd = -1;
+        ports[i].queue_limit = 32;
         pthread_mutex_init(&ports[i].lock, NULL);
+        pthread_mutex_init(&ports[i].up_lock, NULL);
     }
     return 0;
 }
@@ -107,6 +146,66 @@ int serial_pair(int source, int target, double rate_bit_s) {
     pair_bit_s[source][target] = rate_bit_s;
     if (rate_bit_s > 0) pairs_set = 1;
     return 0;
+}
+
+/* The impairments of port `index`'s uplink, of its downlink (what its device receives) or of
+ * the pair index -> target from the next frame on, taking ownership of `m` (NULL: none). */
+int serial_impair(int index, struct impairments *m) {
+    if (index < 0 || index >= port_count) return -EINVAL;
+    pthread_mutex_lock(&ports[index].up_lock);
+    struct impairments *old = ports[index].up;
+    ports[index].up = m;
+    pthread_mutex_unlock(&ports[index].up_lock);
+    serial_impairments_free(old);
+    return 0;
+}
+
+int serial_impair_down(int index, struct impairments *m) {
+    if (index < 0 || index >= port_count) return -EINVAL;
+    pthread_mutex_lock(&hop_lock);
+    struct impairments *old = ports[index].down;
+    ports[index].down = m;
+    pthread_mutex_unlock(&hop_lock);
+    serial_impairments_free(old);
+    return 0;
+}
+
+int serial_impair_pair(int source, int target, struct impairments *m) {
+    if (source < 0 || source >= port_count || target < 0 || target >= port_count) return -EINVAL;
+    pthread_mutex_lock(&hop_lock);
+    struct impairments *old = pair_hops[source][target];
+    pair_hops[source][target] = m;
+    pthread_mutex_unlock(&hop_lock);
+    serial_impairments_free(old);
+    return 0;
+}
+
+/* Whether the port reads frames as they come (one may overtake another), whether its frames
+ * may meet later hops, and how many copies it holds at most while it reads ahead: the
+ * program decides (port.py's reads_ahead, hops and queue_limit). */
+int serial_mode(int index, int reads_ahead, int hops, int queue_limit) {
+    if (index < 0 || index >= port_count || queue_limit < 1) return -EINVAL;
+    ports[index].reads_ahead = reads_ahead;
+    ports[index].hops = hops;
+    ports[index].queue_limit = queue_limit;
+    return 0;
+}
+
+/* A copy of the port's impairment events (the newest `room` at most, oldest first). */
+int serial_events(int index, int64_t *times, int *codes, int room) {
+    if (index < 0 || index >= port_count) return -EINVAL;
+    struct port *port = &ports[index];
+    pthread_mutex_lock(&port->lock);
+    uint64_t logged = port->counters.event_logged;
+    uint64_t kept = logged < EVENT_LOG ? logged : EVENT_LOG;
+    if ((uint64_t)room < kept) kept = (uint64_t)room;
+    for (uint64_t k = 0; k < kept; k++) {
+        uint64_t slot = (logged - kept + k) % EVENT_LOG;
+        times[k] = port->event_ns[slot];
+        codes[k] = port->event_code[slot];
+    }
+    pthread_mutex_unlock(&port->lock);
+    return (int)kept;
 }
 
 /* A copy of the port's counters and of its stall ring (the newest `room` at most, oldest
@@ -230,6 +329,175 @@ static void record(struct port *port, ssize_t size, int64_t queued, int64_t late
     pthread_mutex_unlock(&port->lock);
 }
 
+static void event(struct port *port, int64_t at, int code) {
+    struct counters *c = &port->counters;
+    pthread_mutex_lock(&port->lock);
+    uint64_t slot = c->event_logged % EVENT_LOG;
+    port->event_ns[slot] = at;
+    port->event_code[slot] = (unsigned char)code;
+    c->event_logged++;
+    if (code == LOST) c->lost++;
+    if (code == DUPLICATED) c->duplicated++;
+    if (code == REORDERED) c->reordered++;
+    pthread_mutex_unlock(&port->lock);
+}
+
+static void counted(struct port *port, int64_t at, int copies) {
+    if (copies != 1) event(port, at, copies ? DUPLICATED : LOST);
+}
+
+static int before(const struct pending *a, const struct pending *b) {
+    return a->due < b->due || (a->due == b->due && a->order < b->order);
+}
+
+static int push(struct port *port, int64_t due, int64_t queued, const unsigned char *frame, int size) {
+    if (port->pending_count == port->pending_room) {
+        int room = port->pending_room ? 2 * port->pending_room : 64;
+        struct pending *grown = realloc(port->pending, sizeof *grown * (size_t)room);
+        if (grown == NULL) return -ENOMEM;
+        port->pending = grown, port->pending_room = room;
+    }
+    struct pending entry = {due, queued, port->order++, malloc((size_t)size), size};
+    if (entry.frame == NULL) return -ENOMEM;
+    memcpy(entry.frame, frame, (size_t)size);
+    int at = port->pending_count++;
+    while (at > 0 && before(&entry, &port->pending[(at - 1) / 2])) {
+        port->pending[at] = port->pending[(at - 1) / 2];
+        at = (at - 1) / 2;
+    }
+    port->pending[at] = entry;
+    return 0;
+}
+
+static struct pending pop(struct port *port) {
+    struct pending head = port->pending[0], last = port->pending[--port->pending_count];
+    int at = 0, n = port->pending_count;
+    for (;;) {
+        int child = 2 * at + 1;
+        if (child >= n) break;
+        if (child + 1 < n && before(&port->pending[child + 1], &port->pending[child])) child++;
+        if (!before(&port->pending[child], &last)) break;
+        port->pending[at] = port->pending[child];
+        at = child;
+    }
+    if (n) port->pending[at] = last;
+    return head;
+}
+
+/* What one copy meets after the line (port.py's _hop_delays): the delay of each copy the
+ * later hops send of it, the pair's then the receiver's downlink's; returns how many. */
+static int hop_delays(int index, int egress, int64_t arrival, int64_t delays[MAX_FAN]) {
+    struct port *port = &ports[index];
+    int count = 1;
+    int64_t next[MAX_FAN];
+    struct copy drawn[2][MAX_FAN][2];
+    int drawn_count[2][MAX_FAN];
+    delays[0] = 0;
+    pthread_mutex_lock(&hop_lock);  /* a downlink's generator is every sender's */
+    struct impairments *hops[2] = {pair_hops[index][egress], ports[egress].down};
+    int used[2] = {0, 0};
+    for (int h = 0; h < 2; h++) {
+        if (hops[h] == NULL) continue;
+        int made = 0;
+        for (int d = 0; d < count; d++) {
+            drawn_count[h][d] = impair_frame(hops[h], drawn[h][d]);
+            for (int c = 0; c < drawn_count[h][d] && made < MAX_FAN; c++)
+                next[made++] = delays[d] + drawn[h][d][c].delay_ns; /* a reordered copy's is 0 */
+        }
+        used[h] = count;
+        memcpy(delays, next, sizeof next);
+        count = made;
+    }
+    pthread_mutex_unlock(&hop_lock);
+    for (int h = 0; h < 2; h++)  /* counted outside the hops' lock, in the order drawn */
+        for (int d = 0; d < used[h]; d++) {
+            counted(port, arrival, drawn_count[h][d]);
+            for (int c = 0; c < drawn_count[h][d]; c++)
+                if (drawn[h][d][c].reordered) event(port, arrival, REORDERED);
+        }
+    return count;
+}
+
+/* One frame from the socket, scheduled as port.py's Port._read does: each copy it is sent as
+ * gets its time in the heap. Returns 0, or -errno where the socket or memory fails. */
+static int read_impaired(int index, unsigned char *frame, struct msghdr *message) {
+    struct port *port = &ports[index];
+    ssize_t size = recvmsg(port->fd, message, 0);
+    if (size < 0) return errno == EINTR ? 0 : -errno;
+    struct sockaddr_ll *from = message->msg_name;
+    if (from->sll_pkttype == PACKET_OUTGOING || size < 14) return 0;
+    int64_t arrival = arrival_ns(message, port);
+    int egress = egress_of(frame);
+    double rate = frame_rate(index, egress);
+    struct copy copies[2] = {{0, 0}, {0, 0}};
+    int count = 1;
+    pthread_mutex_lock(&port->up_lock);
+    if (port->up != NULL) count = impair_frame(port->up, copies);
+    pthread_mutex_unlock(&port->up_lock);
+    counted(port, arrival, count);
+    if (port->pending_count + count > port->queue_limit) {  /* reading ahead: this queue is ours */
+        pthread_mutex_lock(&port->lock);
+        port->counters.queue_drops += (uint64_t)count;
+        pthread_mutex_unlock(&port->lock);
+        return 0;
+    }
+    int64_t wire = (int64_t)((double)size * 8e9 / rate);
+    for (int c = 0; c < count; c++) {
+        int64_t send, queued = 0;
+        if (copies[c].reordered) {  /* a path of its own: no delay, the line untouched */
+            event(port, arrival, REORDERED);
+            send = arrival + wire;
+        } else {
+            int64_t ready = arrival + copies[c].delay_ns;
+            int64_t start = ready > port->free_at_ns ? ready : port->free_at_ns;
+            send = start + wire;
+            port->free_at_ns = send;
+            queued = start - ready;
+        }
+        int64_t after[MAX_FAN] = {0};
+        int fan = port->hops && egress >= 0 ? hop_delays(index, egress, arrival, after) : 1;
+        for (int f = 0; f < fan; f++)
+            if (push(port, send + after[f], queued, frame, (int)size) < 0) return -ENOMEM;
+    }
+    return 0;
+}
+
+/* Sleeps until `end` (CLOCK_REALTIME ns), polling its last spin_ns where `poll`. */
+static void wait_until(int64_t end, int poll) {
+    int64_t wake = poll ? end - spin_ns : end;
+    struct timespec due = {wake / 1000000000LL, wake % 1000000000LL};
+    if (wake > now_ns())
+        while (clock_nanosleep(CLOCK_REALTIME, TIMER_ABSTIME, &due, NULL) == EINTR) {
+        }
+    while (poll && now_ns() < end) {
+    }
+}
+
+/* Sends the heap's head once due, or reads the next frame where the port reads ahead and
+ * one comes first. Returns 0, or -errno. */
+static int serve_pending(int index, unsigned char *frame, struct msghdr *message) {
+    struct port *port = &ports[index];
+    struct pending *head = &port->pending[0];
+    if (port->reads_ahead) {
+        int64_t wait = head->due - now_ns();
+        if (wait > 0) {
+            struct pollfd readable = {port->fd, POLLIN, 0};
+            struct timespec timeout = {wait / 1000000000LL, wait % 1000000000LL};
+            int ready = ppoll(&readable, 1, &timeout, NULL);
+            if (ready < 0) return errno == EINTR ? 0 : -errno;
+            if (ready > 0) return read_impaired(index, frame, message);
+        }
+    } else {  /* only a data frame that found the line free polls */
+        wait_until(head->due, head->queued == 0 && spin_ns && !bare_ack(head->frame, head->size));
+    }
+    struct pending sent = pop(port);
+    int64_t late = now_ns() - sent.due;
+    forward(index, sent.frame, sent.size);
+    record(port, sent.size, sent.queued, late, sent.due);
+    free(sent.frame);
+    return 0;
+}
+
 /* Serves port `index` until its socket fails; returns -errno. */
 int serial_serve(int index) {
     if (index < 0 || index >= port_count || ports[index].fd < 0) return -EINVAL;
@@ -243,6 +511,12 @@ int serial_serve(int index) {
             .msg_name = &from, .msg_namelen = sizeof from, .msg_iov = &vector,
             .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control,
         };
+        if (port->pending_count || port->up != NULL || port->hops) {  /* impaired */
+            int failed = port->pending_count ? serve_pending(index, frame, &message)
+                                             : read_impaired(index, frame, &message);
+            if (failed < 0) return failed;
+            continue;
+        }
         ssize_t size = recvmsg(port->fd, &message, 0);
         if (size < 0) {
             if (errno == EINTR) continue;
@@ -254,14 +528,7 @@ int serial_serve(int index) {
         int64_t start = arrival > port->free_at_ns ? arrival : port->free_at_ns;
         int64_t end = start + (int64_t)((double)size * 8e9 / rate);
         port->free_at_ns = end;
-        int poll = start == arrival && spin_ns && !bare_ack(frame, size);
-        int64_t wake = poll ? end - spin_ns : end;
-        struct timespec due = {wake / 1000000000LL, wake % 1000000000LL};
-        if (wake > now_ns())
-            while (clock_nanosleep(CLOCK_REALTIME, TIMER_ABSTIME, &due, NULL) == EINTR) {
-            }
-        while (poll && now_ns() < end) {
-        }
+        wait_until(end, start == arrival && spin_ns && !bare_ack(frame, size));
         int64_t late = now_ns() - end;
         forward(index, frame, size);
         record(port, size, start - arrival, late, end);

@@ -77,9 +77,9 @@ class SerialEmulator(Emulator):
         paths = [d.netns_path for d in backend.devices if d.netns_path is not None]
         rate = self.profile.rate_mbit or DEFAULT_RATE_MBIT
         cpusets = [d.cpuset for d in backend.devices]
-        # a run of rates alone gets the C core where it builds; impairments are Python's;
-        # TESTBED_SERIAL_CORE (c, python) overrides it, to measure one against the other
-        core = os.environ.get(CORE_ENV) or ("python" if self.draws else None)
+        # the C core where it builds; TESTBED_SERIAL_CORE (c, python) chooses, to measure one
+        # loop against the other
+        core = os.environ.get(CORE_ENV)
         spin = os.environ.get(SPIN_ENV)
         switch = SerialSwitch(
             run_tag(self.run_id),

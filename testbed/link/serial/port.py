@@ -21,6 +21,8 @@ from typing import Any
 from devices.clock import ANCILLARY_BYTES, enable_rx_timestamps, kernel_timestamp_ns
 from testbed.errors import ShapingError
 from testbed.link.serial.core import counters as core_counters
+from testbed.link.serial.core import events as core_events
+from testbed.link.serial.core import impairments as core_impairments
 from testbed.link.serial.impairments import Copy, Impairments
 from testbed.link.wire import (
     MIN_QUEUE_FRAMES,
@@ -210,6 +212,9 @@ class Port:
         (none: parameters that impair nothing); resizes the queue for the delay."""
         impairments = Impairments(parameters, seed)
         self.impairments = impairments if impairments.impairing else None
+        if self.core is not None:
+            handle = None if self.impairments is None else core_impairments(self.core, impairments)
+            self.core.serial_impair(self.index, handle)
         self._size_queue()
 
     def _size_queue(self) -> None:
@@ -225,6 +230,13 @@ class Port:
         self.queue_limit = frames
         self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_request_bytes(frames))
         log.debug("%s: rate %.0f bit/s, queue %d frames", self.name, self.rate_bit_s, frames)
+        self.tell_core()
+
+    def tell_core(self) -> None:
+        """The C core's copy of how this port serves its frames (`reads_ahead`, `hops`, its
+        queue), where the core serves it."""
+        if self.core is not None:
+            self.core.serial_mode(self.index, self.reads_ahead, self.hops, self.queue_limit)
 
     def transmit(self, frame: bytes) -> None:
         assert self.sock is not None
@@ -339,6 +351,10 @@ class Port:
         counters.late_s_sum, counters.late_s_max = done.late_ns_sum / 1e9, done.late_ns_max / 1e9
         counters.stalls, counters.stalled_s = done.stalls, done.stalled_ns / 1e9
         counters.stall_log = deque(((start / 1e9, ns / 1e9) for start, ns in stalls), STALL_LOG)
+        counters.lost, counters.duplicated = done.lost, done.duplicated
+        counters.reordered, counters.queue_drops = done.reordered, done.queue_drops
+        events = core_events(self.core, self.index)
+        counters.event_log = deque(((at / 1e9, code) for at, code in events), EVENT_LOG)
 
     def stats(self) -> dict[str, Any]:
         """The counters (drops read from the kernel), the rate and the queue's kernel memory."""

@@ -69,12 +69,13 @@ Decisions:
   skips that hop's delay.
 - Forwarding: source MAC -> port is learned; broadcast, multicast and unknown destinations are
   flooded to every other port; a frame for the port it came from is dropped.
-- Core (`--core`): the per-frame loop of a switch that draws no impairments runs in C
-  (`core.c`, built with the machine's gcc on first use: `testbed.link.serial.core`), one
-  thread per port with the interpreter's lock released, the same schedule and counters; the
-  Python loop below runs where impairments are drawn (`--core python`) or where the C core
-  cannot be built (`auto`, the default, says so in a warning). A C switch refuses an
-  `impair` that impairs anything. Measured with make bench: see docs/benchmarks.md.
+- Core (`--core`): the per-frame loop runs in C where it builds (`core.c`, netem's draws in
+  `impair.c`, built with the machine's gcc on first use: `testbed.link.serial.core`), one
+  thread per port with the interpreter's lock released, the same schedule, the same
+  counters and the same draws from the same seeds (a unit test compares them frame by
+  frame); the Python loop below runs with `--core python`, or where the C core cannot be
+  built (`auto`, the default, says so in a warning). Measured with make bench: see
+  docs/benchmarks.md.
 - SCHED_FIFO when permitted (else a warning) and a 50 us GIL switch interval, so that one
   port's thread does not hold up another's frame.
 
@@ -99,7 +100,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from testbed.errors import ShapingError
-from testbed.experiment.impairments import impaired
+from testbed.link.serial.core import impairments as core_impairments
 from testbed.link.serial.core import load as load_core
 from testbed.link.serial.impairments import Impairments
 from testbed.link.serial.port import DEFAULT_SPIN_US, Port
@@ -145,12 +146,20 @@ class Switch:
         every port's longest later hop, for its queue and its reading ahead."""
         impairments = Impairments(command.parameters, command.seed)
         hop = impairments if impairments.impairing else None
+        handle = None if hop is None or self.core is None else core_impairments(self.core, hop)
+        names = list(self.ports)
         if command.name == "impair-down":
             self.ports[command.port].down_impairments = hop
-        elif hop is None:
-            self.pair_impairments.pop((command.port, command.target), None)
+            if self.core is not None:
+                self.core.serial_impair_down(names.index(command.port), handle)
         else:
-            self.pair_impairments[(command.port, command.target)] = hop
+            if hop is None:
+                self.pair_impairments.pop((command.port, command.target), None)
+            else:
+                self.pair_impairments[(command.port, command.target)] = hop
+            if self.core is not None:
+                source, target = names.index(command.port), names.index(command.target)
+                self.core.serial_impair_pair(source, target, handle)
         for port in self.ports.values():
             downs = [p.down_impairments for p in self.ports.values() if p is not port]
             pairs = [i for (source, _), i in self.pair_impairments.items() if source == port.name]
@@ -160,6 +169,7 @@ class Switch:
             if hop_delay_s != port.hop_delay_s:
                 port.hop_delay_s = hop_delay_s
                 port._size_queue()
+            port.tell_core()
 
     def forward(self, ingress: Port, frame: bytes) -> None:
         destination, source = frame[:6], frame[6:12]
@@ -182,6 +192,7 @@ class Switch:
                 assert port.sock is not None
                 port.core, port.index = self.core, index
                 self.core.serial_port(index, port.sock.fileno(), port.rate_bit_s)
+                port.tell_core()
         for port in self.ports.values():
             threading.Thread(target=self._serve, args=(port,), name=port.name, daemon=True).start()
 
@@ -206,11 +217,6 @@ class Switch:
         assert command.port is not None
         if command.name.startswith("impair"):
             assert command.parameters is not None and command.seed is not None
-            if self.core is not None and impaired(command.parameters):
-                return (
-                    f"error {command.name} {command.port}: this switch runs the C core, which "
-                    "draws no impairments (start it with --core python)"
-                )
             try:
                 if command.name == "impair":
                     self.ports[command.port].impair(command.parameters, command.seed)
@@ -264,7 +270,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--core",
         choices=("auto", "c", "python"),
         default="auto",
-        help="the per-frame loop: C (no impairments), Python, or C where it builds",
+        help="the per-frame loop: C, Python, or C where it builds",
     )
     serve.add_argument("--queue-ms", type=float, default=QUEUE_MS)
     serve.add_argument(
