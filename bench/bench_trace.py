@@ -56,6 +56,7 @@ from tracevq.models import build_model
 PATH_COST_MS = 0.3  # per message: what a real path adds to the wire time at most
 EMULATOR_COST_MS = 0.08  # per message: the goal for the serial emulator's own cost
 PORTS, PORT_RATE_MBIT = 8, 20.0  # the ports that send bulk at once, each at this rate
+PORT_DELAY = {"delay_ms": 5.0}  # and once more through a delay (jitter would idle the line)
 PARTS = ("in-process", "latency", "links", "ports")
 RESULTS: list[str] = []
 
@@ -236,21 +237,23 @@ def comm_to_wire(name: str, rate: float, part: pd.DataFrame, messages: int) -> N
 def ports(quick: bool) -> None:
     """PORTS devices on one serial switch, each sending bulk at PORT_RATE_MBIT to the next at
     once: every port's TCP payload rate within 1% of its target, with the emulator's stalls;
-    its C core (what a run without impairments gets) and its Python loop (what impairments
-    get), one after the other, twice, interleaved."""
+    its C core (the default), its Python loop (where gcc is missing) and the C core with
+    every uplink delayed, one after the other, twice, interleaved."""
     from bench.serial_link_check import many_ports
 
     count = 2 if quick else PORTS
+    variants = [("c", None, "c core"), ("python", None, "python core")]
+    variants.append(("c", PORT_DELAY, f"c core, {PORT_DELAY['delay_ms']:g} ms delay"))
     for repeat in range(1 if quick else 2):
-        for core in ("c", "python"):
-            rows = many_ports(count, PORT_RATE_MBIT, 2.0 if quick else 6.0, core)
+        for core, impairments, label in variants:
+            rows = many_ports(count, PORT_RATE_MBIT, 2.0 if quick else 6.0, core, impairments)
             ratios = [row["ratio"] for row in rows]
             worst = max(ratios, key=lambda ratio: abs(ratio - 1))
             spread = Interval(len(ratios), float(np.median(ratios)), min(ratios), max(ratios), 1.0)
             stalls = sum(row["stalls"] for row in rows)
             stalled_ms = sum(row["stalled_ms"] for row in rows)
             report(
-                f"{count} ports at {PORT_RATE_MBIT:g} Mbit/s at once, {core} core (run "
+                f"{count} ports at {PORT_RATE_MBIT:g} Mbit/s at once, {label} (run "
                 f"{repeat + 1}): bulk / target per port (range; {stalls} stalls, "
                 f"{stalled_ms:.1f} ms)",
                 spread,

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from devices.clock import ANCILLARY_BYTES, SO_TIMESTAMPNS_OLD, kernel_timestamp_ns
 from testbed.link.wire import (
@@ -224,12 +225,17 @@ def serial_bed(
 
 
 def many_ports(
-    count: int, rate_mbit: float, seconds: float, core: str | None = None
+    count: int,
+    rate_mbit: float,
+    seconds: float,
+    core: str | None = None,
+    impairments: dict[str, Any] | None = None,
 ) -> list[dict[str, float]]:
     """`count` devices on one serial switch (its per-frame loop `core`: c, python, or the
-    program's default), each sending bulk at `rate_mbit` to the next at the same time: per
-    port, the TCP payload rate / target (what the line leaves its data beside the ACKs it
-    carries for the flow its device receives) and the emulator's stalls."""
+    program's default; every uplink with `impairments`, netem's parameters), each sending
+    bulk at `rate_mbit` to the next at the same time: per port, the TCP payload rate / target
+    (what the line leaves its data beside the ACKs it carries for the flow its device
+    receives) and the emulator's stalls."""
     from testbed.link.serial.switch import SerialSwitch
 
     with _namespaces(f"tbmany-{os.getpid()}", count) as names:
@@ -238,6 +244,8 @@ def many_ports(
         with SerialSwitch(tag, paths, SUBNET, 1, core=core) as switch:
             for rank in range(count):
                 switch.set_rate(rank, rate_mbit)
+                if impairments:
+                    switch.impair(rank, impairments, seed=rank)
             before = switch.stats()
             env = python_env()
             targets = [(rank + 1) % count for rank in range(count)]
