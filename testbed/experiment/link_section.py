@@ -88,13 +88,14 @@ class LinkSection(Strict):
         default_factory=dict,
         description="per device rank, netem's parameters for what that device receives, a "
         "hop after the sender's uplink (delays add, losses compound), e.g. {1: {delay_ms: 10}}; "
-        "serial emulator only",
+        "drawn by the serial emulator, or netem on the receiver's ifb with tbf",
     )
     pair_impairments: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='per directed pair "SRC->DST", netem\'s parameters for what SRC sends to '
         "DST, a hop between SRC's uplink and DST's downlink, e.g. {\"0->1\": {delay_ms: 40}}: "
-        "a pair farther apart than the others; serial emulator only",
+        "a pair farther apart than the others; drawn by the serial emulator, or netem as the "
+        "leaf of SRC's class for DST with tbf (not beside the uplink's own impairments)",
     )
     pair_mbit: dict[str, float] = Field(
         default_factory=dict,

@@ -1,6 +1,7 @@
 """htb, one class per peer: a device's uplink shared by classes that cap what it sends to
 particular peers (pure, no kernel). u32 filters on the destination address pick the class
-(`testbed.kernel.u32`); each class queues in a pfifo (`testbed.kernel.fifo`).
+(`testbed.kernel.u32`); each class queues in a pfifo (`testbed.kernel.fifo`), or in a netem
+where the pair has impairments of its own (`testbed.kernel.shaping` gives those leaves).
 
 Layout (handles in tc's hex): root qdisc `1:` with `default 2`; class `1:1` is the whole
 uplink (rate = ceil = the uplink); under it `1:2` carries traffic to peers without a cap and
@@ -13,7 +14,7 @@ ceil: the uplink is enforced however the traffic is split.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from testbed.errors import ShapingError
@@ -102,21 +103,33 @@ def htb_class_argv(
     )
 
 
-def htb_argv(interface: str, htb: HtbParams) -> list[list[str]]:
-    """The root, its classes, their pfifo leaves and a u32 filter per capped peer."""
+# a leaf's queue other than its pfifo, as a command: (class, action) -> argv, or None
+LeafArgv = Callable[[HtbClass, str], "list[str] | None"]
+
+
+def htb_argv(interface: str, htb: HtbParams, leaf: LeafArgv | None = None) -> list[list[str]]:
+    """The root, its classes, their leaves (a pfifo, or what `leaf` gives) and a u32 filter
+    per capped peer."""
     commands = [htb_root_argv(interface), htb_class_argv(interface, htb.uplink)]
     for klass in htb.leaves:
         commands.append(htb_class_argv(interface, klass))
-        commands.append(pfifo_argv(interface, klass.minor, klass.limit_packets))
+        commands.append(_leaf_argv(interface, klass, "add", leaf))
         if klass.address is not None:
             commands.append(u32_destination_argv(interface, klass.address, klass.minor))
     return commands
 
 
-def htb_change_argv(interface: str, htb: HtbParams) -> list[list[str]]:
+def htb_change_argv(
+    interface: str, htb: HtbParams, leaf: LeafArgv | None = None
+) -> list[list[str]]:
     """Every class's rates and every leaf's queue changed in place (same layout)."""
     commands = [htb_class_argv(interface, htb.uplink, "change")]
     for klass in htb.leaves:
         commands.append(htb_class_argv(interface, klass, "change"))
-        commands.append(pfifo_argv(interface, klass.minor, klass.limit_packets, "change"))
+        commands.append(_leaf_argv(interface, klass, "change", leaf))
     return commands
+
+
+def _leaf_argv(interface: str, klass: HtbClass, action: str, leaf: LeafArgv | None) -> list[str]:
+    argv = None if leaf is None else leaf(klass, action)
+    return argv or pfifo_argv(interface, klass.minor, klass.limit_packets, action)

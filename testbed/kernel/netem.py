@@ -3,7 +3,9 @@ distribution, loss (random, Gilbert-Elliott or 4-state), duplication and reorder
 their correlations, as the `tc qdisc add ... netem` command that asks for them
 (tc-netem(8); the parameters are checked by `testbed.experiment.impairments`).
 
-netem sits under the root tbf (class 1:1); a kernel without `sch_netem` cannot have it
+netem sits under the root tbf (class 1:1) for an uplink, as the leaf of an htb class for a
+pair's hop (`testbed.kernel.htb`), and on the ifb for a downlink, under its tbf or as its
+root where the downlink has no rate of its own; a kernel without `sch_netem` cannot have it
 (`testbed.kernel.shaping.check_support` says so rather than dropping the impairment). The
 command goes through `tc` (it names distribution tables, which pyroute2 cannot load), and no
 kernel of this project's machines has `sch_netem`: this path is tested by its argv only. netem
@@ -14,6 +16,7 @@ repeatable.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,20 +50,43 @@ def netem_params(
     keep tbf's latency bound: tbf's byte limit plus what the delay (and jitter) keeps in
     flight, in full frames. Without `tbf` the kernel's default of 1000 packets is kept.
     """
-    values = checked(profile.impairments())
+    queue = None if tbf is None else (tbf.rate_bit_s, tbf.limit_bytes)
+    return netem_for(profile.impairments(), queue, mtu)
+
+
+def netem_for(
+    parameters: Mapping[str, Any],
+    queue: tuple[int, int] | None = None,
+    mtu: int = ETHERNET_FRAME_BYTES,
+) -> NetemParams | None:
+    """netem parameters for netem's parameters (as a profile or a hop names them), or None
+    when they impair nothing. Where netem replaces a shaper's queue, `queue` is that
+    shaper's (rate bit/s, limit bytes), and netem's limit keeps its latency bound: the
+    shaper's bytes plus what the delay (and jitter) keeps in flight at the rate, in full
+    frames. Without one the kernel's default of 1000 packets is kept."""
+    values = checked(parameters)
     if not impaired(values):
         return None
     limit = NETEM_DEFAULT_LIMIT_PACKETS
-    if tbf is not None:
+    if queue is not None:
+        rate_bit_s, limit_bytes = queue
         flight_ms = values["delay_ms"] + values["jitter_ms"]
-        in_flight_bytes = tbf.rate_bit_s / 8 * flight_ms / 1000
-        limit = math.ceil((tbf.limit_bytes + in_flight_bytes) / mtu)
+        in_flight_bytes = rate_bit_s / 8 * flight_ms / 1000
+        limit = math.ceil((limit_bytes + in_flight_bytes) / mtu)
     return NetemParams(limit, values)
 
 
-def netem_argv(interface: str, netem: NetemParams) -> list[str]:
-    """netem under the root tbf's class 1:1 as a `tc qdisc add` command."""
-    argv = ["tc", "qdisc", "add", "dev", interface, "parent", "1:1", "handle", "10:", "netem"]
+def netem_argv(
+    interface: str,
+    netem: NetemParams,
+    parent: str = "1:1",
+    handle: str = "10:",
+    action: str = "add",
+) -> list[str]:
+    """netem as a `tc qdisc add|change` command, by default under the root tbf's class 1:1;
+    `parent` "root" makes it the interface's root qdisc."""
+    where = ["root"] if parent == "root" else ["parent", parent]
+    argv = ["tc", "qdisc", action, "dev", interface, *where, "handle", handle, "netem"]
     return argv + ["limit", str(netem.limit_packets)] + netem_options(netem.impairments)
 
 

@@ -127,7 +127,7 @@ def _apply_argv(netns_path: str | None, interface: str, shaping: ShapingPlan) ->
             _run_tc(netns_path, clear_argv(interface), where, "clearing")
         _clear_downlink(netns_path, interface)
         raise
-    if shaping.downlink is not None:
+    if shaping.has_downlink:
         set_offloads(netns_path, ifb_name(interface))
 
 

@@ -9,6 +9,13 @@ The link code follows pyroute2's own `sched_*` modules:
   capped peer picked by `u32` on the destination. With a downlink rate the interface's
   `ingress` qdisc redirects everything it receives to an `ifb`, whose root tbf is the
   downlink. No root, no kernel, unit-tested.
+- The later hops (`testbed.link.paths`) where netem can be had: a pair's impairments are a
+  netem as the leaf of the sender's htb class for that peer (a class of the uplink's rate
+  where the pair has no cap), a downlink's a netem on the receiver's ifb, under its tbf or
+  as its root. So a frame from s to d meets s's uplink rate, then the pair's netem, then d's
+  downlink, as on the serial emulator; unlike there, the uplink's own impairments cannot sit
+  beside per-peer classes (the htb has no single queue for them to be), and are refused
+  with them.
 - The capability probe (`testbed.kernel.support.qdisc_support`) tries each qdisc once in a
   throwaway namespace. A plan that needs netem on a kernel without `sch_netem` fails with a
   message saying so: the impairment is never dropped silently.
@@ -25,24 +32,33 @@ at MTU 1500 with TCP timestamps).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
-from testbed.kernel.htb import HtbParams, htb_argv, htb_change_argv, htb_params
+from testbed.kernel.htb import (
+    PEER_MINOR_BASE,
+    HtbClass,
+    HtbParams,
+    htb_argv,
+    htb_change_argv,
+    htb_params,
+)
 from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
 from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
-from testbed.kernel.netem import NetemParams, netem_argv, netem_params
-from testbed.kernel.tbf import TbfParams, tbf_argv, tbf_keywords, tbf_params
+from testbed.kernel.netem import NetemParams, netem_argv, netem_for, netem_params
+from testbed.kernel.tbf import ETHERNET_FRAME_BYTES, TbfParams, tbf_argv, tbf_keywords, tbf_params
 from testbed.kernel.u32 import u32_redirect_argv
 
 
 @dataclass(frozen=True)
 class ShapingPlan:
     """What one interface gets: a root tbf and, if needed, a netem child; or, with per-peer
-    caps, a root htb (`htb`, whose uplink class replaces the tbf); and, with a downlink rate,
-    an ifb with a tbf at that rate (`downlink`)."""
+    caps or pair impairments, a root htb (`htb`, whose uplink class replaces the tbf) whose
+    impaired peers' leaves are netems (`peer_netem`, by class minor); and, with a downlink
+    rate or impairments, an ifb with a tbf at that rate (`downlink`) and a netem
+    (`downlink_netem`)."""
 
     profile_name: str
     rate_mbit: float
@@ -50,15 +66,27 @@ class ShapingPlan:
     netem: NetemParams | None = None
     htb: HtbParams | None = None
     downlink: TbfParams | None = None
+    downlink_netem: NetemParams | None = None
+    peer_netem: dict[int, NetemParams] = field(default_factory=dict)
 
     @property
     def needs_netem(self) -> bool:
-        return self.netem is not None
+        return self.netem is not None or self.downlink_netem is not None or bool(self.peer_netem)
+
+    @property
+    def has_downlink(self) -> bool:
+        """Whether what the interface receives is shaped or impaired (an ifb)."""
+        return self.downlink is not None or self.downlink_netem is not None
+
+    @property
+    def uplink_only(self) -> bool:
+        """Whether only what the interface sends is shaped: no per-peer classes, no ifb."""
+        return self.htb is None and not self.has_downlink
 
     @property
     def is_tbf_only(self) -> bool:
         """A root tbf alone: applied through pyroute2; every other plan goes as `tc` argv."""
-        return self.htb is None and self.downlink is None and self.netem is None
+        return self.uplink_only and self.netem is None
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain data, to be saved with the results."""
@@ -71,12 +99,16 @@ def plan(
     support: Mapping[str, bool] | None = None,
     peer_caps_mbit: Mapping[int, tuple[str, float]] | None = None,
     downlink_mbit: float | None = None,
+    downlink_impairments: Mapping[str, Any] | None = None,
+    peer_impairments: Mapping[int, tuple[str, Mapping[str, Any]]] | None = None,
 ) -> ShapingPlan:
     """The shaping plan for a profile at a rate (the profile's own rate when None).
 
     `peer_caps_mbit` ({peer rank: (its address, cap)}) caps what goes to those peers inside
-    the uplink (root htb); `downlink_mbit` shapes what the interface receives (ifb). When
-    `support` (as from `qdisc_support()`) is given, the plan is checked against it.
+    the uplink (root htb); `peer_impairments` ({peer rank: (its address, netem's
+    parameters)}) impairs it there; `downlink_mbit` shapes and `downlink_impairments` impairs
+    what the interface receives (ifb). When `support` (as from `qdisc_support()`) is given,
+    the plan is checked against it.
     """
     rate = rate_mbit if rate_mbit is not None else profile.rate_mbit
     if rate is None:
@@ -85,14 +117,27 @@ def plan(
         rate, queue_latency_ms=profile.queue_latency_ms, burst_bytes=profile.burst_bytes
     )
     netem = netem_params(profile, tbf)
-    htb = None
-    if peer_caps_mbit:
+    impaired_peers = {
+        rank: (address, hop)
+        for rank, (address, parameters) in (peer_impairments or {}).items()
+        if (hop := netem_for(parameters)) is not None
+    }
+    htb, peer_netem = None, {}
+    if peer_caps_mbit or impaired_peers:
         if netem is not None:
+            field_name = "link.pair_mbit" if peer_caps_mbit else "link.pair_impairments"
             raise ShapingError(
-                f"profile '{profile.name}': delay, jitter or loss together with per-pair rates "
-                "(link.pair_mbit) is not supported; use a rate-only profile"
+                f"profile '{profile.name}': delay, jitter or loss together with per-pair "
+                f"classes ({field_name}) is not supported on tbf; use a rate-only profile "
+                "or the serial emulator"
             )
-        htb = htb_params(rate, peer_caps_mbit, profile.queue_latency_ms)
+        caps = {rank: (address, float(rate)) for rank, (address, _) in impaired_peers.items()}
+        caps.update(peer_caps_mbit or {})
+        htb = htb_params(rate, caps, profile.queue_latency_ms)
+        peer_netem = {
+            PEER_MINOR_BASE + rank: _leaf_netem(impaired_peers[rank][1], htb, rank)
+            for rank in sorted(impaired_peers)
+        }
     downlink = None
     if downlink_mbit is not None:
         downlink = tbf_params(
@@ -100,10 +145,26 @@ def plan(
             queue_latency_ms=profile.queue_latency_ms,
             burst_bytes=profile.burst_bytes,
         )
-    shaping = ShapingPlan(profile.name, float(rate), tbf, netem, htb, downlink)
+    downlink_netem = None
+    if downlink_impairments:
+        queue = None if downlink is None else (downlink.rate_bit_s, downlink.limit_bytes)
+        downlink_netem = netem_for(downlink_impairments, queue)
+    shaping = ShapingPlan(
+        profile.name, float(rate), tbf, netem, htb, downlink, downlink_netem, peer_netem
+    )
     if support is not None:
         check_support(shaping, support)
     return shaping
+
+
+def _leaf_netem(hop: NetemParams, htb: HtbParams, rank: int) -> NetemParams:
+    """A pair's netem as its class's leaf: the class's pfifo limit plus what its delay keeps
+    in flight at the class's ceil."""
+    klass = next(k for k in htb.peers if k.minor == PEER_MINOR_BASE + rank)
+    queue = (klass.ceil_bit_s, klass.limit_packets * ETHERNET_FRAME_BYTES)
+    netem = netem_for(hop.impairments, queue)
+    assert netem is not None
+    return netem
 
 
 def check_support(shaping: ShapingPlan, support: Mapping[str, bool]) -> None:
@@ -112,12 +173,13 @@ def check_support(shaping: ShapingPlan, support: Mapping[str, bool]) -> None:
         raise ShapingError("this kernel has no tbf qdisc (sch_tbf): links cannot be rate-limited")
     if shaping.htb is not None and not support.get("htb", False):
         raise ShapingError("this kernel has no htb qdisc (sch_htb): per-pair rates need it")
-    if shaping.downlink is not None and not support.get("ingress", False):
+    if shaping.has_downlink and not support.get("ingress", False):
         raise ShapingError("this kernel has no ingress qdisc (sch_ingress): downlink rates need it")
     if shaping.needs_netem and not support.get("netem", False):
+        what = f"profile '{shaping.profile_name}'" if shaping.netem else "a downlink or a pair"
         raise ShapingError(
-            f"profile '{shaping.profile_name}' needs netem's impairments (sch_netem), which "
-            "this kernel does not have; the serial emulator draws them itself"
+            f"{what} needs netem's impairments (sch_netem), which this kernel does not have; "
+            "the serial emulator draws them itself"
         )
 
 
@@ -132,26 +194,47 @@ def tc_argv(interface: str, shaping: ShapingPlan) -> list[list[str]]:
     downlink.
     """
     if shaping.htb is not None:
-        commands = htb_argv(interface, shaping.htb)
+        commands = htb_argv(interface, shaping.htb, _peer_leaves(interface, shaping))
     else:
         commands = [tbf_argv(interface, shaping.tbf)]
     if shaping.netem is not None:
         commands.append(netem_argv(interface, shaping.netem))
-    if shaping.downlink is not None:
-        commands += downlink_argv(interface, shaping.downlink)
+    if shaping.has_downlink:
+        commands += downlink_argv(interface, shaping.downlink, shaping.downlink_netem)
     return commands
 
 
-def downlink_argv(interface: str, downlink: TbfParams) -> list[list[str]]:
-    """An ifb, everything `interface` receives redirected to it, its root tbf the downlink."""
+def _peer_leaves(interface: str, shaping: ShapingPlan) -> Any:
+    """The htb leaves that are a pair's netem, as htb_argv's `leaf`."""
+
+    def leaf(klass: HtbClass, action: str) -> list[str] | None:
+        netem = shaping.peer_netem.get(klass.minor)
+        if netem is None:
+            return None
+        return netem_argv(interface, netem, f"1:{klass.minor:x}", f"{klass.minor:x}:", action)
+
+    return leaf
+
+
+def downlink_argv(
+    interface: str, downlink: TbfParams | None, netem: NetemParams | None = None
+) -> list[list[str]]:
+    """An ifb, everything `interface` receives redirected to it; its root tbf the downlink
+    and netem under it, or netem as its root where the downlink has no rate."""
     ifb = ifb_name(interface)
-    return [
+    commands = [
         ifb_add_argv(ifb),
         ifb_up_argv(ifb),
         ingress_argv(interface),
         u32_redirect_argv(interface, ifb),
-        tbf_argv(ifb, downlink),
     ]
+    if downlink is not None:
+        commands.append(tbf_argv(ifb, downlink))
+    if netem is not None:
+        commands.append(
+            netem_argv(ifb, netem, "1:1" if downlink else "root", "10:" if downlink else "1:")
+        )
+    return commands
 
 
 def downlink_clear_argv(interface: str) -> list[list[str]]:
@@ -189,11 +272,14 @@ def change_argvs(interface: str, shaping: ShapingPlan) -> list[list[str]]:
     tbf or the htb classes (with their queues), and the downlink's tbf on the ifb. The
     plan's layout (its peers, whether it has a downlink) must be the applied one's."""
     if shaping.htb is not None:
-        commands = htb_change_argv(interface, shaping.htb)
+        commands = htb_change_argv(interface, shaping.htb, _peer_leaves(interface, shaping))
     else:
         commands = [change_argv(interface, shaping)]
     if shaping.downlink is not None:
-        commands.append(_as_change(tbf_argv(ifb_name(interface), shaping.downlink)))
+        ifb = ifb_name(interface)
+        commands.append(_as_change(tbf_argv(ifb, shaping.downlink)))
+        if shaping.downlink_netem is not None:  # its limit follows the rate
+            commands.append(netem_argv(ifb, shaping.downlink_netem, action="change"))
     return commands
 
 

@@ -70,10 +70,15 @@ class Emulator(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def refusal(
-        cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool
+        cls,
+        profile: LinkProfile,
+        backend: type[Backend],
+        pair_rates: bool,
+        paths: PathImpairments | None = None,
     ) -> Refusal | None:
         """Why `profile` cannot be emulated on `backend`'s devices (`pair_rates`: the
-        experiment caps pairs, link.pair_mbit), or None when it can."""
+        experiment caps pairs, link.pair_mbit; `paths`: the later hops' impairments, for an
+        emulator that `impairs_paths`), or None when it can."""
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Builds what the emulator needs once the devices run (it may change their addresses:

@@ -97,10 +97,11 @@ class Links:
         self.backend, self.profile = backend, profile
         self.overrides = overrides or RateOverrides()
         self.rates: LinkRates | None = None  # what `shape` set last
-        refused = emulator.refusal(profile, type(backend), bool(self.overrides.pair_mbit))
+        paths = paths or PathImpairments()
+        pair_rates = bool(self.overrides.pair_mbit)
+        refused = emulator.refusal(profile, type(backend), pair_rates, paths)
         if refused is not None:
             raise ShapingError(f"{refused.field}: {refused.why}")
-        paths = paths or PathImpairments()
         if paths and not emulator.impairs_paths:
             raise ShapingError(
                 f"link.downlink_impairments, link.pair_impairments: the {emulator.name} "
@@ -173,7 +174,9 @@ class Links:
         `shape` on; refused like the run's profile."""
         pair_rates = bool(self.overrides.pair_mbit)
         for each in [profile, *(uplinks or {}).values()]:
-            refused = self.emulator.refusal(each, type(self.backend), pair_rates)
+            refused = self.emulator.refusal(
+                each, type(self.backend), pair_rates, self.emulator.paths
+            )
             if refused is not None:
                 raise ShapingError(f"{refused.field}: {refused.why}")
         self.profile = self.emulator.profile = profile

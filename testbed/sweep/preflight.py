@@ -61,7 +61,8 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
     emulator = _emulator(experiment, backend, source)
     _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
-    if PathImpairments.of(experiment.link) and not emulator.impairs_paths:
+    paths = PathImpairments.of(experiment.link)
+    if paths and not emulator.impairs_paths:
         field = (
             "downlink_impairments" if experiment.link.downlink_impairments else "pair_impairments"
         )
@@ -71,7 +72,7 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
             f"(link.uplink_impairments); downlink and per-pair impairments need {able}"
         )
     for field, variant in _variants(experiment, profile, source):
-        refused = emulator.refusal(variant, backend, bool(experiment.link.pair_mbit))
+        refused = emulator.refusal(variant, backend, bool(experiment.link.pair_mbit), paths)
         if refused is not None:
             field = field if refused.field == "link.profile" else refused.field
             raise ConfigError(f"{source}: {field}: {refused.why}")

@@ -289,10 +289,11 @@ CASES: list[tuple[str, str, str]] = [
         "link.pair_impairments: pair 0->1: loss_pct: must lie in 0..100, got -1",
     ),
     (
-        "pair-impairment-tbf",
-        exp("link: {pair_impairments: {'0->1': {delay_ms: 5}}, emulator: tbf}\n"),
-        "link.pair_impairments: the tbf emulator impairs uplinks only (link.uplink_impairments); "
-        "downlink and per-pair impairments need serial",
+        "pair-impairment-tbf-uplink-netem",
+        exp("link: {pair_impairments: {'0->1': {delay_ms: 5}}, profile: wifi, emulator: tbf}\n"),
+        "link.pair_impairments: per-pair impairments with profile 'wifi' (delay, jitter or "
+        "loss) are not supported on tbf; use a rate-only profile such as 'ideal', or the "
+        "serial emulator",
     ),
     (
         "profile-jitter-alone",
@@ -520,6 +521,10 @@ def test_a_profile_needing_netem_on_a_kernel_without_it(capsys, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(exp("link: {profile: lte, emulator: tbf}\n"))
     assert "link.profile: 'lte' needs netem's impairments" in refused(capsys, tmp_path, [str(path)])
+    path.write_text(exp("link: {downlink_impairments: {1: {loss_pct: 1}}, emulator: tbf}\n"))
+    assert "link.downlink_impairments: needs netem's impairments (sch_netem)" in refused(
+        capsys, tmp_path, [str(path)]
+    )
 
 
 def test_an_unexpected_error_prints_one_line_naming_the_log(capsys, tmp_path, monkeypatch):

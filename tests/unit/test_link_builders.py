@@ -1,7 +1,8 @@
 """The per-peer and downlink builders are pure: htb classes, pfifo leaves, u32 filters, the
-ingress qdisc and the ifb, as exact `tc`/`ip` argument lists; and the rates they are built
-from (`testbed.link.rates`): how per-device and per-pair rates combine and what the probe
-checks."""
+ingress qdisc and the ifb, and netem for a pair's and a downlink's impairments, as exact
+`tc`/`ip` argument lists (this machine has no netem: its path is tested by its commands
+only); and the rates they are built from (`testbed.link.rates`): how per-device and per-pair
+rates combine and what the probe checks."""
 
 from __future__ import annotations
 
@@ -144,8 +145,60 @@ def test_support_and_netem_are_checked_for_the_new_kinds() -> None:
     with pytest.raises(ShapingError, match="no ingress qdisc"):
         plan(IDEAL, 10.0, {**ALL, "ingress": False}, downlink_mbit=3.0)
     check_support(plan(IDEAL, 10.0, downlink_mbit=3.0), ALL)
-    with pytest.raises(ShapingError, match=r"per-pair rates \(link.pair_mbit\)"):
+    with pytest.raises(ShapingError, match=r"per-pair classes \(link.pair_mbit\)"):
         plan(WIFI, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+    with pytest.raises(ShapingError, match=r"per-pair classes \(link.pair_impairments\)"):
+        plan(WIFI, 10.0, peer_impairments={1: ("10.0.0.2", {"loss_pct": 1})})
+    with pytest.raises(ShapingError, match="a downlink or a pair needs netem's impairments"):
+        plan(IDEAL, 10.0, ALL, downlink_impairments={"delay_ms": 5})
+
+
+def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
+    """Device 1 (uncapped) gets a class of the uplink's rate whose leaf is the pair's netem;
+    device 2 keeps its cap and its pfifo."""
+    caps = {2: ("10.0.0.3", 4.0)}
+    hops = {1: ("10.0.0.2", {"delay_ms": 20, "jitter_ms": 2, "loss_pct": 1}), 2: ("x", {})}
+    shaping = plan(IDEAL, 10.0, peer_caps_mbit=caps, peer_impairments=hops)
+    assert shaping.needs_netem and shaping.netem is None and not shaping.uplink_only
+    assert shaping.htb == htb_params(10.0, {1: ("10.0.0.2", 10.0), 2: ("10.0.0.3", 4.0)})
+    assert list(shaping.peer_netem) == [0x11]  # an empty hop impairs nothing
+    commands = [" ".join(argv) for argv in tc_argv("eth0", shaping)]
+    # the class's 50 ms (44 frames) plus 22 ms in flight at 10 Mbit/s: 63 frames
+    leaf = "parent 1:11 handle 11: netem limit 63 delay 20ms 2ms loss random 1%"
+    assert f"tc qdisc add dev eth0 {leaf}" in commands
+    assert "tc qdisc add dev eth0 parent 1:12 handle 12: pfifo limit 19" in commands
+    assert "tc qdisc add dev eth0 parent 1:11 handle 11: pfifo limit 44" not in commands
+    changes = [" ".join(argv) for argv in change_argvs("eth0", shaping)]
+    assert f"tc qdisc change dev eth0 {leaf}" in changes
+
+
+def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
+    """Under the downlink's tbf where it has a rate, else the ifb's root."""
+    hop = {"delay_ms": 5, "loss_gemodel": {"p_pct": 1, "r_pct": 25}}
+    shaping = plan(IDEAL, 10.0, downlink_mbit=3.0, downlink_impairments=hop)
+    assert shaping.htb is None and shaping.has_downlink and shaping.needs_netem
+    commands = [" ".join(argv) for argv in tc_argv("eth0", shaping)]
+    # tbf's 21,778 bytes plus 5 ms at 3 Mbit/s (1,875 B), in full frames: 16
+    netem = "handle 10: netem limit 16 delay 5ms loss gemodel 1% 25% 100% 0%"
+    assert commands[-2].startswith("tc qdisc replace dev ifb-eth0 root handle 1: tbf rate")
+    assert commands[-1] == f"tc qdisc add dev ifb-eth0 parent 1:1 {netem}"
+    assert [" ".join(argv) for argv in change_argvs("eth0", shaping)][-1] == (
+        f"tc qdisc change dev ifb-eth0 parent 1:1 {netem}"
+    )
+    alone = plan(IDEAL, 10.0, downlink_impairments={"delay_ms": 5})
+    commands = [" ".join(argv) for argv in tc_argv("eth0", alone)]
+    assert commands[1:5] == [
+        " ".join(argv)
+        for argv in (
+            ifb_add_argv("ifb-eth0"),
+            ifb_up_argv("ifb-eth0"),
+            ingress_argv("eth0"),
+            u32_redirect_argv("eth0", "ifb-eth0"),
+        )
+    ]
+    assert commands[5:] == ["tc qdisc add dev ifb-eth0 root handle 1: netem limit 1000 delay 5ms"]
+    assert len(change_argvs("eth0", alone)) == 1  # the uplink's tbf; the ifb has no rate
+    assert plan(IDEAL, 10.0, downlink_impairments={"loss_pct": 0}).uplink_only
 
 
 # rates -----------------------------------------------------------------------------------------

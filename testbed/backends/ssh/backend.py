@@ -354,10 +354,11 @@ class SshBackend(Backend):
     def shape(self, device: Device, plan: ShapingPlan) -> None:
         """The plan as `tc` commands on the board, after gso_max_segs 1 and offloads off."""
         session = self._session(device)
-        if not plan.is_tbf_only:
+        if not plan.uplink_only:
             raise ShapingError(
-                f"{session.board.label}: downlink and per-pair rates are not shaped on boards "
-                "over ssh (link.downlink_mbit, link.pair_mbit); only uplinks"
+                f"{session.board.label}: downlinks and pairs are not shaped on boards over ssh "
+                "(link.downlink_mbit, link.pair_mbit, link.downlink_impairments, "
+                "link.pair_impairments); only uplinks"
             )
         check_support(plan, self.qdisc_support())
         interface = device.interface

@@ -25,6 +25,7 @@ from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.addresses import choose_subnet, host_networks
 from testbed.kernel.netns import run_tag
 from testbed.link.emulator import Emulator, LinkCounters, Refusal
+from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
 from testbed.link.serial.switch import SerialSwitch
 
@@ -50,7 +51,11 @@ class SerialEmulator(Emulator):
 
     @classmethod
     def refusal(
-        cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool
+        cls,
+        profile: LinkProfile,
+        backend: type[Backend],
+        pair_rates: bool,
+        paths: PathImpairments | None = None,
     ) -> Refusal | None:
         if not backend.on_this_host:
             from testbed.backends.table import BACKENDS
