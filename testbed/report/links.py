@@ -10,7 +10,14 @@ import math
 
 import pandas as pd
 
-from testbed.results.impairment_study import delay_table, hidden_delay, loss_table
+from testbed.results.impairment_study import (
+    LATE_MS,
+    RTO_MS,
+    delay_table,
+    hidden_delay,
+    late_messages,
+    loss_table,
+)
 from testbed.results.stats import summarize
 from testbed.results.store import Results
 from testbed.results.variants import ok_trials
@@ -137,4 +144,47 @@ def loss_section(results: Results) -> list[str]:
         for row in table.itertuples()
     ]
     header = ["link", "variant", "n", "median ms", "p95", "p99", "lost", "retransmits", "with one"]
+    return [*lines, *_table(header, rows), "", *_tail_lines(results)]
+
+
+def _tail_lines(results: Results) -> list[str]:
+    """What makes the tail: the late messages, and the worst repetition beside its latest."""
+    late = late_messages(results)
+    if late.empty:
+        return []
+    lines = [
+        f"What makes the tail: per link and method, the messages sent, those {LATE_MS:g} ms or "
+        f"more beyond their wire time and one-way delay (a recovery), those {RTO_MS:g} ms or "
+        "more (a retransmission timeout), the median and largest lateness of the late ones; "
+        "then the worst repetition, how far its effective latency and its compute are above "
+        "their medians and how late its latest message was.",
+        "",
+    ]
+    rows = [
+        [
+            row.link,
+            row.variant,
+            str(row.messages),
+            str(row.late),
+            str(row.timeouts),
+            _cell(row.late_median_ms),
+            _cell(row.late_max_ms),
+            _cell(row.worst_effective_above_ms, 0),
+            _cell(row.worst_compute_above_ms, 0),
+            _cell(row.worst_latest_ms),
+        ]
+        for row in late.itertuples()
+    ]
+    header = [
+        "link",
+        "variant",
+        "messages",
+        "late",
+        "timeouts",
+        "late median ms",
+        "late max",
+        "worst: above median",
+        "its compute above median",
+        "its latest",
+    ]
     return [*lines, *_table(header, rows), ""]

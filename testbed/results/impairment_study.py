@@ -19,7 +19,11 @@ Loss (`loss_table`): per link the median, p95 and p99 of the slowest device's ef
 latency with the frames the emulator lost and TCP's retransmissions per inference, and the
 share of inferences that had one: a lost segment of a small message has no duplicate ACKs
 behind it, so TCP recovers it by a tail-loss probe or a retransmission timeout (200 ms at
-least), which shows in the tail, not the median.
+least), which shows in the tail, not the median. What makes the tail (`late_messages`): each
+message's lateness, its communication beyond its wire time and one-way delay; a message
+`LATE_MS` late met a recovery (the path costs 0.1 ms, a stall of the machine a few), one
+`RTO_MS` late a retransmission timeout; and the worst repetition's effective latency above
+the median beside its latest message.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from testbed.results.variants import (
 )
 
 KEYS = ["variant", "devices", "bandwidth_mbit"]
+LATE_MS = 5.0  # beyond wire time and delay: a loss's recovery, not the path or a stall
+RTO_MS = 200.0  # Linux's least retransmission timeout (TCP_RTO_MIN)
 
 
 def _messages(results: Results) -> pd.DataFrame:
@@ -125,3 +131,47 @@ def loss_table(results: Results) -> pd.DataFrame:
         variants_at
     )
     return table.sort_values(["devices", "order"]).drop(columns="order").reset_index(drop=True)
+
+
+def late_messages(results: Results) -> pd.DataFrame:
+    """Per link and variant: messages sent, those `LATE_MS` and `RTO_MS` late or more (their
+    communication beyond wire time and their sender's one-way delay), the median and largest
+    lateness of the late ones, and the worst repetition (the slowest device's effective
+    latency): how far it and that device's compute are above their medians, and how late
+    its latest message was. Empty without impairments."""
+    ok = ok_trials(results)
+    layers = results.layers
+    if layers.empty or "impairments" not in ok or not swept_impairments(ok):
+        return pd.DataFrame()
+    ok["link"], links = link_labels(ok, "bandwidth_mbit")
+    ok["variant"] = variant(ok)
+    rows = ok[["trial_id", "rank", "repeat", "link", "variant", "link_delay_ms"]]
+    sent = layers[layers["message_bytes"] > 0].merge(rows, on=["trial_id", "rank", "repeat"])
+    sent["late_ms"] = sent["comm_ms"] - sent["wire_comm_ms"] - sent["link_delay_ms"].fillna(0.0)
+    keys = ["link", "variant", "devices"]
+    late = sent[sent["late_ms"] >= LATE_MS]
+    table = sent.groupby(keys).agg(messages=("late_ms", "size"))
+    table = table.join(
+        late.groupby(keys).agg(
+            late=("late_ms", "size"),
+            timeouts=("late_ms", lambda ms: int((ms >= RTO_MS).sum())),
+            late_median_ms=("late_ms", "median"),
+            late_max_ms=("late_ms", "max"),
+        )
+    )
+    table[["late", "timeouts"]] = table[["late", "timeouts"]].fillna(0).astype(int)
+    slowest = ok.loc[ok.groupby([*keys, "repeat"])["effective_ms"].idxmax()]
+    per = slowest.set_index([*keys, "repeat"])[["effective_ms", "compute_ms"]]
+    latest = sent.groupby([*keys, "repeat"])["late_ms"].max().rename("latest_ms")
+    per = pd.concat([per, latest], axis=1).reset_index()
+    for column in ("effective_ms", "compute_ms"):
+        median = per.groupby(keys)[column].transform("median")
+        per[column.replace("_ms", "_above_ms")] = per[column] - median
+    worst = per.loc[per.groupby(keys)["effective_ms"].idxmax()].set_index(keys)
+    columns = ["effective_above_ms", "compute_above_ms", "latest_ms"]
+    table = table.join(worst[columns].rename(columns=lambda c: f"worst_{c}"))
+    table = table.reset_index()
+    links_at = {name: index for index, name in enumerate(links)}
+    variants_at = {name: index for index, name in enumerate(variant_order(ok))}
+    order = table["link"].map(links_at) * len(variants_at) + table["variant"].map(variants_at)
+    return table.assign(order=order).sort_values(["devices", "order"]).drop(columns="order")

@@ -371,6 +371,7 @@ def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends,
 
 @pytest.mark.slow
 def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
+    from testbed.errors import ShapingError
     from testbed.experiment.profiles import load_profile
     from testbed.kernel import shaping
     from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
@@ -379,6 +380,11 @@ def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     devices = backend.start(DeviceSpec(count=2, cpus=1))
     support = backend.qdisc_support()
     assert support["tbf"] is True
+    # an uplink's netem is a board's own to have or not: these kernels have none
+    with pytest.raises(ShapingError, match="'wifi' needs netem's impairments"):
+        backend.shape(devices[0], shaping.plan(load_profile("wifi"), RATE_MBIT))
+    with pytest.raises(ShapingError, match="downlinks and pairs are not shaped on boards"):
+        backend.shape(devices[0], shaping.plan(load_profile("ideal"), RATE_MBIT, downlink_mbit=2))
     plan = shaping.plan(load_profile("ideal"), RATE_MBIT, support=support)
     for device in devices:
         backend.shape(device, plan)

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from testbed.report.links import delay_section, loss_section
-from testbed.results.impairment_study import delay_table, hidden_delay, loss_table
+from testbed.results.impairment_study import delay_table, hidden_delay, late_messages, loss_table
 from testbed.results.store import Results
 
 WIRE_MS, PATH_MS, FFN_MS = 0.2, 0.1, 7.0
@@ -44,6 +44,7 @@ def delayed_run(tmp_path, delays=(0.0, 5.0, 20.0)) -> Results:
                             impairments=f"delay {delay:g}ms" if delay else "",
                             link_delay_ms=delay,
                             effective_ms=BLOCKS * (20 + wait) + rank,
+                            compute_ms=BLOCKS * 20.0 + rank,
                             link_lost_frames=0,
                             tcp_retransmits=0,
                         )
@@ -55,6 +56,7 @@ def delayed_run(tmp_path, delays=(0.0, 5.0, 20.0)) -> Results:
                                 common,
                                 block=block,
                                 received_bytes=500,
+                                message_bytes=500,
                                 departed_ms=start,
                                 wait_start_ms=start + window,
                                 ffn_start_ms=start + 1,
@@ -116,3 +118,35 @@ def test_the_loss_table_gives_the_tail_and_the_retransmissions(tmp_path):
     assert clean["retransmitted_share"] == 0
     text = "\n".join(loss_section(run))
     assert "| 10 Mbit/s, delay 5ms loss random 1% | trace-b K=16 | 5 |" in text
+
+
+def test_the_tail_is_told_apart_into_late_messages_and_compute(tmp_path):
+    """Repeat 4 on the lossy link: device 0's block-2 message waits out a timeout (200 ms late);
+    repeat 3 on the clean link: device 1 computes 90 ms longer, its messages on time."""
+    run = delayed_run(tmp_path, delays=(0.0, 5.0))
+    trials, layers = run.trials, run.layers
+    lossy = trials["link_delay_ms"] == 5.0
+    trials.loc[lossy, "impairments"] = "delay 5ms loss random 1%"
+    hit = lossy & (trials["repeat"] == 4) & (trials["method"] == "trace-b")
+    trials.loc[hit, "effective_ms"] += 200
+    late = (
+        layers["trial_id"].str.endswith("delay5ms")
+        & (layers["method"] == "trace-b")
+        & (layers["repeat"] == 4)
+        & (layers["rank"] == 0)
+        & (layers["block"] == 2)
+    )
+    layers.loc[late, "comm_ms"] += 200
+    slow = ~lossy & (trials["repeat"] == 3) & (trials["rank"] == 1)
+    trials.loc[slow, ["effective_ms", "compute_ms"]] += 90
+    table = late_messages(run).set_index(["link", "variant"])
+    row = table.loc[("10 Mbit/s, delay 5ms loss random 1%", "trace-b K=16")]
+    assert (row["messages"], row["late"], row["timeouts"]) == (BLOCKS * REPEATS * 2, 1, 1)
+    assert row["late_max_ms"] == pytest.approx(200 + PATH_MS)
+    assert row["worst_effective_above_ms"] == pytest.approx(200)
+    assert row["worst_compute_above_ms"] == pytest.approx(0)
+    clean = table.loc[("10 Mbit/s, no impairment", "voltage")]
+    assert (clean["late"], clean["worst_compute_above_ms"]) == (0, pytest.approx(90))
+    assert clean["worst_latest_ms"] == pytest.approx(PATH_MS)
+    text = "\n".join(loss_section(run))
+    assert "| 10 Mbit/s, delay 5ms loss random 1% | trace-b K=16 | 40 | 1 | 1 |" in text
