@@ -41,7 +41,7 @@ class ToyLink(Emulator):
     name = "toy-link"
 
     @classmethod
-    def refusal(cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool):
+    def refusal(cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool, paths=None):
         if profile.needs_netem:
             return Refusal("link.profile", f"the toy link adds nothing to '{profile.name}'")
         return None
