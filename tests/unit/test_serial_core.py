@@ -71,6 +71,33 @@ def test_the_setters_refuse_what_the_core_cannot_hold(library) -> None:
     assert (counters.frames, counters.bytes, stalls) == (0, 0, [])
 
 
+def frame(protocol: int, payload: bytes = b"", tcp_flags: int = 0x10) -> bytes:
+    """An Ethernet frame of IPv4 carrying a TCP segment (20-byte header) or a UDP datagram."""
+    transport = (
+        bytes(12) + bytes([5 << 4, tcp_flags]) + bytes(6) if protocol == 6 else bytes(8)
+    ) + payload
+    total = 20 + len(transport)
+    ip = bytes([0x45, 0, total >> 8, total & 255]) + bytes(5) + bytes([protocol]) + bytes(10)
+    return bytes(12) + b"\x08\x00" + ip + transport
+
+
+@pytest.mark.parametrize(
+    ("what", "data", "found_free", "polls"),
+    [
+        ("a bare ACK", frame(6), True, 0),
+        ("a bare ACK with PSH", frame(6, tcp_flags=0x18), True, 0),
+        ("a segment inside a write", frame(6, b"x" * 100), True, 0),
+        ("the last segment of a write", frame(6, b"x" * 100, 0x18), False, 1),
+        ("a datagram that found its line free", frame(17, b"x" * 10), True, 1),
+        ("a datagram queued behind another", frame(17, b"x" * 10), False, 0),
+        ("an ARP frame", bytes(12) + b"\x08\x06" + bytes(28), True, 1),
+        ("a runt TCP frame", frame(6, b"x" * 100, 0x18)[:40], True, 0),
+    ],
+)
+def test_only_a_frame_that_ends_a_message_polls(library, what, data, found_free, polls) -> None:
+    assert library.serial_ends_message(data, len(data), int(found_free)) == polls, what
+
+
 def test_without_a_compiler_the_python_loop_runs(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setattr(core, "BUILD_DIR", tmp_path)
     monkeypatch.setattr(core.shutil, "which", lambda name: None)

@@ -6,9 +6,9 @@
  * downlink and the pair's rate), sleep until the end, forward it, count it: the schedule and
  * the counters of the Python loop in program.py, without the interpreter on the frame's path
  * and without its lock between ports. The Python program opens the sockets, sets the rates
- * and the impairments and reads the counters. With serial_spin(ns), a data frame that found
- * its line free sleeps until `ns` before its end and polls the clock from there (program.py,
- * "Waiting").
+ * and the impairments and reads the counters. With serial_spin(ns), a frame that ends a
+ * message (ends_message) sleeps until `ns` before its departure and polls the clock from
+ * there (program.py, "Waiting").
  *
  * A port with impairments (its uplink's, or later hops': a receiver's downlink, a pair;
  * impair.c draws them as impairments.py does) serves its frames as port.py's Port.serve
@@ -82,7 +82,7 @@ static struct port ports[MAX_PORTS];
 static int port_count;
 static volatile double pair_bit_s[MAX_PORTS][MAX_PORTS]; /* 0: none */
 static volatile int pairs_set;
-static volatile int64_t spin_ns;  /* a data frame that found the line free polls its last spin_ns */
+static volatile int64_t spin_ns;  /* a frame that ends a message polls its last spin_ns */
 static struct impairments *pair_hops[MAX_PORTS][MAX_PORTS]; /* under hop_lock */
 static pthread_mutex_t hop_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned char macs[MAX_MACS][6];
@@ -284,14 +284,23 @@ static void forward(int index, const unsigned char *frame, ssize_t size) {
         if (i != index && ports[i].fd >= 0) transmit(&ports[i], frame, size);
 }
 
-/* Whether a frame is an IPv4 TCP segment without payload (an ACK): its time moves no
- * message's latency, so it never polls. */
-static int bare_ack(const unsigned char *frame, ssize_t size) {
-    if (size < 54 || frame[12] != 0x08 || frame[13] != 0x00) return 0;
+/* Whether a frame's departure is the moment a message arrives, so that its wait ends polling:
+ * an IPv4 TCP segment that carries payload and PSH (the last segment of the sender's write),
+ * or any frame other than TCP that found its line free (`free`). A bare ACK moves no
+ * message's latency, and a segment inside a write is followed by the next one on the line,
+ * whose schedule does not depend on when this one left. */
+static int ends_message(const unsigned char *frame, ssize_t size, int free) {
+    if (size < 34 || frame[12] != 0x08 || frame[13] != 0x00) return free;
     const unsigned char *ip = frame + 14;
     int header = (ip[0] & 15) * 4, total = ip[2] << 8 | ip[3];
-    if ((ip[0] >> 4) != 4 || ip[9] != 6 || size < 14 + header + 20) return 0;
-    return total == header + (ip[header + 12] >> 4) * 4;
+    if ((ip[0] >> 4) != 4 || ip[9] != 6) return free;
+    if (size < 14 + header + 20) return 0;
+    const unsigned char *tcp = ip + header;
+    return total > header + (tcp[12] >> 4) * 4 && (tcp[13] & 0x08);
+}
+
+int serial_ends_message(const unsigned char *frame, ssize_t size, int free) {
+    return ends_message(frame, size, free);
 }
 
 static int64_t arrival_ns(struct msghdr *message, struct port *port) {
@@ -478,8 +487,9 @@ static void wait_until(int64_t end, int poll) {
 static int serve_pending(int index, unsigned char *frame, struct msghdr *message) {
     struct port *port = &ports[index];
     struct pending *head = &port->pending[0];
-    if (port->reads_ahead) {
-        int64_t wait = head->due - now_ns();
+    int poll = spin_ns && ends_message(head->frame, head->size, head->queued == 0);
+    if (port->reads_ahead) {  /* reads what comes until the poll begins */
+        int64_t wait = head->due - (poll ? spin_ns : 0) - now_ns();
         if (wait > 0) {
             struct pollfd readable = {port->fd, POLLIN, 0};
             struct timespec timeout = {wait / 1000000000LL, wait % 1000000000LL};
@@ -487,9 +497,8 @@ static int serve_pending(int index, unsigned char *frame, struct msghdr *message
             if (ready < 0) return errno == EINTR ? 0 : -errno;
             if (ready > 0) return read_impaired(index, frame, message);
         }
-    } else {  /* only a data frame that found the line free polls */
-        wait_until(head->due, head->queued == 0 && spin_ns && !bare_ack(head->frame, head->size));
     }
+    wait_until(head->due, poll);
     struct pending sent = pop(port);
     int64_t late = now_ns() - sent.due;
     forward(index, sent.frame, sent.size);
@@ -528,7 +537,7 @@ int serial_serve(int index) {
         int64_t start = arrival > port->free_at_ns ? arrival : port->free_at_ns;
         int64_t end = start + (int64_t)((double)size * 8e9 / rate);
         port->free_at_ns = end;
-        wait_until(end, start == arrival && spin_ns && !bare_ack(frame, size));
+        wait_until(end, spin_ns && ends_message(frame, size, start == arrival));
         int64_t late = now_ns() - end;
         forward(index, frame, size);
         record(port, size, start - arrival, late, end);

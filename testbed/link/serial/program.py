@@ -34,22 +34,23 @@ Decisions:
   `stall_log`: [start s, ms] by time.time(), the last STALL_LOG of them): under load here,
   about one 5 ms stall per CPU every few seconds, once 12.6 ms. A TCP flow keeps only a
   millisecond or two of frames queued, so its link loses about a stall's length each time.
-- Waiting (`wait_until`): sleep, then, with `--spin-us` (off by default), poll the last
-  `spin_us` of the wait (at most `SPIN_SHARE` of it), yielding the GIL between polls, for a
-  frame that found its line free (the first of a message, which pays the wake-up an idle
-  vCPU takes, 40-70 us here); frames queued behind others only sleep. Polling is off because
-  the polled microseconds are taken from the device whose CPUs the port's thread runs on,
-  and the devices' compute is what the testbed measures. Measured on 2026-12-01 (ViT-B/16,
-  2 devices, 3 runs each way, interleaved), 60 us: on the docker backend the path cost per
-  small message beyond its wire time fell from 0.13 to 0.07-0.11 ms at 1 Mbit/s and from
-  0.08-0.14 to 0.07-0.10 at 5, rose from 0.08-0.12 to 0.10-0.17 at 20, and compute rose 3-5%
-  at 1 and 5 Mbit/s (195 to 201-205 ms); on the local backend compute did not move; on
-  vit-tiny it rose 3-5% at 20 Mbit/s. An earlier rule, 150 us for every frame, raised
-  vit-tiny's compute from 4.7-5.2 to 5.8-6.3 ms. A plain sleep wakes a median 5-16 us late
-  after waits under 1 ms, 40-70 us after 2-12 ms idle. The C core polls the last `spin_us`
-  of such a frame's wait whole, without yielding, and never for a bare ACK: at 150 us the
-  path cost per small message fell from 0.11-0.12 to 0.07-0.08 ms at 2 Mbit/s and compute
-  rose 4-6% (docs/benchmarks.md, 2026-12-02, six interleaved rounds): off by default too.
+- Waiting (`wait_until`): a port's thread sleeps until a frame's departure. A sleeping
+  thread wakes 20-65 us late here: 20 us while its CPU runs a small loop, 40-65 us after
+  the CPU ran code that evicts its caches, as a device's matrix products do (a FIFO thread
+  sleeping 1 ms on a CPU running a 768x768 float32 product: median 60 us, p90 66; a
+  32x32 one: 24 us; an idle CPU: 30-45 us; this VM's vCPUs wake through a hypervisor, whose
+  page walks are long when cold). With `--spin-us`, the C core's default `CORE_SPIN_US`,
+  the thread wakes that long before a frame that ends a message is due and polls the
+  clock from there: the last segment of a TCP write (PSH set), or a frame other than TCP
+  that found its line free. Other frames sleep their wait out: a bare ACK moves no
+  message's latency, and a segment inside a write is followed by the next on the line,
+  whose schedule does not depend on when this one left. The polled time is taken from the
+  device whose CPUs the port's thread runs on, at most `spin_us` per message, about 0.5%
+  of ViT-B/16's compute per inference at 80 us (docs/benchmarks.md: measured 2026-12-03, no
+  change in compute within the noise, and the path cost per small message from
+  0.07-0.13 ms to 0.04-0.06). The Python loop's polling (`--core python`) yields the GIL
+  between polls and covers frames that found their line free; it is off by default there
+  (it raised compute 3-6% when measured on 2026-12-01).
 - Queue: frames wait, with their timestamps, in the packet socket's receive buffer while the
   port's thread sleeps. Its size (`wire.queue_frames`) is tbf's, 50 ms at the rate
   plus two frames, but at least `MIN_QUEUE_FRAMES` so that TCP's initial window fits; times
@@ -110,6 +111,7 @@ from testbed.link.wire import QUEUE_MS
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 50e-6
+CORE_SPIN_US = 80.0  # the C core's --spin-us: a cold wake-up here is 40-65 us late (Waiting)
 FIFO_PRIORITY = 10  # above every normal task, below the kernel's threaded interrupts (50)
 
 
@@ -265,7 +267,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the switch on the given ports")
     serve.add_argument("ports", nargs="+", metavar="PORT=RATE_BIT_S")
-    serve.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US)
+    serve.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help=f"poll the end of a message's wait (default: {CORE_SPIN_US:g} on the C core, "
+        f"{DEFAULT_SPIN_US:g} on the Python loop)",
+    )
     serve.add_argument(
         "--core",
         choices=("auto", "c", "python"),
@@ -289,7 +297,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     names = [name for name, _ in args.ports]
     if len(set(names)) != len(names):
         parser.error(f"a port is given twice: {names}")
-    if args.spin_us < 0 or args.queue_ms <= 0:
+    if (args.spin_us is not None and args.spin_us < 0) or args.queue_ms <= 0:
         parser.error("--spin-us must be >= 0 and --queue-ms > 0")
     try:
         args.cpus = dict(parse_port_cpus(text, names) for text in args.cpus)
@@ -306,18 +314,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     use_realtime_scheduling()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    ports = [
-        Port(name, rate, args.queue_ms, args.spin_us / 1e6, args.cpus.get(name))
-        for name, rate in args.ports
-    ]
     library = None
     if args.core != "python":
         library = load_core()
         if library is None and args.core == "c":
             log.error("--core c: the C core cannot be built or loaded")
             return 1
+    spin_us = args.spin_us
+    if spin_us is None:
+        spin_us = DEFAULT_SPIN_US if library is None else CORE_SPIN_US
+    ports = [
+        Port(name, rate, args.queue_ms, spin_us / 1e6, args.cpus.get(name))
+        for name, rate in args.ports
+    ]
     if library is not None:
-        library.serial_spin(round(1e3 * args.spin_us))
+        library.serial_spin(round(1e3 * spin_us))
     switch = Switch(ports, library)
     try:
         switch.start()
