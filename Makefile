@@ -2,6 +2,7 @@
 #
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
 #   make sweep-delay, sweep-loss  every method at 10 Mbit/s over delayed and lossy links
+#   make sweep-edge   every method over the shipped Wi-Fi and LTE profiles
 #   make smoke        the same pipeline on a tiny model in seconds
 #   make trace-replay Trace-b with fixed and live (level_k auto) levels over a 20-1-20 Mbit/s trace
 #   make trace-replay-digits  the same with the accuracy study's vit-digits, and the accuracy
@@ -27,7 +28,7 @@ IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
 .PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
-	sweep-delay sweep-loss \
+	sweep-delay sweep-loss sweep-edge \
 	reproduce reproduce-quick bench trace-replay trace-replay-digits
 
 venv: $(VENV_STAMP)
@@ -88,6 +89,11 @@ sweep-delay: venv host-setup
 
 sweep-loss: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-loss.yaml $(RUN_ARGS)
+
+# Every method over the shipped Wi-Fi and LTE link profiles (netem_profiles/wifi.yaml, lte.yaml).
+sweep-edge: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/edge-wifi.yaml $(RUN_ARGS)
+	$(VENV_PY) -m testbed.run experiments/edge-lte.yaml $(RUN_ARGS)
 
 # The study's fine-tuned Trace-b K=64 (seed 0) and its per-level accuracy, from the digits
 # study of `make accuracy` (results.csv is written last, after every model and bundle).
