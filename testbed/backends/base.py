@@ -157,6 +157,7 @@ class Backend(abc.ABC):
     default_emulator: str = "serial"  # when the experiment names none (testbed.link.emulators)
     shapes_downlinks: bool = True  # downlink and per-pair rates, not only uplinks
     needs_inventory: bool = False  # it runs on the experiment's inventory of boards
+    needs_provider: bool = False  # it runs on the boards of the experiment's EnOSlib provider
     in_auto: bool = False  # `backend: auto` may take it (in the table's order) when available
 
     @classmethod

@@ -13,13 +13,14 @@ import difflib
 
 from testbed.backends.base import Backend
 from testbed.backends.docker.backend import DockerBackend
+from testbed.backends.enoslib.backend import EnoslibBackend
 from testbed.backends.local import LocalBackend
 from testbed.backends.ssh.backend import SshBackend
 from testbed.errors import ConfigError, DeviceError
 
 AUTO = "auto"
 BACKENDS: dict[str, type[Backend]] = {
-    backend.name: backend for backend in (DockerBackend, LocalBackend, SshBackend)
+    backend.name: backend for backend in (DockerBackend, LocalBackend, SshBackend, EnoslibBackend)
 }
 
 

@@ -44,7 +44,7 @@ def _refuse_secrets(data: Any) -> Any:
     return data
 
 
-def _absolute(path: str) -> str:
+def absolute_path(path: str) -> str:
     """`~` expanded, relative to the working directory (a file's paths are made absolute
     against the file's directory before validation)."""
     return str(Path(path).expanduser().absolute())
@@ -65,7 +65,10 @@ class Board(Strict):
     key_file: str | None = Field(None, description="the private key; default: ssh-agent, ~/.ssh")
     python: str = Field("python3", min_length=1, description="the interpreter of the worker")
     interface: str = Field(
-        "eth0", min_length=1, max_length=15, description="the interface to the other boards"
+        "eth0",
+        min_length=1,
+        max_length=15,
+        description="the interface to the other boards; auto: the one holding its address",
     )
     data_address: str | None = Field(
         None, description="where the other boards reach it (default: address)"
@@ -87,7 +90,7 @@ class Board(Strict):
     @field_validator("key_file")
     @classmethod
     def _resolve(cls, path: str | None) -> str | None:
-        return None if path is None else _absolute(path)
+        return None if path is None else absolute_path(path)
 
     @property
     def peer_address(self) -> str:
@@ -127,7 +130,7 @@ class Inventory(Strict):
     @field_validator("known_hosts")
     @classmethod
     def _resolve(cls, path: str) -> str:
-        return _absolute(path)
+        return absolute_path(path)
 
     @model_validator(mode="after")
     def _distinct(self) -> Inventory:

@@ -37,6 +37,7 @@ from testbed.experiment.method_grid import (
     short,
 )
 from testbed.experiment.names import check_slug
+from testbed.experiment.provider import Provider
 from testbed.experiment.strict import Strict, as_list, describe, distinct
 from testbed.experiment.yamlfile import load_yaml
 from tracevq.config import known_model_name, model_config
@@ -176,6 +177,11 @@ class Experiment(Strict):
         None,
         description="the boards of a backend that needs them (ssh): a YAML file's path, or "
         "inline; see Inventory below",
+    )
+    provider: Provider | None = Field(
+        None,
+        description="the EnOSlib provider that reserves or lists the boards (backend enoslib); "
+        "see Provider below",
     )
     link: LinkSection = LinkSection()
     methods: list[dict[str, Any]] = Field(

@@ -54,6 +54,7 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
     """Raises ConfigError naming `source` and the field; returns what it checked."""
     backend = _backend(backend_name, source)
     _check_inventory(experiment, backend, source)
+    _check_provider(experiment, backend, source)
     _check_files(experiment, source)
     bundle = _check_bundle(experiment, source)
     _check_level_accuracy(experiment, bundle, source)
@@ -151,6 +152,40 @@ def _check_inventory(experiment: Experiment, backend: type[Backend], source: str
                 f"{source}: inventory.boards[{index}].key_file: file not found: "
                 f"{board.key_file} (leave key_file out to use ssh-agent and ~/.ssh/id_*)"
             )
+
+
+def _check_provider(experiment: Experiment, backend: type[Backend], source: str) -> None:
+    """A provider's configuration as EnOSlib validates it, its static hosts against the
+    devices asked for, and the files it names (nothing is reserved here)."""
+    if not backend.needs_provider:
+        return
+    provider = experiment.provider
+    if provider is None:
+        raise ConfigError(
+            f"{source}: provider: backend '{backend.name}' needs an EnOSlib provider (see "
+            "experiments/enoslib-static.yaml)"
+        )
+    from testbed.backends.enoslib import providers
+
+    try:
+        providers.check(provider)
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    most, listed = max(experiment.devices.count), providers.static_host_count(provider)
+    if listed is not None and most > listed:
+        raise ConfigError(
+            f"{source}: devices.count: {most} devices, but the static provider lists {listed} "
+            f"hosts in role {provider.role} (one device per host)"
+        )
+    if not provider.accept_new_host_keys and not Path(provider.known_hosts).is_file():
+        raise ConfigError(
+            f"{source}: provider.known_hosts: file not found: {provider.known_hosts}; record "
+            "the hosts' keys (`ssh-keyscan -p PORT ADDRESS >> FILE`), or say "
+            "accept_new_host_keys: true for a first connection"
+        )
+    key_file = provider.boards.key_file
+    if key_file is not None and not Path(key_file).is_file():
+        raise ConfigError(f"{source}: provider.boards.key_file: file not found: {key_file}")
 
 
 def _check_files(experiment: Experiment, source: str) -> None:

@@ -101,7 +101,7 @@ class SshBackend(Backend):
 
     def __init__(self, run_id: str, run_dir: Path, inventory: Inventory | None):
         super().__init__(run_id, run_dir)
-        if inventory is None:
+        if inventory is None and self.needs_inventory:  # a subclass may fill it in at start
             raise ConfigError(
                 "the ssh backend needs an inventory of boards: add `inventory: boards.yaml` "
                 "(or an inline mapping) to the experiment"

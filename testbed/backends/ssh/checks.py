@@ -1,7 +1,8 @@
 """What a board must have before the ssh backend deploys to it: a Python at least as new as
 the project's, the modules the worker imports (torch against the project's pin), iproute2's
 `tc`, `sudo -n` for tc and ip when the user is not root (shaping needs it), and that the
-board holds the address its worker will listen on (`data_address`, else `address`).
+board holds the address its worker will listen on (`data_address`, else `address`). A board
+whose `interface` is `auto` gets the interface that holds that address.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from testbed.source import SOURCE_ROOT
 
 log = logging.getLogger(__name__)
 
+AUTO_INTERFACE = "auto"  # a board's interface, found by the address it holds
 WORKER_MODULES = {"torch": "torch", "numpy": "numpy", "yaml": "pyyaml", "pydantic": "pydantic"}
 
 
@@ -67,6 +69,28 @@ def check_board(session: BoardSession) -> None:
         )
     _check_tools(session)
     _check_address(session)
+    if board.interface == AUTO_INTERFACE:
+        interface = interface_holding(session.facts.get("addresses"), board.peer_address)
+        if interface is None:
+            raise DeviceError(
+                f"{board.label}: interface auto: no interface of the board holds "
+                f"{board.peer_address}; name the interface that carries its traffic to the "
+                "other boards (and data_address, where address is not one the board holds)"
+            )
+        log.debug("%s: interface auto is %s", board.label, interface)
+        session.board = board.model_copy(update={"interface": interface})
+
+
+def interface_holding(addresses: list | None, address: str) -> str | None:
+    """The interface that holds `address`, from the board's `ip -o -4 addr show`
+    ([status, text]: `2: eth0    inet 10.0.0.1/24 brd ... scope global eth0 ...`)."""
+    if not addresses or addresses[0] != 0:
+        return None
+    for line in addresses[1].splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[2] == "inet" and fields[3].split("/")[0] == address:
+            return fields[1].split("@")[0]
+    return None
 
 
 def _check_address(session: BoardSession) -> None:

@@ -59,6 +59,7 @@ print(json.dumps({
     "cores": len(os.sched_getaffinity(0)),
     "modules": {m: version(d) for m, d in json.loads(sys.argv[1]).items() if util.find_spec(m)},
     "tc": run("tc", "-V"), "ethtool": run("ethtool", "--version"),
+    "addresses": run("ip", "-o", "-4", "addr", "show"),
     "sudo": {tool: run("sudo", "-n", "-l", tool) for tool in ("tc", "ip")} if uid else {},
     "binds": binds(sys.argv[2]) if len(sys.argv) > 2 else None,
 }))
