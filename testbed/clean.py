@@ -1,8 +1,11 @@
 """`python -m testbed.clean [--run RUN_ID] [--all]`: remove what dead runs left behind.
 
 What a run leaves: containers and networks labelled `testbed.run=<run id>` (Docker, when an
-engine answers), and the local backend's and serial link's network namespaces, veths and
-bridges, named by the run's tag (`tb-<tag>-*`, as root). Whether the run is over is read from
+engine answers), the local backend's and serial link's network namespaces, veths and
+bridges, named by the run's tag (`tb-<tag>-*`, as root), and on boards (ssh and enoslib
+backends) the qdiscs of their shaped interface and the run's directory, which the run's
+`board-leftovers.json` lists (`testbed.backends.ssh.leftovers`; the boards are reached as
+the run reached them, host keys checked). Whether the run is over is read from
 its lock (testbed.sweep.lock): its orchestrator's pid and that process's start time. Without
 `--run`, the qdisc probe's throwaway namespaces (`tbprobe-<pid>-*`) whose process is gone go
 too.
@@ -25,7 +28,10 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from testbed.backends.ssh.leftovers import RECORD as BOARD_RECORD
+from testbed.backends.ssh.leftovers import undo as undo_boards
 from testbed.errors import TestbedError
 from testbed.sweep.lock import Holder, read_locks, remove_lock
 
@@ -41,6 +47,14 @@ class RunLeftovers:
     docker: list[str] = field(default_factory=list)
     local: list[str] = field(default_factory=list)
     holder: Holder | None = None
+
+    @property
+    def boards(self) -> Path | None:
+        """Its record of what it changed on boards, if it left one."""
+        if self.holder is None or not self.holder.run_dir:
+            return None
+        record = Path(self.holder.run_dir) / BOARD_RECORD
+        return record if record.is_file() else None
 
     @property
     def label(self) -> str:
@@ -106,9 +120,11 @@ def clean(run_id: str | None = None, everything: bool = False) -> CleanReport:
             continue
         reason = why_keep(run, chosen, everything)
         if reason is not None:
-            if run.docker or run.local:
+            if run.docker or run.local or run.boards:
                 report.kept.append(f"{run.label}: {reason}")
             continue
+        if run.boards is not None:
+            report.removed += undo_boards(run.boards)  # the lock stays if a board did not answer
         if run.docker and run.run_id is not None:
             report.removed += remove_by_label(run.run_id)
         if run.local:

@@ -30,6 +30,7 @@ from testbed.experiment.profiles import (
     available_profiles,
     load_profile,
 )
+from testbed.experiment.provider import BoardDefaults, Provider
 from testbed.experiment.schema import Experiment
 from testbed.link.emulators import EMULATORS
 from testbed.source import EXPERIMENTS_DIR
@@ -156,7 +157,7 @@ def backends() -> list[str]:
         "that auto may take and that is available here.",
         "",
         "| backend | what it is | devices on this host | default emulator | downlink and pair "
-        "rates | needs an inventory | auto may take it |",
+        "rates | its boards | auto may take it |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, backend in BACKENDS.items():
@@ -165,7 +166,11 @@ def backends() -> list[str]:
             backend.on_this_host,
             backend.default_emulator,
             backend.shapes_downlinks,
-            backend.needs_inventory,
+            "`inventory`"
+            if backend.needs_inventory
+            else "`provider`"
+            if backend.needs_provider
+            else "-",
             backend.in_auto,
         ]
         shown = [f if isinstance(f, str) else ("yes" if f else "no") for f in flags]
@@ -225,11 +230,13 @@ def page() -> str:
     ]
     for name, field in Experiment.model_fields.items():
         model = _model_of(field.annotation)
-        if model is not None and model is not Inventory:
+        if model is not None and model not in (Inventory, Provider):
             lines += section(f"`{name}`", model, f"{name}.")
     lines += methods() + backends() + emulators() + profiles()
     lines += section("Inventory", Inventory, "inventory.")
     lines += section("A board", Board, "inventory.boards[].")
+    lines += section("Provider", Provider, "provider.")
+    lines += section("A provider's boards", BoardDefaults, "provider.boards.")
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -74,7 +74,10 @@ class BoardDefaults(Strict):
         description="the interface to the other boards; auto: the one holding its address",
     )
     workdir: str = Field(
-        "~/.cache/trace-testbed", description="code and run directories on the board"
+        "~/.cache/trace-testbed/{name}",
+        min_length=1,
+        description="code and run directories on the board; {name} is the board's name (homes "
+        "shared between hosts, as on Grid'5000's NFS, need it)",
     )
     cpus: float | None = Field(
         None, gt=0, le=1024, description="its CPUs (default: the experiment's devices.cpus)"
@@ -87,7 +90,12 @@ class BoardDefaults(Strict):
 
 
 class Provider(Strict):
-    """The EnOSlib provider that reserves (or, `static`, lists) the boards."""
+    """The EnOSlib provider (backend `enoslib`) that reserves the boards, or lists them
+    (`static`); its hosts of `role`, in order, are ranks 0..P-1, run over SSH as the ssh
+    backend's boards. `conf` is EnOSlib's own configuration of the provider, checked against
+    EnOSlib's schema before anything starts; credentials stay where the provider reads them
+    (~/.python-grid5000.yaml, ~/.iotlabrc, ...) and are refused here. Examples:
+    experiments/enoslib/."""
 
     kind: Literal["static", "g5k", "iotlab", "chameleon", "fabric"] = Field(
         description="EnOSlib's provider: static (hosts you have), g5k, iotlab, chameleon, fabric"
@@ -132,6 +140,7 @@ class Provider(Strict):
     def _has_resources(cls, conf: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(conf.get("resources"), dict):
             raise ValueError(
-                "resources: EnOSlib's configuration needs `resources` (machines and networks)"
+                "provider.conf.resources: EnOSlib's configuration needs `resources` (machines "
+                "and networks)"
             )
         return conf

@@ -105,4 +105,4 @@ def test_without_the_entries_the_names_are_unknown(tmp_path, capsys):
     path = write(tmp_path, "emulator: toy-link, ")
     assert main([path, "--dry-run", "--out", str(tmp_path / "out")]) == 2
     line = capsys.readouterr().err.strip()
-    assert line.endswith("backend: unknown backend 'toy'; known: auto, docker, local, ssh")
+    assert line.endswith("backend: unknown backend 'toy'; known: auto, docker, local, ssh, enoslib")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import ipaddress
 import logging
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -120,9 +121,24 @@ def start(provider: Provider) -> tuple[Any, list[Any]]:
         raise DeviceError(
             f"provider {provider.kind}: reserving the hosts failed: {error}"
         ) from None
-    hosts = list(roles[provider.role]) if provider.role in roles else []
+    hosts = _in_rank_order(provider, list(roles[provider.role]) if provider.role in roles else [])
     log.info("provider %s: %d hosts in role %s", provider.kind, len(hosts), provider.role)
     return instance, hosts
+
+
+def _in_rank_order(provider: Provider, hosts: list[Any]) -> list[Any]:
+    """The static provider's hosts in the order it lists them; another provider's by name
+    (digits as numbers: node-2 before node-10), so that a rank is the same host every run.
+    EnOSlib's roles keep no order of their own."""
+    if provider.kind == "static":
+        listed = [m.get("address") for m in provider.conf["resources"].get("machines", [])]
+        return sorted(hosts, key=lambda host: listed.index(host.address))
+
+    def natural(host: Any) -> list[Any]:
+        parts = re.split(r"(\d+)", str(host.address))
+        return [int(part) if part.isdigit() else part for part in parts]
+
+    return sorted(hosts, key=natural)
 
 
 def release(provider: Provider, instance: Any) -> None:
@@ -147,10 +163,19 @@ def _peer_address(address: str) -> str:
 
 
 def inventory(provider: Provider, hosts: list[Any]) -> Inventory:
-    """The boards of `hosts` (EnOSlib Hosts, rank order) with the provider's board defaults."""
+    """The boards of `hosts` (EnOSlib Hosts, rank order) with the provider's board defaults.
+    A board is named by its host's alias (else board<rank>); a host whose `extra` routes SSH
+    through a gateway is refused: the direct channel goes to its address."""
     defaults = provider.boards
     boards = []
     for rank, host in enumerate(hosts):
+        extra = " ".join(f"{key}={value}" for key, value in (host.extra or {}).items())
+        if "gateway" in extra or "Proxy" in extra:
+            raise DeviceError(
+                f"provider host {host.address}: its SSH goes through a gateway ({extra}), "
+                "which the backend's direct channel does not; run the controller where the "
+                "hosts are reachable (the testbed's frontend)"
+            )
         alias = str(host.alias or "")
         name = alias if alias and set(alias) <= BOARD_NAME_CHARACTERS else f"board{rank}"
         board = {
@@ -161,7 +186,7 @@ def inventory(provider: Provider, hosts: list[Any]) -> Inventory:
             "key_file": defaults.key_file or host.keyfile,
             "python": defaults.python,
             "interface": defaults.interface,
-            "workdir": defaults.workdir,
+            "workdir": defaults.workdir.replace("{name}", name),
             "cpus": defaults.cpus,
         }
         peer = _peer_address(host.address)

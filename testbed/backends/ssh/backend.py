@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from testbed.backends.base import SECRET_FILE_NAME, Backend, CpuPlan, Device, DeviceSpec, Process
+from testbed.backends.ssh import leftovers
 from testbed.backends.ssh.checks import check_board
 from testbed.backends.ssh.files import code_is_current, source_archive, uploads_needed
 from testbed.backends.ssh.scripts import CLOCK, HASHES, INSTALL, LAUNCHER, REMOVE_TREE, VERIFY
@@ -109,7 +110,6 @@ class SshBackend(Backend):
         self.inventory = inventory
         self.sessions: list[BoardSession] = []
         self.processes: list[SshProcess] = []
-        self.shaped: set[int] = set()
         self.archive: tuple[bytes, str] | None = None
         self.local_digests: dict[Path, tuple[int, int, str]] = {}
         self.run_name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
@@ -128,6 +128,8 @@ class SshBackend(Backend):
             self._each(lambda session: connect(session, self.inventory))
             self._each(check_board)
             self.archive = self.archive or source_archive()
+            self._each(self._locate)
+            leftovers.write(self.run_dir, self.inventory, self.sessions)  # before any change
             self._each(self._deploy)
             self._each(self._deliver_secret)
             self._sync_run_files(sorted(p for p in self.run_dir.glob("bundles/*") if p.is_file()))
@@ -177,16 +179,21 @@ class SshBackend(Backend):
 
     # deployment
 
-    def _deploy(self, session: BoardSession) -> None:
-        """The project's code (unless that digest is there) and the per-run directory."""
+    def _locate(self, session: BoardSession) -> None:
+        """Where the code and the run's directory go on the board (nothing made yet)."""
         board = session.board
         home = session.sftp.normalize(".")
         workdir = home + board.workdir[1:] if board.workdir.startswith("~") else board.workdir
         session.workdir = posixpath.normpath(posixpath.join(home, workdir))
         assert self.archive is not None
-        archive, digest = self.archive
-        session.code_dir = posixpath.join(session.workdir, "code", digest[:16])
+        session.code_dir = posixpath.join(session.workdir, "code", self.archive[1][:16])
         session.run_dir = posixpath.join(session.workdir, "runs", self.run_name)
+
+    def _deploy(self, session: BoardSession) -> None:
+        """The project's code (unless that digest is there) and the per-run directory."""
+        board = session.board
+        assert self.archive is not None
+        archive, digest = self.archive
         session.makedirs(session.run_dir)
         if code_is_current(session.read_text(posixpath.join(session.code_dir, "DIGEST")), digest):
             log.debug("%s: code %s already there", board.name, digest[:16])
@@ -364,7 +371,7 @@ class SshBackend(Backend):
         interface = device.interface
         if session.link_settings is None:
             session.link_settings = read_link_settings(session, interface)
-        self.shaped.add(device.rank)
+            leftovers.write(self.run_dir, self.inventory, self.sessions)
         commands = [gso_argv(interface), offload_argv(interface)]
         commands += [clear_argv(interface), *tc_argv(interface, plan)]
         results = run_as_root(session, commands)
@@ -400,26 +407,30 @@ class SshBackend(Backend):
         for process in self.processes:
             _quietly(process.kill, f"killing {process.label}")
         self.processes = []
-        for session in self.sessions:
-            if session.client is not None:
-                self._leave(session)
-        self.shaped = set()
+        left = [self._leave(session) for session in self.sessions if session.client is not None]
+        if all(left):
+            leftovers.forget(self.run_dir)
 
-    def _leave(self, session: BoardSession) -> None:
-        """Unshapes the board's link, removes the run directory, disconnects."""
+    def _leave(self, session: BoardSession) -> bool:
+        """Unshapes the board's link, removes the run directory, disconnects; whether all of
+        it was done (else board-leftovers.json stays for testbed.clean)."""
         name = session.board.name
-        if session.rank in self.shaped:
-            _quietly(lambda: unshape(session), f"{name}: unshaping")
+        done = True
+        if session.link_settings is not None:
+            done &= _quietly(lambda: unshape(session), f"{name}: unshaping")
         if session.run_dir:
             remove = [session.board.python, "-c", REMOVE_TREE, session.run_dir]
-            _quietly(lambda: session.execute(remove), f"{name}: removing {session.run_dir}")
+            done &= _quietly(lambda: session.execute(remove), f"{name}: removing {session.run_dir}")
         _quietly(session.client.close, f"{name}: closing the connection")
         session.client = session.sftp = None
+        return done
 
 
-def _quietly(action: Callable[[], Any], what: str) -> None:
-    """Teardown goes on whatever one step raises; the failure is logged."""
+def _quietly(action: Callable[[], Any], what: str) -> bool:
+    """Teardown goes on whatever one step raises; the failure is logged (False)."""
     try:
         action()
     except Exception as error:  # noqa: BLE001 - teardown continues on every board
         log.warning("%s failed: %s", what, error)
+        return False
+    return True
