@@ -16,6 +16,7 @@ off its target is flagged.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,9 @@ class LinkState:
     impairments: dict[int, str] = field(default_factory=dict)
     delay_ms: dict[int, float] = field(default_factory=dict)
     impairment_seeds: dict[str, int] = field(default_factory=dict)  # by hop ("0", "down1", "0->1")
+    # how long setting the rates and probing every transfer took (s): the orchestration's
+    shape_s: float = 0.0
+    probe_s: float = 0.0
 
     def wire_mbit(self, rank: int) -> float | None:
         """The uplink probe's payload rate as the frame rate tbf enforces (headers included)."""
@@ -127,7 +131,9 @@ class Links:
         self.emulator.step = {}  # a trace's steps are the replay's, from its first
         devices = self.backend.devices
         rates = self.overrides.resolve(rate_mbit, len(devices))
+        began = time.monotonic()
         self.emulator.set_rates(rates, in_place=False)
+        shaped = time.monotonic()
         self.rates = rates
         state = LinkState(
             rate_mbit,
@@ -136,6 +142,7 @@ class Links:
             pair_mbit={f"{s}->{d}": cap for (s, d), cap in rates.pair_mbit.items()},
         )
         self._probe(rates, probe_seconds, state)
+        state.shape_s, state.probe_s = shaped - began, time.monotonic() - shaped
         self.emulator.impair(rates)  # after the probe, which checks the rate alone
         for device in devices:
             state.impairments[device.rank], state.delay_ms[device.rank] = self._words(device.rank)

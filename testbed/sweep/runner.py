@@ -110,6 +110,7 @@ class Runner:
         self.trace = None if link.trace is None else link_trace(link)
         self.level_accuracy = load_level_accuracy(experiment)  # None without report.level_accuracy
         self.sessions = 0  # sessions started: each gets its own worker port
+        self.start_s: dict[int, float] = {}  # by device count: how long starting them took
 
     def run(self, resume: bool = False) -> RunOutcome:
         """Runs every trial (those without results, when resuming) holding the run's lock."""
@@ -174,8 +175,10 @@ class Runner:
                 f"({devices.cpus:g} CPU, {devices.memory_mb} MB each)"
             )
             backend.prepare()
+            began = time.monotonic()
             with voice.phase(f"devices P={count}", doing):
                 backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
+            self.start_s[count] = time.monotonic() - began
             overrides = rate_overrides(self.experiment.link)
             paths = PathImpairments.of(self.experiment.link)
             with Links(
@@ -298,6 +301,7 @@ class Runner:
             facts = environment.collect(backend, {"qdisc_support": backend.qdisc_support()})
         cpus = backend.cpu_plan
         facts.setdefault("by_devices", {})[str(count)] = {
+            "start_s": round(self.start_s.get(count, 0.0), 3),
             "cpusets": cpus.cpusets if cpus else None,
             "oversubscribed": backend.oversubscribed,
             "devices": [d.__dict__ for d in backend.devices],
