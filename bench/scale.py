@@ -1,5 +1,6 @@
 """The orchestration at P = 2, 4, 8 and 10 devices, on the local backend and on the enoslib
-backend's static provider (SSH boards in network namespaces, as the tests build them).
+backend's static provider (SSH boards in network namespaces, as the tests build them), and
+on any other backend named with `--backends` (docker).
 
 Run as root from the repository root: `python -m bench.scale` (about 5 minutes; `--counts`,
 `--backends`). Each (backend, P) is one `testbed.run` of vit-tiny, one Trace-b trial at
