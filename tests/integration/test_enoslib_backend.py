@@ -128,7 +128,8 @@ def test_a_sweep_runs_on_two_and_four_boards_through_testbed_run(lab: Lab, tmp_p
     path = tmp_path / "enoslib-small.yaml"
     path.write_text(yaml.safe_dump(experiment))
     done = subprocess.run(
-        [sys.executable, "-m", "testbed.run", str(path), "--out", str(tmp_path / "out"), "-q"],
+        [sys.executable, "-m", "testbed.run", str(path), "--backend", "enoslib", "-q"]
+        + ["--out", str(tmp_path / "out")],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -49,6 +49,18 @@ def dry_run(tmp_path: Path, data: dict, capsys) -> tuple[int, str]:
     return status, capsys.readouterr().err.strip()
 
 
+@pytest.mark.parametrize("name", ["g5k", "iotlab", "static"])
+def test_the_example_files_pass_the_dry_run(name, tmp_path, monkeypatch, capsys):
+    """With the user's known_hosts in place (and nothing contacted: the preflight checks
+    EnOSlib's schema only)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "known_hosts").write_text("")
+    path = Path(__file__).resolve().parents[2] / "experiments" / "enoslib" / f"{name}.yaml"
+    assert main([str(path), "--dry-run", "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().err.count("testbed.run:") == 0
+
+
 def test_a_static_provider_passes_the_dry_run(tmp_path, capsys):
     status, _ = dry_run(tmp_path, experiment(tmp_path), capsys)
     assert status == 0
