@@ -17,6 +17,8 @@ too.
 - `--run ID` (a run id, or the 8-hex tag of its namespaces): that run only, also without a
   lock; a live run is kept.
 - `--all`: removes everything, live runs included (with `--run`: that run, even if live).
+- `--boards RUN_DIR`: undoes what that run left on its boards, as its `board-leftovers.json`
+  says (a run whose stop could not reach a board keeps that file and says so).
 
 Exit status: 0 done, 1 a removal failed, 2 bad usage.
 """
@@ -147,11 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--run", help="only this run id (or tag)")
     parser.add_argument("--all", action="store_true", help="also runs that are alive")
+    parser.add_argument(
+        "--boards",
+        metavar="RUN_DIR",
+        help="undo what the run in RUN_DIR left on its boards (its board-leftovers.json), "
+        "whatever its lock says",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     try:
-        report = clean(args.run, args.all)
+        if args.boards is not None:
+            record = Path(args.boards) / BOARD_RECORD
+            if not record.is_file():
+                print(f"testbed.clean: {record}: no such record", file=sys.stderr)
+                return 1
+            report = CleanReport(removed=undo_boards(record))
+        else:
+            report = clean(args.run, args.all)
     except TestbedError as error:
         print(f"testbed.clean: {error}", file=sys.stderr)
         return 1

@@ -224,9 +224,13 @@ def sleeping_on(lab: Lab, boards: int) -> bool:
     )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+@pytest.mark.parametrize(
+    ("signum", "how"),
+    [(signal.SIGINT, []), (signal.SIGKILL, []), (signal.SIGKILL, ["--boards"])],
+    ids=["ctrl-c", "killed", "killed-boards"],
+)
 def test_testbed_clean_leaves_nothing_on_the_boards_after_a_dead_controller(
-    lab: Lab, tmp_path, monkeypatch, signum
+    lab: Lab, tmp_path, monkeypatch, signum, how
 ):
     monkeypatch.setenv("TESTBED_STATE_DIR", str(tmp_path / "state"))
     run_id, run_dir = f"enos-{uuid.uuid4().hex[:8]}", tmp_path / "run"
@@ -252,7 +256,7 @@ def test_testbed_clean_leaves_nothing_on_the_boards_after_a_dead_controller(
             assert all("tbf" in text for text in board_qdiscs(lab)[:2])  # left for clean
             assert len(run_dirs(lab)) == 2
         cleaned = subprocess.run(
-            [sys.executable, "-m", "testbed.clean"],
+            [sys.executable, "-m", "testbed.clean", *how, *([str(run_dir)] if how else [])],
             cwd=ROOT,
             capture_output=True,
             text=True,

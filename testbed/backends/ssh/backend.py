@@ -423,6 +423,12 @@ class SshBackend(Backend):
         left = [self._leave(session) for session in self.sessions if session.client is not None]
         if all(left):
             leftovers.forget(self.run_dir)
+        else:
+            log.warning(
+                "some boards were not left as they were (above); once they answer: "
+                "python -m testbed.clean --boards %s",
+                self.run_dir,
+            )
 
     def _leave(self, session: BoardSession) -> bool:
         """Unshapes the board's link, removes the run directory, disconnects; whether all of
