@@ -9,10 +9,7 @@ every interface.
 The sender writes zeros for a bounded time or byte count, then half-closes. The receiver
 times the stream from the chunk that completes its first tenth to the last chunk, so the
 figure is the rate the link delivered in steady state (a shaper's burst and TCP's slow start
-fall in the first tenth), not how fast the sender filled its kernel buffer. The times are the
-kernel's receive timestamps of those chunks (`devices.clock`), so a receiver that reads late
-does not stretch the measure (where a chunk has none, the times the chunks were read); it
-replies with
+fall in the first tenth), not how fast the sender filled its kernel buffer; it replies with
 that measurement on the same connection and the sender prints it. Each side prints one JSON
 line; `mbit_per_s` is in 10^6 bit/s (tc's `mbit`). On an error: one line `probe: message` on
 stderr and exit status 1.
@@ -28,7 +25,6 @@ import sys
 import time
 from typing import Any
 
-from devices.clock import ANCILLARY_BYTES, enable_rx_timestamps, kernel_timestamp_ns
 from devices.errors import WorkerError
 from devices.transport import (
     PeerClosed,
@@ -67,23 +63,16 @@ def receive_all(sock: socket.socket) -> dict[str, Any]:
     except PeerClosed:
         raise ProbeError("the sender closed the connection before its first bytes") from None
     skip = max(1, int(SKIPPED_FRACTION * expected))
-    stamped = enable_rx_timestamps(sock)
     buffer = bytearray(CHUNK_BYTES)
     total = counted_from = 0
-    first = last = (0, 0)  # (kernel, read) ns
-    while True:
-        count, ancillary, _, _ = sock.recvmsg_into([buffer], ANCILLARY_BYTES)
-        if count <= 0:
-            break
-        kernel = kernel_timestamp_ns(ancillary)
-        stamped = stamped and kernel is not None  # one clock for the whole measure
-        now = (kernel or 0, time.perf_counter_ns())
+    first = last = 0.0
+    while (count := sock.recv_into(buffer)) > 0:
+        now = time.perf_counter()
         total += count
         if counted_from == 0 and total >= skip:
             first, counted_from = now, total
         last = now
-    clock = 0 if stamped else 1
-    seconds = (last[clock] - first[clock]) / 1e9
+    seconds = last - first
     return {
         "bytes": total,
         "seconds": seconds,

@@ -254,6 +254,10 @@ class RecordingBackend:
         self.devices = [Device(r, f"d{r}", f"10.0.0.{r + 1}", "eth0", 1.0, 1) for r in range(count)]
         self.calls: list[tuple[str, int, object]] = []
 
+    def for_each(self, devices, action) -> None:
+        for device in devices:
+            action(device)
+
     def shape(self, device, shaping) -> None:
         self.calls.append(("shape", device.rank, shaping))
 
