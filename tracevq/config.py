@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from tracevq.errors import ConfigError
 
+ACTIVATIONS = ("gelu", "gelu_tanh")  # torch's F.gelu with approximate="none" / "tanh"
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -24,6 +26,10 @@ class ModelConfig:
     heads: int = 12
     mlp_ratio: float = 4.0
     num_classes: int = 1000
+    # the FFN's GELU: "gelu" (exact, timm's and HF ViT's) or "gelu_tanh" (the tanh
+    # approximation, HF ViViT's `gelu_fast`); LayerNorm's epsilon (timm 1e-6, HF ViT 1e-12)
+    act: str = "gelu"
+    norm_eps: float = 1e-6
 
     @property
     def is_video(self) -> bool:
@@ -64,7 +70,20 @@ class ModelConfig:
         for field, ok in checks.items():
             if not ok:
                 raise ConfigError(f"model {self.name!r}: {field} does not divide evenly: {self}")
+        if self.act not in ACTIVATIONS:
+            raise ConfigError(
+                f"model {self.name!r}: act {self.act!r} is not one of {', '.join(ACTIVATIONS)}",
+                "act",
+            )
+        if not 0 < self.norm_eps < 1:
+            raise ConfigError(f"model {self.name!r}: norm_eps {self.norm_eps} is not in (0, 1)")
         return self
+
+    def describe_input(self) -> str:
+        """The input layout in words, for errors: `(B, 3, 224, 224)` and what it means."""
+        shape = ", ".join(str(n) for n in self.input_shape()[1:])
+        layout = "C, T, H, W" if self.is_video else "C, H, W"
+        return f"(B, {shape}), i.e. (batch, {layout}), channels first"
 
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {
@@ -110,6 +129,18 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         heads=4,
         mlp_ratio=2.0,
         num_classes=19,
+    ),
+    # Fashion-MNIST (28x28 grey), patch 4: 49 patches + CLS, enough tokens for P up to 10
+    "vit-fashion": ModelConfig(
+        "vit-fashion",
+        image_size=28,
+        patch_size=4,
+        in_chans=1,
+        dim=64,
+        depth=6,
+        heads=4,
+        mlp_ratio=2.0,
+        num_classes=10,
     ),
 }
 # glyph pairs (tracevq.glyphs): four 12x12 glyphs on a 24x24 canvas, label = the pair

@@ -1,6 +1,6 @@
 """Image classification data for training and accuracy studies, all read offline.
 
-Five sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64 labels:
+Six sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64 labels:
 
 - `digits`: scikit-learn's 8x8 handwritten digits (1,797 images, shipped with the package),
   upsampled bilinearly to the model's image size (smooth patches rather than blocks of
@@ -17,6 +17,10 @@ Five sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64
   They are read with an unpickler that only builds numpy arrays and plain containers.
 - `folder`: an image folder, one subfolder per class (sorted names are the class order), of
   `.npy` arrays (H, W) or (H, W, C) and, because Pillow is installed here, PNG/JPEG/BMP files.
+- `fashion`: Zalando's Fashion-MNIST as Debian's `dataset-fashion-mnist` package installs it
+  (`/usr/share/datasets/fashion-mnist/*-idx?-ubyte.gz`): 60,000 training and 10,000 test
+  images, 28x28 grey, 10 classes. Real photographs of clothes that nobody here made; the
+  test split is the published one, the validation split is carved from the training set.
 
 Splits are fixed by `split_seed`, independent of the seeds that vary training, so every seed of
 a study is measured on the same test images. A validation split is carved from the training
@@ -359,3 +363,76 @@ def folder_splits(
     rest, test = split_off(data, max(1, round(test_fraction * len(data))), split_seed)
     train, val = split_off(rest, max(1, round(val_fraction * len(data))), split_seed + 1)
     return Splits(train, val, test)
+
+
+# --------------------------------------------------------------------------- Fashion-MNIST
+
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+# file: (count, IDX magic: 0x801 labels (n,), 0x803 images (n, 28, 28))
+FASHION_FILES = {
+    "train-images-idx3-ubyte.gz": (60_000, 0x803),
+    "train-labels-idx1-ubyte.gz": (60_000, 0x801),
+    "t10k-images-idx3-ubyte.gz": (10_000, 0x803),
+    "t10k-labels-idx1-ubyte.gz": (10_000, 0x801),
+}
+FASHION_INSTALL = "apt-get install dataset-fashion-mnist (Debian's package of the dataset)"
+
+
+def read_idx(path: Path, count: int, magic: int) -> np.ndarray:
+    """An IDX file (gzip-compressed) of uint8: `count` labels, or `count` 28x28 images;
+    DataError naming the file when its header, shape or size is not that."""
+    import gzip
+
+    try:
+        with gzip.open(path, "rb") as stream:
+            data = stream.read()
+    except OSError as error:
+        raise DataError(f"{path}: cannot be read ({error}); {FASHION_INSTALL}") from None
+    dims = magic & 0xFF
+    header = 4 + 4 * dims
+    if len(data) < header or int.from_bytes(data[:4], "big") != magic:
+        raise DataError(f"{path}: not an IDX file of uint8 with {dims} dimensions")
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims))
+    wanted = (count,) if dims == 1 else (count, 28, 28)
+    if shape != wanted or len(data) != header + int(np.prod(shape)):
+        raise DataError(
+            f"{path}: holds {shape} in {len(data) - header} bytes, Fashion-MNIST's is {wanted}"
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def fashion_splits(
+    root: str | Path | None = None,
+    image_size: int = 28,
+    channels: int = 1,
+    val_size: int = 5000,
+    split_seed: int = 0,
+) -> Splits:
+    """Fashion-MNIST: the published 10,000 test images; `val_size` training images held out
+    (stratified, fixed by `split_seed`) for choices; the rest to train on."""
+    root = Path(root) if root is not None else FASHION_DIR
+    missing = [name for name in FASHION_FILES if not (root / name).is_file()]
+    if missing:
+        raise DataError(f"{root}: Fashion-MNIST's {', '.join(missing)} missing; {FASHION_INSTALL}")
+    arrays = {name: read_idx(root / name, *spec) for name, spec in FASHION_FILES.items()}
+
+    def dataset(prefix: str) -> Dataset:
+        images = torch.from_numpy(arrays[f"{prefix}-images-idx3-ubyte.gz"].astype(np.float32))
+        images = match_channels(images.unsqueeze(1) / 255.0, channels, str(root))
+        labels = torch.from_numpy(arrays[f"{prefix}-labels-idx1-ubyte.gz"].astype(np.int64))
+        return Dataset(images, labels, FASHION_CLASSES, image_size if image_size != 28 else None)
+
+    train, val = split_off(dataset("train"), val_size, split_seed)
+    return Splits(train, val, dataset("t10k"))

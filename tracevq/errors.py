@@ -21,5 +21,9 @@ class CheckpointError(TraceError):
     """A checkpoint file does not match the model: names the missing, unexpected or bad keys."""
 
 
+class InputShapeError(TraceError, ValueError):
+    """An input tensor's shape or layout is not the model's: names both shapes."""
+
+
 class ProtocolError(TraceError):
     """A message on the wire is malformed: wrong length, level, block counter or fingerprint."""

@@ -29,6 +29,7 @@ def fit_random_calibration(
     *,
     model_seed: int = 0,
     checkpoint: str | Path | None = None,
+    checkpoint_ema: bool = False,
     calibration_inputs: int = 8,
     code_dim: int | None = None,
     metric: str = "euclidean",
@@ -39,7 +40,7 @@ def fit_random_calibration(
     `calibration_inputs` standard-normal inputs drawn with `seed`."""
     model = build_model(model_name, seed=model_seed)
     if checkpoint:
-        load_checkpoint(model, checkpoint)
+        load_checkpoint(model, checkpoint, ema=checkpoint_ema)
     generator = torch.Generator().manual_seed(seed)
     calibration = torch.randn(model.config.input_shape(calibration_inputs), generator=generator)
     return fit_bundle(

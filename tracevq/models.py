@@ -7,13 +7,14 @@ keys and a method-specific reconstruction of every peer's keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tracevq.config import ModelConfig, model_config
+from tracevq.errors import InputShapeError
 
 
 @dataclass
@@ -71,24 +72,26 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, act: str = "gelu"):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
+        self.approximate = "tanh" if act == "gelu_tanh" else "none"
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class Block(nn.Module):
     """Pre-LN Transformer block: Z = X + MHSA(LN1 X); X' = Z + FFN(LN2 Z)."""
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, mlp_dim)
+        dim = config.dim
+        self.norm1 = nn.LayerNorm(dim, eps=config.norm_eps)
+        self.attn = Attention(dim, config.heads)
+        self.norm2 = nn.LayerNorm(dim, eps=config.norm_eps)
+        self.mlp = Mlp(dim, config.mlp_dim, config.act)
 
     def remote_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """K/V of tokens whose block input is x (the receiver-side projection chain)."""
@@ -118,6 +121,10 @@ class PatchEmbed(nn.Module):
     def patches(self, x: Tensor) -> Tensor:
         """Flattened patches in token order: (B, num_patches, C * [t *] p * p)."""
         c, p = self.config, self.config.patch_size
+        if tuple(x.shape[1:]) != c.input_shape()[1:]:
+            raise InputShapeError(
+                f"model {c.name!r} takes input {c.describe_input()}; given {tuple(x.shape)}"
+            )
         grid = c.image_size // p
         if c.is_video:
             b, ch, frames = x.shape[:3]
@@ -142,12 +149,20 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(config)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, config.dim))
         self.pos_embed = nn.Parameter(torch.randn(1, config.tokens, config.dim) * 0.02)
-        self.blocks = nn.ModuleList(
-            Block(config.dim, config.heads, config.mlp_dim) for _ in range(config.depth)
-        )
-        self.norm = nn.LayerNorm(config.dim, eps=1e-6)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.num_classes)
         self.apply(_init_weights)
+
+    def configure(self, act: str, norm_eps: float) -> None:
+        """Set the numerics a checkpoint says it was trained with (no weight changes)."""
+        self.config = replace(self.config, act=act, norm_eps=norm_eps).validate()
+        self.patch_embed.config = self.config
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.eps = norm_eps
+            elif isinstance(module, Mlp):
+                module.approximate = "tanh" if act == "gelu_tanh" else "none"
 
     def embed(self, x: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
         """Block-0 input X^(0) of tokens [start, stop) (token 0 = CLS): (B, n, D)."""

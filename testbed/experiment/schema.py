@@ -57,9 +57,14 @@ class ModelSection(Strict):
     checkpoint: str | None = Field(
         None,
         min_length=1,
-        description="trained weights (.pth, .pt, .safetensors; timm's names), relative to the "
-        "working directory; without it the weights are random (seeded): latency needs no "
-        "trained weights, accuracy does",
+        description="trained weights, relative to the working directory: a file (.pth, .pt, "
+        ".bin, .safetensors) in timm's names or Hugging Face's, a timm training checkpoint, or "
+        "a Hugging Face save_pretrained folder (its config.json sets the activation); without "
+        "it the weights are random (seeded): latency needs no trained weights, accuracy does",
+    )
+    checkpoint_ema: bool = Field(
+        False,
+        description="take the checkpoint's EMA weights (timm's state_dict_ema, DeiT's model_ema)",
     )
     seed: int = Field(0, ge=0, description="the seed of the random weights")
 

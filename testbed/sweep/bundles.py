@@ -44,14 +44,29 @@ class RunFiles:
 def prepare_run_files(experiment: Experiment, trials: list[Trial], run_dir: Path) -> RunFiles:
     files = RunFiles(bundles=prepare_bundles(experiment, trials, run_dir))
     if experiment.model.checkpoint:
-        source = Path(experiment.model.checkpoint)
-        if not source.is_file():
-            raise ConfigError(f"model.checkpoint: file not found: {source}")
-        files.checkpoint = run_dir / f"checkpoint{''.join(source.suffixes)}"
-        shutil.copyfile(source, files.checkpoint)
+        files.checkpoint = prepare_checkpoint(experiment, run_dir)
     if experiment.evaluation is not None:
         files.inputs, files.batches = prepare_inputs(experiment, run_dir)
     return files
+
+
+def prepare_checkpoint(experiment: Experiment, run_dir: Path) -> Path:
+    """The checkpoint read once, in whatever layout it came (timm's, Hugging Face's, a folder,
+    its EMA weights), checked against the model, and written for the devices as one
+    safetensors file under our names with its activation and epsilon in the metadata."""
+    from tracevq.checkpoint import load_checkpoint, save_checkpoint
+    from tracevq.errors import CheckpointError
+    from tracevq.models import build_model
+
+    model = experiment.model
+    source = Path(model.checkpoint or "")
+    if not source.exists():
+        raise ConfigError(f"model.checkpoint: file not found: {source}")
+    try:
+        loaded = load_checkpoint(build_model(model.name), source, ema=model.checkpoint_ema)
+    except CheckpointError as error:
+        raise ConfigError(f"model.checkpoint: {error}") from None
+    return save_checkpoint(loaded, run_dir / "checkpoint.safetensors")
 
 
 def prepare_inputs(experiment: Experiment, run_dir: Path) -> tuple[Path, int]:
@@ -186,6 +201,7 @@ def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path
             families,
             model_seed=experiment.model.seed,
             checkpoint=experiment.model.checkpoint,
+            checkpoint_ema=experiment.model.checkpoint_ema,
             calibration_inputs=settings.calibration_inputs,
             code_dim=settings.code_dim,
             metric=settings.metric,

@@ -202,7 +202,9 @@ def _check_files(experiment: Experiment, source: str) -> None:
         where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
         if not path.exists():
             raise ConfigError(f"{source}: {field}: file not found: {name}{where}")
-        if not path.is_file():
+        if field == "model.checkpoint" and path.is_dir():
+            _check_checkpoint_folder(path, f"{source}: {field}")
+        elif not path.is_file():
             raise ConfigError(f"{source}: {field}: not a regular file: {name}{where}")
         if not os.access(path, os.R_OK):
             raise ConfigError(f"{source}: {field}: not readable: {name}")
@@ -211,6 +213,17 @@ def _check_files(experiment: Experiment, source: str) -> None:
             link_trace(experiment.link)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
+
+
+def _check_checkpoint_folder(path: Path, where: str) -> None:
+    """A folder is a checkpoint when it is Hugging Face's save_pretrained layout."""
+    from tracevq.checkpoint import HF_WEIGHTS
+
+    if not any((path / name).is_file() for name in HF_WEIGHTS):
+        raise ConfigError(
+            f"{where}: not a regular file, nor a Hugging Face save_pretrained folder (none of "
+            f"{', '.join(HF_WEIGHTS)} in {path})"
+        )
 
 
 def _check_bundle(experiment: Experiment, source: str) -> Bundle | None:

@@ -209,3 +209,61 @@ def test_empty_folders_are_refused(tmp_path):
     (tmp_path / "a").mkdir()
     with pytest.raises(DataError, match="no images"):
         folder_dataset(tmp_path, 8)
+
+
+# Fashion-MNIST ---------------------------------------------------------------------------
+
+
+def write_idx(path, magic: int, shape: tuple[int, ...], data: bytes) -> None:
+    import gzip
+
+    header = magic.to_bytes(4, "big") + b"".join(n.to_bytes(4, "big") for n in shape)
+    with gzip.open(path, "wb") as stream:
+        stream.write(header + data)
+
+
+def test_idx_files_are_read_and_checked(tmp_path):
+    from tracevq.data import DataError, read_idx
+
+    labels = bytes(range(10)) * 3
+    write_idx(tmp_path / "l.gz", 0x801, (30,), labels)
+    assert read_idx(tmp_path / "l.gz", 30, 0x801).tolist() == list(labels)
+    write_idx(tmp_path / "i.gz", 0x803, (2, 28, 28), bytes(2 * 28 * 28))
+    assert read_idx(tmp_path / "i.gz", 2, 0x803).shape == (2, 28, 28)
+    with pytest.raises(
+        DataError, match=r"i.gz: holds \(2, 28, 28\) in 1568 bytes, .* \(3, 28, 28\)"
+    ):
+        read_idx(tmp_path / "i.gz", 3, 0x803)
+    with pytest.raises(DataError, match="not an IDX file of uint8 with 1 dimensions"):
+        read_idx(tmp_path / "i.gz", 2, 0x801)
+    write_idx(tmp_path / "short.gz", 0x801, (30,), labels[:20])
+    with pytest.raises(DataError, match="holds"):
+        read_idx(tmp_path / "short.gz", 30, 0x801)
+
+
+def test_missing_fashion_files_say_what_to_install(tmp_path):
+    from tracevq.data import DataError, fashion_splits
+
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    with pytest.raises(DataError) as missing:
+        fashion_splits(tmp_path)
+    text = str(missing.value)
+    assert "t10k-images-idx3-ubyte.gz" in text and "train-images-idx3-ubyte.gz" not in text
+    assert "apt-get install dataset-fashion-mnist" in text
+
+
+def test_debians_fashion_mnist_gives_the_published_splits():
+    """Needs Debian's dataset-fashion-mnist (scripts/host-setup --for-tests installs it)."""
+    from tracevq.data import FASHION_DIR, fashion_splits
+
+    if not FASHION_DIR.is_dir():
+        pytest.fail(f"{FASHION_DIR} missing: apt-get install dataset-fashion-mnist")
+    splits = fashion_splits(val_size=5000, split_seed=0)
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (55_000, 5_000, 10_000)
+    assert splits.test.images.shape[1:] == (1, 28, 28)
+    assert 0.0 <= float(splits.train.images.min()) and float(splits.train.images.max()) <= 1.0
+    # the published test split: 1,000 images of each class; the validation split stratified
+    assert torch.bincount(splits.test.labels).tolist() == [1000] * 10
+    assert torch.bincount(splits.val.labels).tolist() == [500] * 10
+    again = fashion_splits(val_size=5000, split_seed=0)
+    assert torch.equal(again.val.labels, splits.val.labels)

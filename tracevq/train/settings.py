@@ -17,7 +17,7 @@ from tracevq.errors import ConfigError
 from tracevq.fields import field_path, model_at
 from tracevq.placement import PLACEMENTS
 
-TASKS = ("digits", "pairs", "glyphs", "cifar", "folder")
+TASKS = ("digits", "pairs", "glyphs", "cifar", "folder", "fashion")
 VQ_FAMILIES = ("astra", "trace-b", "trace-nb")
 
 
@@ -26,9 +26,12 @@ class Strict(BaseModel):
 
 
 class DataSection(Strict):
-    """Which images. `path` is required for cifar (the batch folder) and folder (the root)."""
+    """Which images. `path` is required for cifar (the batch folder) and folder (the root);
+    fashion reads Debian's dataset-fashion-mnist unless `path` names another folder of its
+    four files. test_size is the digits task's and the generated tasks' (fashion tests on
+    its published 10,000)."""
 
-    task: Literal["digits", "pairs", "glyphs", "cifar", "folder"] = "digits"
+    task: Literal["digits", "pairs", "glyphs", "cifar", "folder", "fashion"] = "digits"
     path: str | None = None
     train_size: int = Field(4000, ge=1)  # pairs and glyphs only: generated training images
     glyphs: int = Field(8, ge=2, le=64)  # glyphs only: prototypes (classes = glyphs^2)
@@ -41,7 +44,10 @@ class DataSection(Strict):
 
 class ModelSection(Strict):
     name: str = "vit-digits"
-    checkpoint: str | None = None  # timm-format weights: used as the base model, no training
+    # trained weights (timm's or Hugging Face's, see tracevq.checkpoint): the base model, no
+    # training; checkpoint_ema takes a training checkpoint's EMA weights
+    checkpoint: str | None = None
+    checkpoint_ema: bool = False
 
     _known = field_validator("name")(known_model_name)
 

@@ -34,6 +34,7 @@ from tracevq.data import (
     cifar_splits,
     digit_pairs_splits,
     digits_splits,
+    fashion_splits,
     folder_splits,
     glyph_pairs_splits,
 )
@@ -58,6 +59,10 @@ def load_splits(settings: Settings) -> Splits:
     elif data.task == "glyphs":
         sizes = (data.train_size, data.val_size, data.test_size)
         splits = glyph_pairs_splits(config.image_size, data.glyphs, *sizes, data.split_seed)
+    elif data.task == "fashion":
+        splits = fashion_splits(
+            data.path, config.image_size, config.in_chans, data.val_size, data.split_seed
+        )
     elif data.task == "cifar":
         splits = cifar_splits(
             data.path, config.image_size, config.in_chans, data.val_size, data.split_seed
@@ -89,7 +94,8 @@ def base_model(
     path, key_file = directory / "model.pth", directory / "key.txt"
     model = tracevq.build_model(settings.model.name, seed=settings.base.seed)
     if settings.model.checkpoint is not None:
-        return load_checkpoint(model, settings.model.checkpoint), True
+        given = settings.model
+        return load_checkpoint(model, given.checkpoint, ema=given.checkpoint_ema), True
     key = _base_key(settings)
     if path.is_file() and key_file.is_file() and key_file.read_text() == key:
         log.info("reusing the base model %s", path)
