@@ -140,6 +140,13 @@ def methods() -> list[str]:
     lines += ["", "| parameter | meaning |", "|---|---|"]
     used = dict.fromkeys(p for entry in METHODS.values() for p in entry.accepts)
     lines += [f"| `{p}` | {docs.get(p, '')} |" for p in used]
+    lines.append(
+        "| `level_min_accuracy` | trace-b, trace-nb, a parameter of the testbed (no default): "
+        "a top-1 percentage; before the run, for each device count, the coarsest level whose "
+        "top-1 in `report.level_accuracy` (the accuracy study's table) is at least this "
+        "becomes `level_min_k` under `level_k: auto`, or `level_k` without one; refused when "
+        "no level reaches it |"
+    )
     return [*lines, ""]
 
 

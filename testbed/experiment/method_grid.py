@@ -16,6 +16,14 @@ from tracevq.spec import MethodSpec, method_spec
 MAX_TRIALS = 10_000  # device counts x bandwidths x method variants, counted before expanding
 FITTED_BRANCHING = 2  # codebooks the testbed fits get a binary tree (testbed.sweep.bundles)
 FLAG_PARAMS = {f.name for f in dataclasses.fields(MethodSpec) if isinstance(f.default, bool)}
+# parameters of the testbed, not of the method: resolved into the method's own before the run
+# (level_min_accuracy: into level_k or level_min_k, testbed.results.level_accuracy)
+TESTBED_PARAMS = ("level_min_accuracy",)
+
+
+def method_params(variant: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of one expanded entry that the method itself takes."""
+    return {k: v for k, v in variant.items() if k != "name" and k not in TESTBED_PARAMS}
 
 
 def short(variant: dict[str, Any]) -> str:
@@ -58,20 +66,38 @@ def check_method(variant: dict[str, Any], index: int) -> None:
             f"methods[{index}].name: a method's name is text such as 'trace-b', "
             f"got {variant['name']!r}"
         )
-    params = {k: v for k, v in variant.items() if k != "name"}
-    for key, value in params.items():
+    params = method_params(variant)
+    for key, value in variant.items():
         if isinstance(value, bool) and key not in FLAG_PARAMS:
             raise ValueError(f"methods[{index}].{key}: takes a number, got {value!r}")
     try:
-        method_spec(variant["name"], **params)
+        spec = method_spec(variant["name"], **params)
     except TraceConfigError as error:
         field = f".{error.field}" if error.field else ""
         raise ValueError(f"methods[{index}]{field}: {error}") from None
+    if "level_min_accuracy" in variant:
+        _check_accuracy_floor(variant["level_min_accuracy"], spec, f"methods[{index}]")
+
+
+def _check_accuracy_floor(floor: Any, spec: MethodSpec, where: str) -> None:
+    """level_min_accuracy: a top-1 percentage for a Trace method whose level it may choose."""
+    where = f"{where}.level_min_accuracy"
+    if not isinstance(floor, int | float) or not 0 < floor <= 100:
+        raise ValueError(f"{where}: a top-1 percentage in (0, 100], got {floor!r}")
+    if not spec.is_trace:
+        raise ValueError(f"{where}: only Trace methods (trace-b, trace-nb) have levels")
+    if spec.level_min_k is not None:
+        raise ValueError(f"{where}: chooses level_min_k itself; give one of the two")
+    if spec.level_k not in (None, "auto"):
+        raise ValueError(
+            f"{where}: chooses the level itself (level_k: auto bounded by it, or without "
+            f"level_k the level); level_k is {spec.level_k!r}"
+        )
 
 
 def variant_spec(variant: dict[str, Any]) -> MethodSpec:
     """The method spec of one expanded method entry ({"name": ..., parameters ...})."""
-    return method_spec(variant["name"], **{k: v for k, v in variant.items() if k != "name"})
+    return method_spec(variant["name"], **method_params(variant))
 
 
 def check_level(variant: dict[str, Any], index: int) -> None:

@@ -241,6 +241,11 @@ class Experiment(Strict):
         for index, entry in enumerate(self.methods):
             for variant in expand_method(entry, index):
                 check_method(variant, index)
+                if "level_min_accuracy" in variant and self.report.level_accuracy is None:
+                    raise ValueError(
+                        f"methods[{index}].level_min_accuracy: needs report.level_accuracy, the "
+                        "accuracy study's table its level is chosen from"
+                    )
                 key = repr(sorted(variant.items()))
                 if key in seen:
                     where = "" if seen[key] == index else f" (as methods[{seen[key]}])"

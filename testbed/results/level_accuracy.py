@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import yaml
@@ -210,6 +211,40 @@ def check_covered(
                     f"{table.metric}{', every level under level_k auto' if auto else ''}); "
                     f"it has {_held(table, spec.name)}"
                 )
+
+
+def resolve_accuracy_floor(
+    variant: dict[str, Any], devices: int, table: LevelAccuracy | None
+) -> dict[str, Any]:
+    """A method variant whose `level_min_accuracy` (a top-1 %) is turned into its level for
+    `devices` devices: the coarsest level of the table at or above it, as `level_min_k` under
+    `level_k: auto` (auto may go finer, never coarser) and as `level_k` without one. A variant
+    without the field, or on one device (no messages), is returned as it is. ConfigError when
+    no level of the table reaches the floor."""
+    floor = variant.get("level_min_accuracy")
+    if floor is None or devices < 2:
+        return variant
+    if table is None:
+        raise ConfigError("level_min_accuracy needs report.level_accuracy, the study's table")
+    spec = variant_spec(variant)
+    held = {
+        level: table.at(spec.name, devices, spec.K, level)
+        for level in table.levels(spec.name, devices, spec.K)
+    }
+    reaching = sorted(level for level, pct in held.items() if pct is not None and pct >= floor)
+    where = f"methods: {spec.name} K={spec.K} at P={devices}: level_min_accuracy {floor:g}%"
+    if not held:
+        raise ConfigError(
+            f"{where}: {table.path} has no row for it; it has {_held(table, spec.name)}"
+        )
+    if not reaching:
+        best = max(held, key=lambda level: held[level] or 0.0)
+        raise ConfigError(
+            f"{where} is reached by no level of {table.path} (variant {table.variant}, metric "
+            f"{table.metric}): its best is {held[best]:.2f}% at level_k {best}"
+        )
+    field = "level_min_k" if variant.get("level_k") == "auto" else "level_k"
+    return {**variant, field: reaching[0]}
 
 
 def _held(table: LevelAccuracy, method: str) -> str:

@@ -16,12 +16,14 @@ from typing import Any
 from testbed.errors import ConfigError
 from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
+from testbed.experiment.method_grid import method_params
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
 from testbed.kernel.tbf import BIT_PER_MBIT  # tc's `mbit`, what the testbed shapes
 from testbed.link.paths import PathImpairments
 from testbed.link.traces import RateTrace, load_trace
 from testbed.results.facts import PlanRow
+from testbed.results.level_accuracy import load_level_accuracy, resolve_accuracy_floor
 from tracevq.codec import index_bits
 from tracevq.config import model_config
 from tracevq.payload import exchanges, payload_bits
@@ -41,7 +43,8 @@ class Trial:
 
     @property
     def method_params(self) -> dict[str, Any]:
-        return dict(self.params)
+        """The parameters the method takes (the testbed's own, resolved, left out)."""
+        return method_params(dict(self.params))
 
     @property
     def spec(self):
@@ -137,11 +140,17 @@ def link_trace(link: LinkSection) -> RateTrace:
 
 
 def plan_trials(experiment: Experiment) -> list[Trial]:
+    """Every trial of the grid; a method's level_min_accuracy resolved, per device count,
+    into its level (testbed.results.level_accuracy.resolve_accuracy_floor)."""
     trials = []
+    variants = experiment.method_variants()
+    floors = any("level_min_accuracy" in variant for variant in variants)
+    table = load_level_accuracy(experiment) if floors else None
     for count in experiment.devices.count:
+        resolved = [resolve_accuracy_floor(variant, count, table) for variant in variants]
         for rate in link_rates(experiment.link):
             for impairment in impairment_variants(experiment.link):
-                for variant in experiment.method_variants():
+                for variant in resolved:
                     params = tuple((k, v) for k, v in variant.items() if k != "name")
                     name = variant["name"]
                     trials.append(Trial(experiment.name, count, rate, name, params, impairment))

@@ -12,6 +12,7 @@ import pytest
 from testbed.errors import ConfigError
 from testbed.experiment.schema import parse_experiment
 from testbed.results.level_accuracy import check_covered, load_level_accuracy
+from testbed.sweep.plan import plan_trials
 from tracevq.codec import level_sizes_for
 
 LEVELS_64 = level_sizes_for(64, 2)  # 2, 4, ..., 64
@@ -186,3 +187,80 @@ def test_the_study_beside_the_table_trained_the_run_model(tmp_path):
 def test_no_table_no_lookup():
     run = parse_experiment({"name": "x", "methods": [{"name": "trace-b"}]})
     assert load_level_accuracy(run) is None
+
+
+def floors(table: Path, *entries: dict):
+    return parse_experiment(
+        {
+            "name": "x",
+            "model": {"name": "vit-tiny"},
+            "devices": {"count": [2, 3]},
+            "methods": list(entries),
+            "report": {"level_accuracy": str(table)},
+        }
+    )
+
+
+def test_level_min_accuracy_picks_the_coarsest_level_at_or_above_it_per_device_count(tmp_path):
+    """k-means rows: 40% at level 64 on two devices, a point less per halving, a point less on
+    three devices (`top1`)."""
+    table = table7(tmp_path / "t7.csv")
+    run = floors(
+        table,
+        {"name": "trace-b", "K": 64, "level_k": "auto", "level_min_accuracy": 38},
+        {"name": "trace-b", "K": 64, "level_min_accuracy": 36.5},
+    )
+    chosen = {
+        (t.devices, t.method_params.get("level_k")): t.method_params for t in plan_trials(run)
+    }
+    assert chosen == {
+        (2, "auto"): {"K": 64, "level_k": "auto", "level_min_k": 16},  # 38.0 at 16
+        (2, 8): {"K": 64, "level_k": 8},  # 37.0 at 8, 36.0 at 4
+        (3, "auto"): {"K": 64, "level_k": "auto", "level_min_k": 32},  # 38.0 at 32
+        (3, 16): {"K": 64, "level_k": 16},  # 37.0 at 16, 36.0 at 8
+    }
+    trial = plan_trials(run)[0]
+    assert trial.spec.level_min_k == 16 and "levelminaccuracy38" in trial.trial_id
+
+
+def test_level_min_accuracy_no_level_reaches_is_one_line(tmp_path):
+    run = floors(
+        table7(tmp_path / "t7.csv"), {"name": "trace-nb", "K": 64, "level_min_accuracy": 38}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"trace-nb K=64 at P=2: level_min_accuracy 38%: .*t7.csv has no row for it; "
+        r"it has no trace-nb rows$",
+    ):
+        plan_trials(run)
+    run = floors(
+        table7(tmp_path / "t7.csv"), {"name": "trace-b", "K": 64, "level_min_accuracy": 40.5}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^methods: trace-b K=64 at P=2: level_min_accuracy 40.5% is reached by no level "
+        r"of .*t7.csv \(variant kmeans, metric euclidean\): its best is 40.00% at level_k 64$",
+    ):
+        plan_trials(run)
+
+
+@pytest.mark.parametrize(
+    ("entry", "report", "expected"),
+    [
+        ({"level_min_accuracy": 90}, False, r"needs report.level_accuracy"),
+        ({"level_min_accuracy": 0}, True, r"a top-1 percentage in \(0, 100\], got 0"),
+        ({"level_min_accuracy": 90, "level_k": 8}, True, r"chooses the level itself"),
+        ({"level_min_accuracy": 90, "level_k": "auto", "level_min_k": 8}, True, r"give one of"),
+        ({"level_min_accuracy": 90, "name": "astra"}, True, r"only Trace methods"),
+    ],
+)
+def test_level_min_accuracy_is_checked_with_the_file(tmp_path, entry, report, expected):
+    data = {
+        "name": "x",
+        "model": {"name": "vit-tiny"},
+        "methods": [{"name": "trace-b", "K": 64, **entry}],
+    }
+    if report:
+        data["report"] = {"level_accuracy": str(table7(tmp_path / "t7.csv"))}
+    with pytest.raises(ConfigError, match=r"methods\[0\]\.level_min_accuracy: " + expected):
+        parse_experiment(data)
