@@ -46,6 +46,16 @@ def shift(images: Tensor, max_px: int, generator: torch.Generator) -> Tensor:
     return torch.stack(rows)
 
 
+def augmented(images: Tensor, section: BaseSection, generator: torch.Generator) -> Tensor:
+    """The training augmentation: random shifts, and with `flip` half the images mirrored
+    left-right (drawn after the shifts, so that studies without flips draw as before)."""
+    images = shift(images, section.shift_px, generator)
+    if section.flip:
+        mirrored = torch.rand(len(images), generator=generator) < 0.5
+        images = torch.where(mirrored.view(-1, 1, 1, 1), images.flip(-1), images)
+    return images
+
+
 def cosine_lr(step: int, total: int, warmup: int) -> float:
     """Learning-rate factor: linear warm-up then cosine decay to zero."""
     if step < warmup:
@@ -77,7 +87,7 @@ def train_base(
         epoch_loss = 0.0
         for images, labels in batches(train, section.batch_size, generator):
             set_lr(optimizer, section.lr * cosine_lr(step, total, warmup))
-            logits = model(shift(images, section.shift_px, generator))
+            logits = model(augmented(images, section, generator))
             loss = F.cross_entropy(logits, labels, label_smoothing=section.label_smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -115,7 +125,7 @@ def finetune(
         images, labels = next(data)
         set_lr(optimizer, section.lr * cosine_lr(step, section.steps, section.steps // 10 + 1))
         devices = section.devices[step % len(section.devices)]
-        images = shift(images, augment.shift_px, generator)
+        images = augmented(images, augment, generator)
         logits = distributed_logits(model, images, devices, family, codec, **(params or {}))
         task = F.cross_entropy(logits, labels, label_smoothing=augment.label_smoothing)
         loss = task + codec.loss()

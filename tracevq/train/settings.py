@@ -61,6 +61,7 @@ class BaseSection(Strict):
     weight_decay: float = Field(0.05, ge=0)
     warmup_epochs: int = Field(3, ge=0)
     shift_px: int = Field(1, ge=0)  # random translation augmentation
+    flip: bool = False  # half the images mirrored left-right (clothes, not digits)
     label_smoothing: float = Field(0.1, ge=0, lt=1)
     seed: int = 0
 

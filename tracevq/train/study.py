@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import tracevq
 from tracevq.checkpoint import load_checkpoint
+from tracevq.config import ModelConfig
 from tracevq.data import (
     Dataset,
     Splits,
@@ -180,10 +181,12 @@ def _exit_with(parent: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _init_worker(settings: Settings, state: dict[str, torch.Tensor], parent: int) -> None:
+def _init_worker(
+    settings: Settings, config: ModelConfig, state: dict[str, torch.Tensor], parent: int
+) -> None:
     _exit_with(parent)
     torch.set_num_threads(1)
-    model = tracevq.build_model(settings.model.name)
+    model = VisionTransformer(config)  # the base model's, its activation and epsilon included
     model.load_state_dict(state)
     _WORKER.update(settings=settings, model=model.eval(), splits=load_splits(settings))
 
@@ -240,7 +243,7 @@ def run_study(settings: Settings, progress: bool = True) -> list[dict[str, objec
             settings.jobs,
             torch.multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(settings, state, os.getpid()),
+            initargs=(settings, model.config, state, os.getpid()),
         )
     try:
         fit_info = _run_all(
