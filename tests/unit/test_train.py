@@ -280,3 +280,20 @@ def test_remote_kv_error_is_zero_for_voltage_and_falls_with_the_level(model, inp
         for m in (0, trees[0].finest)
     )
     assert fine < 0.1 * coarse
+
+
+def test_flips_mirror_about_half_the_images_and_leave_the_rest_as_shifted():
+    from tracevq.train.loops import augmented, shift
+    from tracevq.train.settings import BaseSection
+
+    images = torch.rand(400, 1, 8, 8)
+    plain = shift(images, 1, torch.Generator().manual_seed(3))
+    same = augmented(images, BaseSection(shift_px=1), torch.Generator().manual_seed(3))
+    assert torch.equal(same, plain)  # no flips: the draws of before
+    flipped = augmented(
+        images, BaseSection(shift_px=1, flip=True), torch.Generator().manual_seed(3)
+    )
+    mirrored = [torch.equal(f, p.flip(-1)) for f, p in zip(flipped, plain, strict=True)]
+    kept = [torch.equal(f, p) for f, p in zip(flipped, plain, strict=True)]
+    assert all(m or k for m, k in zip(mirrored, kept, strict=True))
+    assert 160 <= sum(mirrored) <= 240  # binomial(400, 0.5): 200 +- 40 is beyond 4 sigma
