@@ -26,6 +26,7 @@ from testbed.errors import ConfigError
 from testbed.experiment.schema import Experiment
 from testbed.source import CACHE_DIR
 from testbed.sweep.plan import Trial
+from tracevq.config import model_config
 
 BUNDLE_CACHE_DIR = CACHE_DIR / "bundles"
 
@@ -85,6 +86,13 @@ def prepare_inputs(experiment: Experiment, run_dir: Path) -> tuple[Path, int]:
         raise ConfigError(
             f"evaluation.inputs: {source} is not a {{'inputs', 'labels'}} tensor file ({error})"
         ) from None
+    config = model_config(experiment.model.name)
+    if not isinstance(inputs, torch.Tensor) or tuple(inputs.shape[1:]) != config.input_shape()[1:]:
+        given = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        raise ConfigError(
+            f"evaluation.inputs: {source} holds inputs of shape {given}; model "
+            f"{config.name!r} takes {config.describe_input()}"
+        )
     count = min(len(inputs), settings.limit or len(inputs))
     batches = math.floor(count / experiment.batch)
     if batches == 0:
