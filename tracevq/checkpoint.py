@@ -19,7 +19,9 @@ What is read, always without executing code from the file:
   shape fields are checked against the model's, heads included (they change no tensor shape).
 
 Every key must then match the model by name and shape: missing, unexpected and misshapen
-keys are refused together, in one CheckpointError.
+keys are refused together, in one CheckpointError. `save_checkpoint` writes one safetensors
+file under our names with the activation and epsilon in its metadata, which this reader sets
+again: what a run gives its devices.
 """
 
 from __future__ import annotations
@@ -91,7 +93,13 @@ def _torch_load(path: Path) -> Any:
                 "weights alone: torch.save(torch.load(path, weights_only=False)['state_dict'], "
                 "'weights.pth')"
             ) from None
-        raise CheckpointError(f"checkpoint {path} cannot be read: {error}") from None
+        raise CheckpointError(f"checkpoint {path} cannot be read: {_first(error)}") from None
+
+
+def _first(error: Exception) -> str:
+    """An error's first line (torch's and safetensors' run over several)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _read_file(path: Path) -> Any:
@@ -101,7 +109,7 @@ def _read_file(path: Path) -> Any:
         try:
             return load_file(str(path))
         except Exception as error:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {path} cannot be read: {error}") from None
+            raise CheckpointError(f"checkpoint {path} cannot be read: {_first(error)}") from None
     if path.name.endswith(".index.json"):  # HF's sharded safetensors
         try:
             shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
@@ -260,11 +268,6 @@ def read_checkpoint(path: str | Path, ema: bool = False) -> Checkpoint:
     hf, where = _hf_config(path)
     stated = hf_config_fields(hf, where) if where is not None else {}
     return Checkpoint(from_hf_names(state), "hf", stated)
-
-
-def read_state_dict(path: str | Path, ema: bool = False) -> dict[str, Tensor]:
-    """The tensors of a checkpoint under our names (see the module's docstring)."""
-    return read_checkpoint(path, ema).state
 
 
 def _check_config(config: ModelConfig, stated: dict[str, Any], path: Path) -> None:
