@@ -33,6 +33,7 @@ from testbed.backends.ssh.scripts import LAUNCHER
 from testbed.kernel.addresses import choose_subnet, host_networks
 
 SSHD = "/usr/sbin/sshd"
+RATE_MBIT = 5.0  # the boards' link in the small sweeps
 BOARD_INTERFACE = "lan0"  # no such interface on the host
 SSHD_CONFIG = """\
 ListenAddress {address}
@@ -282,3 +283,23 @@ def board_qdiscs(lab: Lab) -> list[str]:
         sh("ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", BOARD_INTERFACE).stdout
         for name in lab.namespaces[1:]
     ]
+
+
+def small_experiment(lab: Lab | None = None, **changes: Any) -> dict[str, Any]:
+    """A small sweep (vit-tiny, Voltage and Trace-b) as an experiment mapping, `changes`
+    laid over it; with `lab`, on its boards through the ssh backend."""
+    experiment = {
+        "name": "ssh-small",
+        "model": {"name": "vit-tiny"},
+        "devices": {"count": [2], "cpus": 1, "memory_mb": 1024},
+        "link": {"profile": "ideal", "bandwidth_mbit": [RATE_MBIT]},
+        "methods": [{"name": "voltage"}, {"name": "trace-b", "K": 16}],
+        "bundle": {"calibration_inputs": 4},
+        "repeats": 2,
+        "warmup": 1,
+        "timeout_s": 180,
+        **changes,
+    }
+    if lab is not None:
+        experiment.update(backend="ssh", inventory=lab.inventory())
+    return experiment

@@ -33,9 +33,11 @@ from testbed.link.replay import TraceReplay
 from testbed.link.traces import RateTrace
 from tests.integration.boards import (
     BOARD_INTERFACE,
+    RATE_MBIT,
     Lab,
     board_qdiscs,
     netns_pids,
+    small_experiment,
     ssh_lab,
 )
 from tests.integration.stalls import rate_in_force
@@ -43,7 +45,6 @@ from tests.integration.stalls import rate_in_force
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 BOARDS = 4
-RATE_MBIT = 5.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -113,19 +114,13 @@ def backend(lab: Lab, tmp_path: Path) -> Iterator[Any]:
 def test_a_sweep_runs_on_two_and_four_boards_through_testbed_run(lab: Lab, tmp_path):
     from testbed.results.store import load
 
-    experiment = {
-        "name": "enoslib-small",
-        "model": {"name": "vit-tiny"},
-        "devices": {"count": [2, 4], "cpus": 1, "memory_mb": 1024},
-        "backend": "enoslib",
-        "provider": provider(lab),
-        "link": {"profile": "ideal", "bandwidth_mbit": [RATE_MBIT]},
-        "methods": [{"name": "voltage"}, {"name": "trace-b", "K": 16}],
-        "bundle": {"calibration_inputs": 4},
-        "repeats": 2,
-        "warmup": 1,
-        "timeout_s": 300,
-    }
+    experiment = small_experiment(
+        name="enoslib-small",
+        devices={"count": [2, 4], "cpus": 1, "memory_mb": 1024},
+        backend="enoslib",
+        provider=provider(lab),
+        timeout_s=300,
+    )
     path = tmp_path / "enoslib-small.yaml"
     path.write_text(yaml.safe_dump(experiment))
     done = subprocess.run(

@@ -26,18 +26,19 @@ from testbed.errors import DeviceError
 from testbed.experiment.inventory import Inventory
 from tests.integration.boards import (
     BOARD_INTERFACE,
+    RATE_MBIT,
     Lab,
     board_qdiscs,
     netns_pids,
     remote_run_dirs,
     sh,
+    small_experiment,
     ssh_lab,
 )
 
 pytestmark = pytest.mark.netns
 
 BOARDS = 2
-RATE_MBIT = 5.0
 CLOCK_SKEW_S = 3.25  # board 1's clock reads this much more than board 0's
 
 
@@ -163,24 +164,6 @@ def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
 
 
 # workers -----------------------------------------------------------------------------------
-
-
-def small_experiment(lab: Lab | None = None, **changes: Any) -> dict[str, Any]:
-    experiment = {
-        "name": "ssh-small",
-        "model": {"name": "vit-tiny"},
-        "devices": {"count": [2], "cpus": 1, "memory_mb": 1024},
-        "link": {"profile": "ideal", "bandwidth_mbit": [RATE_MBIT]},
-        "methods": [{"name": "voltage"}, {"name": "trace-b", "K": 16}],
-        "bundle": {"calibration_inputs": 4},
-        "repeats": 2,
-        "warmup": 1,
-        "timeout_s": 180,
-        **changes,
-    }
-    if lab is not None:
-        experiment.update(backend="ssh", inventory=lab.inventory())
-    return experiment
 
 
 def simulated_logits(experiment, trial, bundle_path: Path | None) -> np.ndarray:
