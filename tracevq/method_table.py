@@ -92,7 +92,7 @@ METHODS: dict[str, MethodEntry] = {
         ),
         MethodEntry(
             "trace-nb",
-            ("K", "level_k", "level_min_k", "dedup", "placement", "remote_ffn"),
+            ("K", "level_k", "level_min_k", "dedup", "placement", "remote_ffn", "search_beam"),
             _level_indices,
             "tracevq.methods.trace:TraceMethod",
             codebooks=True,
@@ -100,7 +100,7 @@ METHODS: dict[str, MethodEntry] = {
         ),
         MethodEntry(
             "trace-b",
-            ("K", "level_k", "level_min_k", "buffers", "dedup", "placement"),
+            ("K", "level_k", "level_min_k", "buffers", "dedup", "placement", "search_beam"),
             _level_indices,
             "tracevq.methods.trace:TraceMethod",
             codebooks=True,

@@ -34,6 +34,11 @@ class MethodSpec:
             remote token before LN1 and the K/V projection (the project's first reading; with
             placement "1 B" it is the Trace-nb of before placements). False (default): the
             copy goes to LN1 as it is, so the receiver's work per remote token is Astra's.
+        search_beam: the sender's codeword search (trace-*): None (default) is the exact
+            nearest codeword; an integer B searches only the members of the B groups, of
+            about sqrt(K_m) codewords each, whose centres lie nearest the row (tracevq.search,
+            BeamSearch): cheaper, and it may return a near codeword that is not the nearest.
+            B at or above the number of groups (32 at K = 1024) is the exact search.
     """
 
     name: str
@@ -47,6 +52,7 @@ class MethodSpec:
     dedup: bool = True
     placement: str | None = None
     remote_ffn: bool = False
+    search_beam: int | None = None
 
     @property
     def uses_codebooks(self) -> bool:
@@ -116,6 +122,13 @@ def _check(spec: MethodSpec) -> None:
     for flag in ("packed", "buffers", "dedup", "remote_ffn"):
         if not isinstance(getattr(spec, flag), bool):
             raise ConfigError(f"{where}: {flag} must be true or false", flag)
+    beam = spec.search_beam
+    if beam is not None and (isinstance(beam, bool) or not isinstance(beam, int) or beam < 1):
+        raise ConfigError(
+            f"{where}: search_beam must be a positive integer (groups searched per row) or "
+            f"absent for the exact search, got {beam!r}",
+            "search_beam",
+        )
     level, floor = spec.level_k, spec.level_min_k
     if floor is not None:
         if level != "auto":

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tracevq.codec import MAX_LEVELS, index_bits, level_sizes_for
 from tracevq.errors import CheckpointError, ConfigError
-from tracevq.search import CodewordSearch
+from tracevq.search import BeamSearch, CodewordSearch
 
 METRICS = ("euclidean", "cosine", "frequency")
 
@@ -43,6 +43,7 @@ class CodebookTree:
         self.branching = branching
         self.level_sizes = [len(rows) for rows in self.medoids]
         self._searches = [CodewordSearch(self.codebook[rows]) for rows in self.medoids]
+        self._beams: dict[tuple[int, int], BeamSearch] = {}  # (level, beam) -> its search
 
     @property
     def num_levels(self) -> int:
@@ -70,12 +71,14 @@ class CodebookTree:
             )
         return self.level_sizes.index(k_m)
 
-    def encode(self, x: torch.Tensor, m: int) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, m: int, beam: int | None = None) -> torch.Tensor:
         """Positions (0..K_m-1) at level m of the nearest medoid to each row of x.
 
         Args:
             x: activations (..., D).
             m: level index.
+            beam: None for the exact nearest medoid; B for a beam search over the level's
+                medoids grouped by `tracevq.search.BeamSearch` (built on first use).
 
         Returns:
             LongTensor of shape x.shape[:-1].
@@ -87,7 +90,12 @@ class CodebookTree:
                 f"codebook has {self.codebook.shape[1]}"
             )
         flat = x.reshape(-1, x.shape[-1]).to(self.codebook.dtype)  # (n, D)
-        return self._searches[m].nearest(flat).reshape(x.shape[:-1])
+        search: CodewordSearch | BeamSearch = self._searches[m]
+        if beam is not None:
+            if (m, beam) not in self._beams:
+                self._beams[m, beam] = BeamSearch(self._searches[m].codewords, beam)
+            search = self._beams[m, beam]
+        return search.nearest(flat).reshape(x.shape[:-1])
 
     def rows(self, positions: torch.Tensor, m: int) -> torch.Tensor:
         """Codebook rows (equally K/V buffer rows) of level-m positions."""

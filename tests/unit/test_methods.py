@@ -290,3 +290,37 @@ def test_a_session_of_devices_at_different_levels(model, bundle, inputs):
     assert mixed.payload_bits[1, 0] < mixed.payload_bits[1, 1]  # device 0 sends fewer bits
     with pytest.raises(ConfigError, match=r"levels \[0\]: one per device"):
         tracevq.simulate(model, inputs, method, 2, levels=[0])
+
+
+def test_search_beam_is_a_trace_parameter_checked_in_one_line():
+    from tracevq.spec import method_spec
+
+    assert method_spec("trace-b", search_beam=2).params()["search_beam"] == 2
+    assert method_spec("trace-nb").params()["search_beam"] is None
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="search_beam must be a positive integer") as error:
+            method_spec("trace-b", search_beam=bad)
+        assert error.value.field == "search_beam"
+    with pytest.raises(ConfigError, match="unknown parameter 'search_beam'"):
+        method_spec("astra", search_beam=2)
+
+
+@pytest.mark.parametrize("method", ["trace-b", "trace-nb"])
+def test_a_beam_search_sends_indices_the_exact_search_would_send_or_near_ones(
+    model, bundle, inputs, method
+):
+    """K = 16 makes 4 groups of 4: a beam of 4 is the exact search, byte for byte; a beam of
+    one sends messages of the same size whose codewords lie no nearer than the exact ones."""
+    exact = tracevq.simulate(model, inputs, method, 2, bundle=bundle, K=K)
+    wide = tracevq.simulate(model, inputs, method, 2, bundle=bundle, K=K, search_beam=4)
+    torch.testing.assert_close(wide.logits, exact.logits, rtol=0, atol=0)
+    narrow = tracevq.simulate(model, inputs, method, 2, bundle=bundle, K=K, search_beam=1)
+    assert (narrow.wire_bytes == exact.wire_bytes).all()
+    assert torch.isfinite(narrow.logits).all()
+    tree = bundle.trees[method][3]
+    rows = torch.randn(200, tree.codebook.shape[1], generator=torch.Generator().manual_seed(7))
+    finest = tree.num_levels - 1
+    found, nearest = tree.encode(rows, finest, beam=1), tree.encode(rows, finest)
+    distance = ((rows - tree.codebook[found]) ** 2).sum(1)
+    assert (distance >= ((rows - tree.codebook[nearest]) ** 2).sum(1) - 1e-5).all()
+    assert 0 < int((found == nearest).sum()) < len(rows)

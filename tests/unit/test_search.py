@@ -1,9 +1,19 @@
-"""The int8-screened codeword search finds the float64 nearest codeword on every path."""
+"""The int8-screened codeword search finds the float64 nearest codeword on every path; the beam
+search finds the nearest member of the groups it searches."""
 
 import pytest
 import torch
 
-from tracevq.search import BLOCK_ROWS, SCREEN_MIN_DIM, SCREEN_MIN_WORK, CodewordSearch, _argmin_rows
+from tracevq.search import (
+    BLOCK_ROWS,
+    SCREEN_MIN_DIM,
+    SCREEN_MIN_WORK,
+    BeamSearch,
+    CodewordSearch,
+    _argmin_rows,
+    balanced_kmeans,
+    search_groups,
+)
 
 DIM = SCREEN_MIN_DIM  # the narrowest rows the screen takes
 
@@ -123,3 +133,61 @@ def test_the_two_stage_argmin_takes_the_first_of_equal_minima():
     scores[8, 64:] = -3.0  # a whole tail of equal minima
     assert torch.equal(_argmin_rows(scores), scores.argmin(dim=1))
     assert _argmin_rows(scores)[7] == 3 and _argmin_rows(scores)[8] == 64
+
+
+def test_search_groups_are_the_power_of_two_nearest_the_square_root():
+    assert [search_groups(k) for k in (2, 8, 64, 100, 1024, 65536)] == [1, 4, 8, 8, 32, 256]
+
+
+@pytest.mark.parametrize("k", [1024, 1000, 992])
+def test_balanced_groups_hold_at_most_their_size(k):
+    generator = torch.Generator().manual_seed(3)
+    points = torch.randn(k, 8, generator=generator) * torch.rand(k, 1, generator=generator)
+    assign = balanced_kmeans(points, 32, 32)
+    counts = torch.bincount(assign, minlength=32)
+    assert len(assign) == k and int(assign.min()) >= 0 and int(assign.max()) < 32
+    assert int(counts.max()) <= 32 and int(counts.sum()) == k
+
+
+@pytest.mark.parametrize("k", [1024, 1000, 992])
+@pytest.mark.parametrize("beam", [1, 2, 5])
+def test_the_beam_returns_the_nearest_member_of_its_nearest_groups(k, beam):
+    """By definition, checked in float64: the row's `beam` nearest centres, then the nearest
+    codeword among their members. Over more rows than a block, and with groups left part
+    empty (k below 32 x 32)."""
+    rows, codewords = clustered(BLOCK_ROWS + 300, k, 16, 0.5, seed=4)
+    search = BeamSearch(codewords, beam)
+    chosen = search.nearest(rows)
+    members = search.index.view(search.groups, -1)  # (groups, size), place -> codeword
+    real = torch.isfinite(search.member_sq_norms.view(search.groups, -1))
+    to_centres = torch.cdist(rows.double(), search.centres.double())
+    to_centres[:, ~real.any(dim=1)] = float("inf")
+    near_groups = to_centres.topk(beam, dim=1, largest=False).indices  # (n, beam)
+    distances = torch.cdist(rows.double(), codewords.double()) ** 2
+    for row in range(0, len(rows), 7):
+        candidates = members[near_groups[row]][real[near_groups[row]]]
+        best = distances[row, candidates].min()
+        assert distances[row, chosen[row]] <= best + 1e-4 * (1 + best)
+        assert bool((candidates == chosen[row]).any())
+    assert len(torch.unique(search.index[real.reshape(-1)])) == k  # every codeword has a place
+
+
+def test_a_beam_as_wide_as_the_groups_is_the_exact_search():
+    rows, codewords = clustered(400, 1024, DIM, 0.3)
+    exact = CodewordSearch(codewords).nearest(rows)
+    assert torch.equal(BeamSearch(codewords, 32).nearest(rows), exact)
+    assert torch.equal(BeamSearch(codewords, 100).nearest(rows), exact)
+
+
+def test_well_separated_groups_need_a_beam_of_one():
+    """32 far-apart clumps of 32 codewords, rows near codewords: the row's clump is its
+    nearest group, so a beam of one finds the exact nearest codeword of every row."""
+    generator = torch.Generator().manual_seed(5)
+    centres = 20 * torch.randn(32, 24, generator=generator)
+    codewords = (centres.unsqueeze(1) + torch.randn(32, 32, 24, generator=generator)).reshape(
+        1024, 24
+    )
+    owners = torch.randint(0, 1024, (600,), generator=generator)
+    rows = codewords[owners] + 0.3 * torch.randn(600, 24, generator=generator)
+    exact = CodewordSearch(codewords).nearest(rows)
+    assert torch.equal(BeamSearch(codewords, 1).nearest(rows), exact)

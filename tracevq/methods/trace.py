@@ -176,7 +176,7 @@ class TraceMethod(Method):
     def encode(self, block: int, x: Tensor) -> bytes:
         quantizer, tree = self.quantizers[block], self.trees[block]
         codes = quantizer.project(x).reshape(-1, quantizer.code_dim)  # (B * n, d_q)
-        positions = tree.encode(codes, self.level)
+        positions = tree.encode(codes, self.level, self.spec.search_beam)
         return encode_trace_message(
             positions.numpy(), self.level_bits[self.level], self.level, block
         )
