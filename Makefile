@@ -8,8 +8,8 @@
 #   make trace-replay-digits  the same with the accuracy study's vit-digits, and the accuracy
 #                     of the levels used (runs the digits study first if its results are missing)
 #   make accuracy     the accuracy study (digits, digit pairs); accuracy-placements: Table VI
-#   make accuracy-fashion  the study on Fashion-MNIST (Debian's package; Tables III, VII, VIII
-#                     and Fig. 9), real images nobody here made
+#   make accuracy-fashion  the study on Fashion-MNIST (Debian's package; Tables III, VI, VII,
+#                     VIII and Fig. 9), real images nobody here made
 #   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
@@ -142,11 +142,14 @@ accuracy-placements: dev-venv
 	$(VENV_PY) -m tracevq.train configs/accuracy-placements.yaml $(ACCURACY_ARGS)
 
 # The study on Fashion-MNIST, read from Debian's dataset-fashion-mnist (installed here, as
-# root): Tables III, VII and VIII at P = 2, 3, then Fig. 9 (P = 2-10 at K = 1024) on the same
-# base model (results/accuracy/fashion/ and fashion-devices/).
+# root): Tables III, VII and VIII at P = 2, 3, then Fig. 9 (P = 2-10 at K = 1024) and Table VI
+# (placements at K = 1024) on the same base model (results/accuracy/fashion/,
+# fashion-devices/ and fashion-placements/).
+FASHION_CONFIGS = configs/accuracy-fashion.yaml configs/accuracy-fashion-devices.yaml \
+	configs/accuracy-fashion-placements.yaml
 accuracy-fashion: dev-venv
 	scripts/host-setup --for-fashion
-	$(VENV_PY) -m tracevq.train configs/accuracy-fashion.yaml configs/accuracy-fashion-devices.yaml $(ACCURACY_ARGS)
+	$(VENV_PY) -m tracevq.train $(FASHION_CONFIGS) $(ACCURACY_ARGS)
 
 # ---------------------------------------------------------------------------
 # Cleaning

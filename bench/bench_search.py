@@ -21,10 +21,11 @@ import math
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.compute import bundle_for, compare, device0_compute_ms, measured_input
-from testbed.results.stats import paired_ratio_interval
+from testbed.results.stats import Interval, paired_ratio_interval
 from tracevq.bundle import Bundle
 from tracevq.methods import make_method
 from tracevq.models import build_model
@@ -32,6 +33,7 @@ from tracevq.simulation import simulate
 
 FASHION = Path("results/accuracy/fashion")
 BEAMS = (1, 2, 4)
+BEAM = 2  # make bench's beam (docs/method.md, Nearest codeword)
 
 
 class RecordedTree:
@@ -69,7 +71,15 @@ def match_rate(calls, beam: int) -> float:
     return same / total
 
 
-def compute(quick: bool, beams: tuple[int, ...]) -> list[str]:
+def sender_match_rate(model, bundle, K: int, beam: int) -> float:
+    """How often the beam finds the exact codeword on the rows Trace-b's senders encode for
+    bench.compute's measured input."""
+    method = make_method("trace-b", model, bundle, K=K)
+    _, calls = record_rows(method, device0_compute_ms, measured_input(model), 2)
+    return match_rate(calls, beam)
+
+
+def compute(quick: bool, beams: tuple[int, ...]) -> None:
     torch.set_num_threads(1)
     vit = build_model("vit-tiny" if quick else "vit-b16")
     K = 64 if quick else 1024
@@ -80,31 +90,30 @@ def compute(quick: bool, beams: tuple[int, ...]) -> list[str]:
     coarse = 8 if quick else 32
     variants[f"trace-b level {coarse}"] = {"name": "trace-b", "K": K, "level_k": coarse}
     times = compare(vit, bundle, variants, rounds=4 if quick else 10)
-    method = make_method("trace-b", vit, bundle, K=K)
-    inputs = measured_input(vit)
-    _, calls = record_rows(method, device0_compute_ms, inputs, 2)
-    lines = [f"{vit.config.name}, P = 2, K = {K}: device-0 compute / voltage's, paired by round"]
-    for name in variants:
+    print(f"{vit.config.name}, P = 2, K = {K}: device-0 compute / voltage's, paired by round")
+    for name, params in variants.items():
         if name == "voltage":
             continue
         ratio = paired_ratio_interval(times[name], times["voltage"])
-        beam = variants[name].get("search_beam")
-        match = f"  exact match {match_rate(calls, beam):.3f}" if beam else ""
-        lines.append(
-            f"  {name:22} {ratio.median:.3f} [{ratio.low:.3f}, {ratio.high:.3f}] n={ratio.n}{match}"
-        )
-    return lines
+        beam = params.get("search_beam")
+        match = f"  exact match {sender_match_rate(vit, bundle, K, beam):.3f}" if beam else ""
+        spread = f"[{ratio.low:.3f}, {ratio.high:.3f}] n={ratio.n}"
+        print(f"  {name:22} {ratio.median:.3f} {spread}{match}")
 
 
-def accuracy(beams: tuple[int, ...], devices=(2, 3)) -> list[str]:
-    """Exact search against each beam on Fashion-MNIST's test split, per seed and P."""
+def accuracy(beams: tuple[int, ...], devices=(2, 3)) -> dict[int, Interval]:
+    """Exact search against each beam on Fashion-MNIST's test split, per seed and P (printed);
+    returns per beam the mean difference in points (beam - exact) over seeds and P with its
+    95% interval (the evaluations taken as independent). Empty without the study's results."""
     torch.set_num_threads(2)
     jobs = sorted(FASHION.glob("seed*/K1024/trace-b-ema/bundle.pt"))
     if not jobs:
-        return [f"no fine-tuned Fashion-MNIST codebooks in {FASHION}: run make accuracy-fashion"]
+        print(f"no fine-tuned Fashion-MNIST codebooks in {FASHION}: run make accuracy-fashion")
+        return {}
     test = torch.load(FASHION / "test-inputs.pt")
     images, labels = test["inputs"], test["labels"]
-    lines = ["Fashion-MNIST test split, trace-b K = 1024 fine-tuned (EMA), top-1 %"]
+    print("Fashion-MNIST test split, trace-b K = 1024 fine-tuned (EMA), top-1 %")
+    differences: dict[int, list[tuple[float, float]]] = {beam: [] for beam in beams}
     for bundle_path in jobs:
         model = build_model("vit-fashion")
         model.load_state_dict(torch.load(bundle_path.parent / "model.pth"))
@@ -116,25 +125,32 @@ def accuracy(beams: tuple[int, ...], devices=(2, 3)) -> list[str]:
             right = exact.logits.argmax(1) == labels
             for beam in beams:
                 found = simulate(model, images, "trace-b", p, bundle, K=1024, search_beam=beam)
-                lines.append(
-                    f"  {bundle_path.parts[-4]} P={p} beam {beam}: "
-                    + paired_difference(right, found.logits.argmax(1) == labels)
-                    + f", exact match {match_rate(calls, beam):.3f}"
+                diff, half = paired_difference(right, found.logits.argmax(1) == labels)
+                differences[beam].append((diff, half))
+                print(
+                    f"  {bundle_path.parts[-4]} P={p} beam {beam}: exact "
+                    f"{100 * right.float().mean():.2f}, difference {diff:+.2f} "
+                    f"[{diff - half:+.2f}, {diff + half:+.2f}], "
+                    f"exact match {match_rate(calls, beam):.3f}",
+                    flush=True,
                 )
-    return lines
+    pooled = {}
+    for beam, pairs in differences.items():
+        mean = float(np.mean([d for d, _ in pairs]))
+        half = math.sqrt(sum(h**2 for _, h in pairs)) / len(pairs)
+        pooled[beam] = Interval(len(pairs), mean, mean - half, mean + half, 0.95)
+    return pooled
 
 
-def paired_difference(exact: torch.Tensor, other: torch.Tensor) -> str:
-    """Both accuracies and other - exact with the 95% interval of a paired difference."""
+def paired_difference(exact: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """other - exact in points of accuracy over the same images, and the half-width of its
+    95% interval (only the images on which the two disagree vary it)."""
     n = len(exact)
     gained = int((other & ~exact).sum())
     lost = int((exact & ~other).sum())
     diff = (gained - lost) / n
     half = 1.96 * math.sqrt(max(gained + lost - n * diff**2, 0.0)) / n
-    return (
-        f"exact {100 * exact.float().mean():.2f}, beam {100 * other.float().mean():.2f}, "
-        f"difference {100 * diff:+.2f} [{100 * (diff - half):+.2f}, {100 * (diff + half):+.2f}]"
-    )
+    return 100 * diff, 100 * half
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,9 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.only or (["compute"] if args.quick else ["compute", "accuracy"])
     beams = tuple(args.beams)
     if "compute" in parts:
-        print("\n".join(compute(args.quick, beams)), flush=True)
+        compute(args.quick, beams)
     if "accuracy" in parts:
-        print("\n".join(accuracy(beams)), flush=True)
+        for beam, difference in accuracy(beams).items():
+            print(
+                f"beam {beam}: mean difference {difference.median:+.2f} points "
+                f"[{difference.low:+.2f}, {difference.high:+.2f}] over {difference.n} evaluations"
+            )
     return 0
 
 

@@ -6,7 +6,8 @@ Every figure is a median over repetitions with its distribution-free 95% interva
 
 1. In process (one thread, device 0 of P = 2, methods alternating): Trace-b compute /
    Voltage compute (goal <= 0.9; beside it the same at tree level 32, where the codeword
-   search is nearly free) and Astra compute / Trace-b compute (both with dedup: the
+   search is nearly free, and with the beam search `search_beam` (goal <= 0.85) and how often
+   it finds the exact codeword) and Astra compute / Trace-b compute (both with dedup: the
    compute part of Trace-b's speedup over Astra, the rest being Astra's communication, which
    waits) on ViT-B/16; buffers off (no dedup, the paper's full chain) / buffers + dedup (the
    default) compute (goal >= 1.5) on ViT-B/16 and ViViT-B, and on ViViT-B
@@ -14,6 +15,9 @@ Every figure is a median over repetitions with its distribution-free 95% interva
    Trace-nb (its default placement, 1 A.i) / Trace-b compute beside the paper's 1.12.
    `python -m bench.bench_dedup` isolates dedup's own gain, `bench.bench_placements` every
    Table VI case.
+   The beam search's accuracy cost (part `search`, bench.bench_search): Trace-b at K = 1024 on
+   Fashion-MNIST's test split, beam against exact search, mean difference over the study's
+   seeds and P = 2, 3 (goal >= -0.3 points; needs `make accuracy-fashion`'s results).
 2. On the testbed at 10 Mbit/s (per repetition the slowest device's times: an inference
    ends when its slowest device does): Trace-b effective / compute (goal <= 1.02:
    communication hidden); Trace-b's effective speedup over Astra (goal >= 1.2, the paper
@@ -30,7 +34,7 @@ Every figure is a median over repetitions with its distribution-free 95% interva
    once (bench.serial_link_check.many_ports): every port's rate within 1% (root needed).
 
 Usage: python -m bench.bench_trace [--quick] [--backend auto|docker|local] [--out DIR]
-    [--only in-process latency links ports]
+    [--only in-process search latency links ports]
 `--quick` swaps in tiny models and few repetitions (a check that the bench runs).
 """
 
@@ -46,6 +50,8 @@ import pandas as pd
 import torch
 
 from bench.bench_dedup import unique_fraction
+from bench.bench_search import BEAM, sender_match_rate
+from bench.bench_search import accuracy as search_accuracy_of
 from bench.compute import bundle_for, compare
 from testbed.backends.table import AUTO, BACKENDS, backend_names
 from testbed.experiment.schema import parse_experiment
@@ -59,7 +65,7 @@ PATH_COST_MS = 0.3  # per message: what a real path adds to the wire time at mos
 EMULATOR_COST_MS = 0.08  # per message: the goal for the serial emulator's own cost
 PORTS, PORT_RATE_MBIT = 8, 20.0  # the ports that send bulk at once, each at this rate
 PORT_DELAY = {"delay_ms": 5.0}  # and once more through a delay (jitter would idle the line)
-PARTS = ("in-process", "latency", "links", "ports")
+PARTS = ("in-process", "search", "latency", "links", "ports")
 RESULTS: list[str] = []
 
 
@@ -86,6 +92,7 @@ def in_process(quick: bool) -> None:
             "trace-b buffers off": {"name": "trace-b", "K": K, "buffers": False, "dedup": False},
             "trace-nb": {"name": "trace-nb", "K": K},
             "trace-b level 32": {"name": "trace-b", "K": K, "level_k": 32},
+            "trace-b beam": {"name": "trace-b", "K": K, "search_beam": BEAM},
         },
         rounds=4 if quick else 8,
     )
@@ -97,6 +104,10 @@ def in_process(quick: bool) -> None:
     ratio = paired_ratio_interval(times["trace-b level 32"], times["voltage"])
     name = f"trace-b level 32 compute / voltage compute ({vit.config.name})"
     report(name, ratio, "(the search's share: paper 92/92.5)", None)
+    ratio = paired_ratio_interval(times["trace-b beam"], times["voltage"])
+    match = sender_match_rate(vit, bundle, K, BEAM)
+    name = f"trace-b beam {BEAM} compute / voltage compute ({vit.config.name})"
+    report(name, ratio, f"<= 0.85; exact match {match:.3f}", ratio.median <= 0.85)
     ratio = paired_ratio_interval(times["astra"], times["trace-b"])
     name = f"astra compute / trace-b compute, both dedup ({vit.config.name})"
     report(name, ratio, "(part of the speedup over astra)", None)
@@ -132,6 +143,15 @@ def in_process(quick: bool) -> None:
         fraction = unique_fraction(vivit, bundle, K, level_k)
         name = f"buffers off / (buffers + dedup), level {level_k} ({vivit.config.name})"
         report(name, gain, f">= {goal}; unique-key fraction {fraction:.4f}", gain.median >= goal)
+
+
+def search_accuracy() -> None:
+    """The beam search's accuracy cost on Fashion-MNIST (bench.bench_search.accuracy)."""
+    difference = search_accuracy_of((BEAM,)).get(BEAM)
+    if difference is None:
+        return
+    name = f"trace-b beam {BEAM} - exact top-1 points (fashion, K 1024, P 2 3)"
+    report(name, difference, ">= -0.3", difference.median >= -0.3)
 
 
 def show_times(model: str, times: dict[str, pd.Series]) -> None:
@@ -313,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "in-process" in args.only:
         in_process(args.quick)
+    if "search" in args.only and not args.quick:
+        search_accuracy()
     if "latency" in args.only:
         latency_at_10(args.quick, args.backend, args.out)
     if "links" in args.only:

@@ -288,7 +288,10 @@ def test_pool_workers_leave_when_the_study_is_killed(tmp_path):
             time.sleep(0.2)
         process.kill()  # SIGKILL: no handler of the parent's runs
         process.wait()
-        deadline = time.monotonic() + 5
+        # A worker starts watching its parent once its initializer runs, after importing torch
+        # (seconds on a loaded machine: 5 s was exceeded there). Then it leaves within 0.5 s,
+        # where its job alone (100,000 steps) would take minutes.
+        deadline = time.monotonic() + 30
         while alive := [p for p in workers if Path(f"/proc/{p}").exists()]:
             assert time.monotonic() < deadline, f"pool workers {alive} outlived the study"
             time.sleep(0.1)
