@@ -140,6 +140,10 @@ class TraceMethod(Method):
         self.min_level = trees[0].level_for_size(spec.level_min_k) if spec.level_min_k else 0
         use_buffers = spec.name == "trace-b" and spec.buffers
         self.buffers = self._compute_buffers() if use_buffers else None
+        if spec.search_beam is not None:  # grouped now, not in the first inference's time
+            for tree in trees:
+                for level in range(tree.num_levels):
+                    tree.beam_search(level, spec.search_beam)
 
     @property
     def level_bits(self) -> list[int]:
