@@ -40,7 +40,7 @@ def test_bad_experiment_exits_2_with_one_line(tmp_path):
     assert done.stderr.strip() == (
         f"testbed.run: {bad}: methods[0].levle_k: method 'trace-b': unknown parameter "
         "'levle_k' (did you mean 'level_k'?); accepts K, level_k, level_min_k, buffers, dedup, "
-        "placement"
+        "placement, search_beam"
     )
     assert not (tmp_path / "x").exists()
 
