@@ -318,3 +318,32 @@ def test_digits_model_reaches_90_percent_quickly():
     model = tracevq.build_model("vit-digits", seed=0)
     train_base(model, splits.train, BaseSection(epochs=20), progress=False)
     assert accuracy(model.eval(), splits.test) >= 90.0
+
+
+@pytest.mark.parametrize("base", [None, {"shift_px": 2, "flip": True}])
+def test_a_checkpoint_study_says_when_fine_tuning_augments_by_default(tmp_path, caplog, base):
+    """base: is not trained from when model.checkpoint is given, yet its shifts and flips are
+    the fine-tuning's augmentation: leaving it out is said in one warning."""
+    from tracevq.train.study import base_model
+
+    checkpoint = tmp_path / "base.pth"
+    torch.save(tracevq.build_model("vit-digits").state_dict(), checkpoint)
+    data = {
+        "name": "given",
+        "output": str(tmp_path),
+        "data": {"task": "digits", "test_size": 60, "val_size": 40},
+        "model": {"name": "vit-digits", "checkpoint": str(checkpoint)},
+        "finetune": {"K": [8], "steps": 2},
+        **({"base": base} if base else {}),
+    }
+    settings = parse_settings(data)
+    _, reused = base_model(settings, load_splits(settings), progress=False)
+    assert reused
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if base:
+        assert warned == []
+    else:
+        assert warned == [
+            "given: fine-tuning augments with base:'s defaults (shift_px 1, flip false); "
+            "give base: to choose"
+        ]

@@ -95,7 +95,15 @@ def base_model(
     path, key_file = directory / "model.pth", directory / "key.txt"
     model = tracevq.build_model(settings.model.name, seed=settings.base.seed)
     if settings.model.checkpoint is not None:
-        given = settings.model
+        given, base = settings.model, settings.base
+        if settings.finetune.steps and "base" not in settings.model_fields_set:
+            log.warning(  # base: is not trained from, but it sets the fine-tuning's augmentation
+                "%s: fine-tuning augments with base:'s defaults (shift_px %d, flip %s); "
+                "give base: to choose",
+                settings.name,
+                base.shift_px,
+                str(base.flip).lower(),
+            )
         return load_checkpoint(model, given.checkpoint, ema=given.checkpoint_ema), True
     key = _base_key(settings)
     if path.is_file() and key_file.is_file() and key_file.read_text() == key:
