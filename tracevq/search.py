@@ -152,18 +152,19 @@ def search_groups(k: int) -> int:
 
 class BeamSearch:
     """The codeword nearest each row among the members of its `beam` nearest groups (module
-    docstring). `beam` at or above the number of groups is the exact search."""
+    docstring), over the codewords of `exact`, the exact search it falls back to when `beam`
+    is at or above the number of groups."""
 
-    def __init__(self, codewords: Tensor, beam: int):
-        codewords = codewords.detach().float().contiguous()
-        self.exact = CodewordSearch(codewords)
+    def __init__(self, exact: CodewordSearch, beam: int):
+        self.exact = exact
+        codewords = exact.codewords
         k, dim = codewords.shape
         self.groups = search_groups(k)
         self.beam = min(beam, self.groups)
         if self.beam == self.groups:
             return
         size = math.ceil(k / self.groups)
-        assign = balanced_kmeans(codewords, self.groups, size)
+        assign, self.centres = balanced_kmeans(codewords, self.groups, size)
         order = torch.argsort(assign, stable=True)  # codewords group by group
         counts = torch.bincount(assign, minlength=self.groups)
         slot = torch.arange(k) - (torch.cumsum(counts, 0) - counts)[assign[order]]
@@ -176,8 +177,6 @@ class BeamSearch:
         self.index[place] = order  # place -> codeword
         self.members_t = members.view(self.groups, size, dim).transpose(1, 2).contiguous()
         self.member_sq_norms = sq_norms.view(self.groups, 1, size)
-        sums = torch.zeros(self.groups, dim).index_add_(0, assign, codewords)
-        self.centres = sums / counts.clamp_min(1).unsqueeze(1)
         # an empty group (k well below groups x size) is never chosen
         self.centre_sq_norms = self.centres.pow(2).sum(1).masked_fill(counts == 0, math.inf)
 
@@ -211,9 +210,10 @@ class BeamSearch:
         return self.index[pair_place.view(n, beam)[torch.arange(n), pick]]
 
 
-def balanced_kmeans(points: Tensor, groups: int, size: int) -> Tensor:
-    """Each point's group (k,): Lloyd steps whose assignment gives no group more than `size`
-    points, from centres drawn with a fixed seed (the grouping is a function of the points)."""
+def balanced_kmeans(points: Tensor, groups: int, size: int) -> tuple[Tensor, Tensor]:
+    """Each point's group (k,) and the groups' centres (groups, D): Lloyd steps whose
+    assignment gives no group more than `size` points, from centres drawn with a fixed seed
+    (the grouping is a function of the points). An empty group keeps its previous centre."""
     generator = torch.Generator().manual_seed(0)
     centres = points[torch.randperm(len(points), generator=generator)[:groups]]
     assign = torch.zeros(len(points), dtype=torch.long)
@@ -224,7 +224,7 @@ def balanced_kmeans(points: Tensor, groups: int, size: int) -> Tensor:
         sums = torch.zeros_like(centres).index_add_(0, assign, points)
         filled = counts > 0
         centres = torch.where(filled.unsqueeze(1), sums / counts.clamp_min(1).unsqueeze(1), centres)
-    return assign
+    return assign, centres
 
 
 def _capacity_assign(distances: Tensor, size: int) -> Tensor:

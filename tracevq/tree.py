@@ -97,7 +97,7 @@ class CodebookTree:
         """Level m's beam search (its groups built on the first call: 0.1-0.2 s at K = 1024,
         D = 768)."""
         if (m, beam) not in self._beams:
-            self._beams[m, beam] = BeamSearch(self._searches[self._check_level(m)].codewords, beam)
+            self._beams[m, beam] = BeamSearch(self._searches[self._check_level(m)], beam)
         return self._beams[m, beam]
 
     def rows(self, positions: torch.Tensor, m: int) -> torch.Tensor:

@@ -143,7 +143,7 @@ def test_search_groups_are_the_power_of_two_nearest_the_square_root():
 def test_balanced_groups_hold_at_most_their_size(k):
     generator = torch.Generator().manual_seed(3)
     points = torch.randn(k, 8, generator=generator) * torch.rand(k, 1, generator=generator)
-    assign = balanced_kmeans(points, 32, 32)
+    assign, _ = balanced_kmeans(points, 32, 32)
     counts = torch.bincount(assign, minlength=32)
     assert len(assign) == k and int(assign.min()) >= 0 and int(assign.max()) < 32
     assert int(counts.max()) <= 32 and int(counts.sum()) == k
@@ -156,7 +156,7 @@ def test_the_beam_returns_the_nearest_member_of_its_nearest_groups(k, beam):
     codeword among their members. Over more rows than a block, and with groups left part
     empty (k below 32 x 32)."""
     rows, codewords = clustered(BLOCK_ROWS + 300, k, 16, 0.5, seed=4)
-    search = BeamSearch(codewords, beam)
+    search = BeamSearch(CodewordSearch(codewords), beam)
     chosen = search.nearest(rows)
     members = search.index.view(search.groups, -1)  # (groups, size), place -> codeword
     real = torch.isfinite(search.member_sq_norms.view(search.groups, -1))
@@ -175,8 +175,8 @@ def test_the_beam_returns_the_nearest_member_of_its_nearest_groups(k, beam):
 def test_a_beam_as_wide_as_the_groups_is_the_exact_search():
     rows, codewords = clustered(400, 1024, DIM, 0.3)
     exact = CodewordSearch(codewords).nearest(rows)
-    assert torch.equal(BeamSearch(codewords, 32).nearest(rows), exact)
-    assert torch.equal(BeamSearch(codewords, 100).nearest(rows), exact)
+    assert torch.equal(BeamSearch(CodewordSearch(codewords), 32).nearest(rows), exact)
+    assert torch.equal(BeamSearch(CodewordSearch(codewords), 100).nearest(rows), exact)
 
 
 def test_well_separated_groups_need_a_beam_of_one():
@@ -190,4 +190,4 @@ def test_well_separated_groups_need_a_beam_of_one():
     owners = torch.randint(0, 1024, (600,), generator=generator)
     rows = codewords[owners] + 0.3 * torch.randn(600, 24, generator=generator)
     exact = CodewordSearch(codewords).nearest(rows)
-    assert torch.equal(BeamSearch(codewords, 1).nearest(rows), exact)
+    assert torch.equal(BeamSearch(CodewordSearch(codewords), 1).nearest(rows), exact)
