@@ -133,7 +133,7 @@ class LinkSection(Strict):
             )
         by_rank = {}
         for key, parameters in value.items():
-            rank = _rank(key)
+            rank = rank_of(key)
             if not isinstance(parameters, dict):
                 raise ValueError(
                     f"device {rank}: a mapping of netem's parameters, got {parameters!r}"
@@ -178,7 +178,7 @@ class LinkSection(Strict):
                 "a mapping device rank -> Mbit/s ({0: 2.0}) or a list of Mbit/s by rank, "
                 f"got {value!r}"
             )
-        return {_rank(key): _rate(rate, f"device {_rank(key)}") for key, rate in value.items()}
+        return {rank_of(key): _rate(rate, f"device {rank_of(key)}") for key, rate in value.items()}
 
     @field_validator("pair_mbit", mode="before")
     @classmethod
@@ -240,7 +240,7 @@ class LinkSection(Strict):
         return profile if looks_like_path else check_slug(profile, "profile name")
 
 
-def _rank(key: Any) -> int:
+def rank_of(key: Any) -> int:
     """A device named by its rank (JSON's keys are strings)."""
     rank = int(key) if isinstance(key, str) and key.isdigit() else key
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
