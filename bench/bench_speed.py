@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         spread = statistics.median(p95(t) / statistics.median(t) for t in runs)
         rate = 1 / statistics.median(statistics.fmean(t) for t in runs) / full_rate
         ideal = full_median / speed
-        print(f"{speed:5.2f}  {name:30} {median:9.2f} {median / ideal:7.3f} {spread:8.2f} {rate:6.3f}")
+        shown = f"{median:9.2f} {median / ideal:7.3f} {spread:8.2f} {rate:6.3f}"
+        print(f"{speed:5.2f}  {name:30} {shown}")
     return 0
 
 

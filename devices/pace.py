@@ -92,7 +92,8 @@ class Pace:
 
     def __init__(self, speed: float = 1.0, control: Control | None = None, threads: int = 1):
         self.fixed, self.control = speed, control
-        self.cpu_clock: Callable[[], float] = time.thread_time if threads == 1 else time.process_time
+        clock = time.thread_time if threads == 1 else time.process_time
+        self.cpu_clock: Callable[[], float] = clock
         self.slept_s = 0.0  # in all, for the session's facts
 
     @property

@@ -51,7 +51,7 @@ def _number(value: Any, where: str, low: float, high: float, whole: bool = False
 
 
 def _each(value: Any, where: str, check: Any) -> Any:
-    for rank, item in (value.items() if isinstance(value, dict) else [(None, value)]):
+    for rank, item in value.items() if isinstance(value, dict) else [(None, value)]:
         check(item, where if rank is None else f"device {rank}")
     return value
 
@@ -126,8 +126,10 @@ class FleetVariant(Strict):
         for field in ("speed", "gflops", "profile"):
             value = getattr(self, field)
             if isinstance(value, dict):
-                parts += [f"{field}{rank}={v:g}" if field != "profile" else f"{field}{rank}={v}"
-                          for rank, v in sorted(value.items())]
+                parts += [
+                    f"{field}{rank}={v:g}" if field != "profile" else f"{field}{rank}={v}"
+                    for rank, v in sorted(value.items())
+                ]
             elif value is not None:
                 parts.append(f"{field}={value:g}" if field != "profile" else f"{field}={value}")
         if self.partition is not None:

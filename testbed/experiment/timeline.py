@@ -117,7 +117,9 @@ class Event(Strict):
         return f"{what} at {self.when}"
 
 
-def check_timeline(events: list[Event], most_devices: int, inferences: int, timeout_s: float) -> None:
+def check_timeline(
+    events: list[Event], most_devices: int, inferences: int, timeout_s: float
+) -> None:
     """What depends on the rest of the experiment; ValueError names the event's index."""
     for index, event in enumerate(events):
         where = f"timeline[{index}]"
