@@ -24,7 +24,8 @@ class Placement:
     Attributes:
         name: the paper's label ("1 A.i").
         method: the method whose codebooks it uses: "trace-nb" (pre-residual VQ, codes the
-            update A) or "trace-b" (post-residual VQ, codes Z).
+            update A) or "trace-b" (post-residual VQ, codes Z). Each method's default case is
+            its entry's `default_placement` (tracevq.method_table).
         first_kv: block 0's remote K/V from the exact X^(0) or from the VQ_0 codeword.
         first_residual: what block 0's update is added to (pre-residual cases only).
         carries_residual: each later update is added to the copy's previous state
@@ -33,7 +34,7 @@ class Placement:
     """
 
     name: str
-    method: Literal["trace-b", "trace-nb"]
+    method: str
     first_kv: Literal["exact", "vq0"]
     first_residual: Literal["exact", "vq0", "none"] | None
     carries_residual: bool | None
@@ -60,7 +61,6 @@ PLACEMENTS: dict[str, Placement] = {
         Placement("2 B", "trace-b", "vq0", None, None, (90.51, 89.90)),
     )
 }
-DEFAULT_PLACEMENT = {"trace-nb": "1 A.i", "trace-b": "2 B"}
 
 
 def placements_of(method: str) -> list[str]:

@@ -25,9 +25,14 @@ import pandas as pd
 from testbed.results import stats
 from testbed.results.impairment_study import delay_table, hidden_delay
 from testbed.results.store import Results
-from testbed.results.variants import link_labels, ok_trials, trial_impairments, variant_order
+from testbed.results.variants import (
+    BASELINE,
+    link_labels,
+    ok_trials,
+    trial_impairments,
+    variant_order,
+)
 
-BASELINE = "voltage"
 EXTRA_WIDTH = 13
 LEVEL_ACCURACY = "top-1 % used"
 
