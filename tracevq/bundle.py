@@ -196,10 +196,10 @@ def fit_bundle(
 ) -> Bundle:
     """Codebooks fitted by k-means on the model's own activations over `inputs`, and trees.
 
-    This is how runs with untrained weights get codebooks; training refines them later
-    (`tracevq.train`, which also uses fewer Lloyd iterations to save time). `families`: the
-    codebook methods to fit (None: every one of the method table). `progress(done, total)` is
-    called after each codebook and its tree.
+    This is how runs with untrained weights get codebooks; training refines them later (the
+    accuracy study, `accuracy`, which also uses fewer Lloyd iterations to save time).
+    `families`: the codebook methods to fit (None: every one of the method table).
+    `progress(done, total)` is called after each codebook and its tree.
     """
     known = codebook_methods()
     families = tuple(known) if families is None else families

@@ -14,7 +14,12 @@ Each case answers three questions about the receiver's quantised copy of a peer'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+from tracevq.method_table import METHODS
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass(frozen=True)
@@ -65,3 +70,18 @@ PLACEMENTS: dict[str, Placement] = {
 
 def placements_of(method: str) -> list[str]:
     return [name for name, p in PLACEMENTS.items() if p.method == method]
+
+
+def at_default_placement(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of an accuracy table (the study's `results.csv` or `table7_levels.csv`: a
+    `method` column, `placement` and `remote_ffn` where the study ran placements) of methods
+    without a placement, and of Trace at its method's default one without the receiver's FFN.
+    Takes the frame as it is: the library itself does not need pandas."""
+    if "placement" not in frame:
+        return frame
+    defaults = {n: e.default_placement for n, e in METHODS.items() if e.default_placement}
+    default = frame["method"].map(defaults)
+    plain = True  # without a remote_ffn column no row ran the receiver's FFN
+    if "remote_ffn" in frame:
+        plain = frame["remote_ffn"].fillna(False) == False  # noqa: E712 - element-wise
+    return frame[frame["placement"].isna() | ((frame["placement"] == default) & plain)]

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 import tracevq
+from accuracy.quantizer import CodebookRule, TrainingCodec
+from accuracy.settings import parse_settings
 from testbed.backends.base import Backend
 from testbed.backends.table import BACKENDS, backend_class, backend_names
 from testbed.experiment.profiles import LinkProfile
@@ -23,15 +25,13 @@ from testbed.link.rates import LinkRates
 from testbed.run import main
 from testbed.sweep.preflight import check_experiment
 from tracevq.bundle import fit_bundle
+from tracevq.distributed import ExactCodec, distributed_logits
 from tracevq.errors import ConfigError
 from tracevq.method_table import METHODS, MethodEntry
 from tracevq.methods import Method, Receiver, ReceiverView, Sender
 from tracevq.models import RemoteKV
 from tracevq.partition import partition_sizes
 from tracevq.spec import method_spec
-from tracevq.train.distributed import ExactCodec, TrainingCodec, distributed_logits
-from tracevq.train.quantizer import CodebookRule
-from tracevq.train.settings import parse_settings
 
 
 class ToyBackend(Backend):

@@ -24,7 +24,7 @@ sender's token count and batch, and (for Trace) the header byte, so no length pr
 
 A method also owns its receivers' view as one differentiable computation (`ReceiverView`,
 made by `Method.receiver_view`): what the accuracy study's P-device forward
-(`tracevq.train.distributed`) trains through, equal to the bytes' path in evaluation.
+(`tracevq.distributed`) trains through, equal to the bytes' path in evaluation.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Receiver(abc.ABC):
 
 
 # the codewords of exchange point b for rows x (..., D) -> (..., D): straight-through in
-# training, chosen as the byte-exact methods choose them in evaluation (tracevq.train.distributed)
+# training, chosen as the byte-exact methods choose them in evaluation (tracevq.distributed)
 Codec = Callable[[int, Tensor], Tensor]
 
 

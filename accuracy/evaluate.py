@@ -17,14 +17,14 @@ from collections.abc import Iterable
 import torch
 
 import tracevq
+from accuracy.data import Dataset
+from accuracy.loops import accuracy
+from accuracy.settings import Settings
 from tracevq.bundle import Bundle
-from tracevq.data import Dataset
 from tracevq.method_table import METHODS, exact_methods, methods_accepting
 from tracevq.methods import Method, make_method
 from tracevq.models import VisionTransformer
 from tracevq.partition import partition_sizes
-from tracevq.train.loops import accuracy
-from tracevq.train.settings import Settings
 
 
 def simulated_accuracy(

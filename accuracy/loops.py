@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from tracevq.data import Dataset
+from accuracy.data import Dataset
+from accuracy.quantizer import TrainingCodec
+from accuracy.settings import BaseSection, FinetuneSection
+from tracevq.distributed import distributed_logits
 from tracevq.models import VisionTransformer
 from tracevq.spec import MethodSpec
-from tracevq.train.distributed import TrainingCodec, distributed_logits
-from tracevq.train.settings import BaseSection, FinetuneSection
 
 log = logging.getLogger(__name__)
 

@@ -8,17 +8,12 @@ import torch
 import torch.nn.functional as F
 
 import tracevq
+from accuracy.quantizer import CodebookRule, TrainableQuantizer, TrainingCodec
 from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
 from tracevq.checkpoint import load_checkpoint
+from tracevq.distributed import ExactCodec, distributed_logits, remote_kv_error
 from tracevq.errors import ConfigError
 from tracevq.method_table import METHODS
-from tracevq.train.distributed import (
-    ExactCodec,
-    TrainingCodec,
-    distributed_logits,
-    remote_kv_error,
-)
-from tracevq.train.quantizer import CodebookRule, TrainableQuantizer
 from tracevq.tree import build_tree
 from tracevq.vq import VectorQuantizer
 
@@ -285,8 +280,8 @@ def test_remote_kv_error_is_zero_for_voltage_and_falls_with_the_level(model, inp
 
 
 def test_flips_mirror_about_half_the_images_and_leave_the_rest_as_shifted():
-    from tracevq.train.loops import augmented, shift
-    from tracevq.train.settings import BaseSection
+    from accuracy.loops import augmented, shift
+    from accuracy.settings import BaseSection
 
     images = torch.rand(400, 1, 8, 8)
     plain = shift(images, 1, torch.Generator().manual_seed(3))

@@ -19,21 +19,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from accuracy.data import Splits
+from accuracy.evaluate import evaluate_exact, evaluate_family
+from accuracy.loops import accuracy, finetune
+from accuracy.quantizer import CodebookRule, TrainingCodec
+from accuracy.settings import Settings
 from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
-from tracevq.data import Splits
+from tracevq.distributed import ExactCodec, distributed_logits, remote_kv_error
 from tracevq.method_table import METHODS
 from tracevq.models import VisionTransformer
 from tracevq.spec import MethodSpec, method_spec
-from tracevq.train.distributed import (
-    ExactCodec,
-    TrainingCodec,
-    distributed_logits,
-    remote_kv_error,
-)
-from tracevq.train.evaluate import evaluate_exact, evaluate_family
-from tracevq.train.loops import accuracy, finetune
-from tracevq.train.quantizer import CodebookRule
-from tracevq.train.settings import Settings
 from tracevq.tree import build_tree
 from tracevq.vq import VectorQuantizer
 

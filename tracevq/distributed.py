@@ -13,10 +13,16 @@ method's own (`Method.receiver_view`, beside its byte-exact receiver in `tracevq
 Voltage's is the exact block input, Astra's the codeword of it, Trace-b's and Trace-nb's
 follow their placement; this module knows no method by name.
 
-In training the codewords come from `TrainingCodec` (straight-through `TrainableQuantizer`s);
-in evaluation from `ExactCodec`, which encodes exactly as the byte-exact methods do (the
-quantizer's search; with trees, those of the methods with levels, the tree's at a level), so
-the logits equal `simulate`'s.
+The codewords come from a codec, codec(b, rows) -> codewords: in evaluation `ExactCodec`,
+which encodes exactly as the byte-exact methods do (the quantizer's search; with trees, those
+of the methods with levels, the tree's at a level), so the logits equal `simulate`'s; in the
+accuracy study's training a straight-through one (`accuracy.quantizer.TrainingCodec`).
+
+Why this lives in the library and not in the study: it is the methods' own definition in one
+autograd graph (each method class owns its view; the tests hold it equal to the byte-exact
+path, and a new method's test runs through it), and it needs nothing of the study; what is the
+study's, how codewords learn (straight-through, commitment loss, the update rules) and the
+training loops, stays in `accuracy`.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from tracevq.bundle import Bundle
 from tracevq.models import VisionTransformer
 from tracevq.partition import partition_ranges
 from tracevq.spec import MethodSpec, method_spec
-from tracevq.train.quantizer import CodebookRule, TrainableQuantizer
 from tracevq.tree import CodebookTree
 from tracevq.vq import VectorQuantizer
 
@@ -64,29 +69,6 @@ class ExactCodec(nn.Module):
         level = tree.finest if self.level is None else self.level
         positions = tree.encode(vq.project(x).reshape(-1, vq.code_dim), level)
         return vq.decode(tree.rows(positions, level).reshape(x.shape[:-1]))
-
-
-class TrainingCodec(nn.Module):
-    """Straight-through codewords; `loss` and `update` collect and apply every exchange point."""
-
-    def __init__(self, quantizers: Sequence[VectorQuantizer], rule: CodebookRule, seed: int = 0):
-        super().__init__()
-        self.quantizers = nn.ModuleList(
-            TrainableQuantizer(vq, rule, seed + b) for b, vq in enumerate(quantizers)
-        )
-
-    def forward(self, block: int, x: Tensor) -> Tensor:
-        return self.quantizers[block](x)
-
-    def loss(self) -> Tensor:
-        return sum((q.loss for q in self.quantizers), torch.zeros(()))
-
-    def update(self) -> int:
-        return sum(q.update() for q in self.quantizers)
-
-    def sync(self) -> None:
-        for q in self.quantizers:
-            q.sync()
 
 
 def distributed_logits(

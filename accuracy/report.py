@@ -30,9 +30,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from accuracy.settings import Settings  # noqa: E402
 from tracevq.method_table import METHODS, codebook_methods, exact_methods  # noqa: E402
-from tracevq.placement import PLACEMENTS  # noqa: E402
-from tracevq.train.settings import Settings  # noqa: E402
+from tracevq.placement import PLACEMENTS, at_default_placement  # noqa: E402
 
 
 def aggregate(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -130,17 +130,6 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
     _plot_rules(tables["table8_rules"], single, directory / "fig_rules.png")
     if placements is not None:
         _plot_placements(placements, single, directory / "fig_placements.png")
-
-
-def at_default_placement(frame: pd.DataFrame) -> pd.DataFrame:
-    """The rows of methods without a placement, and of Trace at its default one."""
-    if "placement" not in frame:
-        return frame
-    defaults = {n: e.default_placement for n, e in METHODS.items() if e.default_placement}
-    default = frame["method"].map(defaults)
-    ffn = frame["remote_ffn"] if "remote_ffn" in frame else pd.Series(False, frame.index)
-    plain = ffn.fillna(False) == False  # noqa: E712 - element-wise
-    return frame[frame["placement"].isna() | ((frame["placement"] == default) & plain)]
 
 
 def sampling_half_width(accuracy: float, images: int) -> float:

@@ -27,9 +27,7 @@ import torch
 from tqdm import tqdm
 
 import tracevq
-from tracevq.checkpoint import load_checkpoint
-from tracevq.config import ModelConfig
-from tracevq.data import (
+from accuracy.data import (
     Dataset,
     Splits,
     cifar_splits,
@@ -39,13 +37,15 @@ from tracevq.data import (
     folder_splits,
     glyph_pairs_splits,
 )
+from accuracy.evaluate import evaluate_baselines
+from accuracy.jobs import Fit, Job, fit_of, run_fit, run_job
+from accuracy.loops import accuracy, train_base
+from accuracy.settings import Settings, dump_settings
+from tracevq.checkpoint import load_checkpoint
+from tracevq.config import ModelConfig
 from tracevq.method_table import METHODS
 from tracevq.models import VisionTransformer
 from tracevq.placement import PLACEMENTS
-from tracevq.train.evaluate import evaluate_baselines
-from tracevq.train.jobs import Fit, Job, fit_of, run_fit, run_job
-from tracevq.train.loops import accuracy, train_base
-from tracevq.train.settings import Settings, dump_settings
 
 log = logging.getLogger(__name__)
 
