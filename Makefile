@@ -101,7 +101,7 @@ sweep-edge: venv host-setup
 # study of `make accuracy` (results.csv is written last, after every model and bundle).
 DIGITS_STUDY := results/accuracy/digits/results.csv
 $(DIGITS_STUDY): configs/accuracy-digits.yaml | $(DEV_STAMP)
-	$(VENV_PY) -m tracevq.train configs/accuracy-digits.yaml $(ACCURACY_ARGS)
+	$(VENV_PY) -m accuracy configs/accuracy-digits.yaml $(ACCURACY_ARGS)
 
 trace-replay-digits: venv host-setup $(DIGITS_STUDY)
 	$(VENV_PY) -m testbed.run experiments/trace-replay-digits.yaml $(RUN_ARGS)
@@ -135,11 +135,11 @@ ACCURACY_CONFIGS ?= configs/accuracy-digits.yaml configs/accuracy-pairs.yaml
 ACCURACY_ARGS ?=
 .PHONY: accuracy accuracy-placements accuracy-fashion
 accuracy: dev-venv
-	$(VENV_PY) -m tracevq.train $(ACCURACY_CONFIGS) $(ACCURACY_ARGS)
+	$(VENV_PY) -m accuracy $(ACCURACY_CONFIGS) $(ACCURACY_ARGS)
 
 # The Table VI ablation: Trace at each VQ placement on glyph pairs (results/accuracy/placements/).
 accuracy-placements: dev-venv
-	$(VENV_PY) -m tracevq.train configs/accuracy-placements.yaml $(ACCURACY_ARGS)
+	$(VENV_PY) -m accuracy configs/accuracy-placements.yaml $(ACCURACY_ARGS)
 
 # The study on Fashion-MNIST, read from Debian's dataset-fashion-mnist (installed here, as
 # root): Tables III, VII and VIII at P = 2, 3, then Fig. 9 (P = 2-10 at K = 1024) and Table VI
@@ -149,7 +149,7 @@ FASHION_CONFIGS = configs/accuracy-fashion.yaml configs/accuracy-fashion-devices
 	configs/accuracy-fashion-placements.yaml
 accuracy-fashion: dev-venv
 	scripts/host-setup --for-fashion
-	$(VENV_PY) -m tracevq.train $(FASHION_CONFIGS) $(ACCURACY_ARGS)
+	$(VENV_PY) -m accuracy $(FASHION_CONFIGS) $(ACCURACY_ARGS)
 
 # ---------------------------------------------------------------------------
 # Cleaning

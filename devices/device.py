@@ -30,7 +30,7 @@ from devices.session import Session, stamped
 from devices.spec import MethodRun, RunSpec, read_secret
 from devices.transport import MessageFormat
 from tracevq.bundle import Bundle, model_fingerprint
-from tracevq.methods import Method, TraceMethod
+from tracevq.methods import Method
 from tracevq.partition import partition_sizes
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class Device:
         return {
             run.id: LiveLevel(method, tokens, batch, offsets, echo, latencies, given)
             for run in self.spec.runs
-            if isinstance(method := self.methods[run.id][0], TraceMethod) and stamped(method)
+            if stamped(method := self.methods[run.id][0])
         }
 
     def _formats(

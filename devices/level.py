@@ -79,7 +79,7 @@ def choose_level(
     method: Method, tokens: int, batch: int, rate_mbit: float | None
 ) -> dict[str, Any]:
     """Set the method's level if it asks for `auto`; returns what was decided and why."""
-    if not isinstance(method, TraceMethod) or method.spec.level_k != "auto":
+    if not method.spec.is_trace or method.spec.level_k != "auto":
         return {"mode": "fixed"}
     finest = len(method.level_bits) - 1
     if rate_mbit is None:

@@ -25,7 +25,7 @@ from devices.mesh import Mesh
 from devices.records import ArrivalRecord, BlockRecord, InferenceRecord
 from devices.transport import Incoming, Outgoing, total_retransmits
 from tracevq.engine import DeviceRun
-from tracevq.methods import Method, TraceMethod
+from tracevq.methods import Method
 from tracevq.partition import partition_sizes
 
 LOSS_GRACE_S = 0.3
@@ -34,7 +34,7 @@ LOSS_GRACE_S = 0.3
 def stamped(method: Method) -> bool:
     """Whether the method's messages carry their departure time: a run with `level_k: auto`
     re-chooses its level from their one-way times (devices.level.LiveLevel)."""
-    return isinstance(method, TraceMethod) and method.spec.level_k == "auto"
+    return method.spec.is_trace and method.spec.level_k == "auto"
 
 
 class Session:
@@ -219,7 +219,7 @@ class Session:
             wait_ms=round(wait_ms, 4),
             effective_ms=round(effective_ms, 4),
         )
-        if isinstance(self.method, TraceMethod):
+        if self.method.spec.is_trace:
             level = self.method.level
             record.level, record.r_bits = level, self.method.level_bits[level]
             record.level_k = self.method.trees[0].level_sizes[level]

@@ -8,14 +8,15 @@ it (tests/unit/test_layers.py reads every import against `LAYERS`):
 - `sweep/`: running an experiment: the trial plan, the preflight, the runner, its sessions;
 - `figures/`: the PNG figures of a run directory;
 - `results/`: result rows and their columns, the run directory's tables, statistics, the
-  printed answer, the accuracy of the levels used;
+  printed answer;
 - `link/`: the run's links: the emulator table, the serial emulator, rates, the rate probe,
   bandwidth traces and their replay;
 - `backends/`: where devices live: the backend table, Docker containers, network namespaces
   on this host, boards over SSH;
 - `kernel/`: what the kernel is asked to do: qdisc parameters and the shaping plan, netlink,
   the qdisc probe, network namespaces, interface names, processes;
-- `experiment/`: what the user writes: the experiment schema, link profiles, inventories;
+- `experiment/`: what the user writes: the experiment schema, link profiles, inventories,
+  the accuracy study's table of top-1 per level that an experiment names;
 - the ground: `errors`, `voice`, `source` (this checkout's folders).
 """
 

@@ -1,7 +1,8 @@
 """The bundle: one file with everything a device needs beside the model weights.
 
 It holds the model's fingerprint, the codebooks of each codebook method family (one VQ per
-exchange point) and their codebook trees. K/V buffers are not stored: they are recomputed
+exchange point, fitted on what the method table says the family quantises) and their codebook
+trees. K/V buffers are not stored: they are recomputed
 from the frozen weights at load. Every device loads the same bundle, and the session
 handshake compares fingerprints so that a mismatch is refused instead of giving wrong logits.
 """
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tracevq.errors import ConfigError
+from tracevq.method_table import METHODS, codebook_methods
 from tracevq.models import VisionTransformer
 from tracevq.tree import CodebookTree, build_tree
 from tracevq.vq import VectorQuantizer, kmeans
@@ -25,9 +27,6 @@ from tracevq.vq import VectorQuantizer, kmeans
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-# what each family's exchange point b quantises: the block input, the post-attention
-# residual of block b - 1, or the attention update of block b - 1 (VQ_0: always X^(0))
-FAMILIES = {"astra": "inputs", "trace-b": "residuals", "trace-nb": "updates"}
 
 
 def fingerprint_tensors(named: dict[str, Tensor]) -> str:
@@ -152,7 +151,8 @@ def collect_activations(
 
 
 def exchange_rows(activations: dict[str, list[Tensor]], kind: str) -> list[Tensor]:
-    """What exchange point b quantises for a family kind: VQ_0 always sees X^(0)."""
+    """What exchange point b quantises for a family kind (`MethodEntry.quantises`): VQ_0
+    always sees X^(0)."""
     if kind == "inputs":
         return activations["inputs"]
     return [activations["inputs"][0], *activations[kind][:-1]]
@@ -186,7 +186,7 @@ def fit_bundle(
     model: VisionTransformer,
     inputs: Tensor,
     K: int = 1024,
-    families: tuple[str, ...] = tuple(FAMILIES),
+    families: tuple[str, ...] | None = None,
     code_dim: int | None = None,
     metric: str = "euclidean",
     branching: int = 2,
@@ -196,13 +196,16 @@ def fit_bundle(
 ) -> Bundle:
     """Codebooks fitted by k-means on the model's own activations over `inputs`, and trees.
 
-    This is how runs with untrained weights get codebooks; training refines them later
-    (`tracevq.train`, which also uses fewer Lloyd iterations to save time). `progress(done,
-    total)` is called after each codebook and its tree.
+    This is how runs with untrained weights get codebooks; training refines them later (the
+    accuracy study, `accuracy`, which also uses fewer Lloyd iterations to save time).
+    `families`: the codebook methods to fit (None: every one of the method table).
+    `progress(done, total)` is called after each codebook and its tree.
     """
+    known = codebook_methods()
+    families = tuple(known) if families is None else families
     for family in families:
-        if family not in FAMILIES:
-            raise ConfigError(f"unknown codebook family {family!r}; known: {', '.join(FAMILIES)}")
+        if family not in known:
+            raise ConfigError(f"unknown codebook family {family!r}; known: {', '.join(known)}")
     activations = collect_activations(model, inputs)
     quantizers: dict[str, list[VectorQuantizer]] = {}
     trees: dict[str, list[CodebookTree]] = {}
@@ -210,9 +213,12 @@ def fit_bundle(
     total, done = len(families) * len(model.blocks), 0
     for family in families:
         quantizers[family], trees[family] = [], []
-        for b, rows in enumerate(exchange_rows(activations, FAMILIES[family])):
-            if b == 0 and family != "astra" and first is not None:
-                vq, tree = first  # trace-b and trace-nb share VQ_0 (both quantise X^(0))
+        kind = METHODS[family].quantises
+        for b, rows in enumerate(exchange_rows(activations, kind)):
+            if b == 0 and kind != "inputs" and first is not None:
+                # the families that code what blocks produce (trace-b and trace-nb) share
+                # VQ_0, which quantises X^(0) for them all
+                vq, tree = first
             else:
                 log.debug("fitting %s codebook %d on %d rows", family, b, len(rows))
                 vq = fit_quantizer(rows, K, code_dim, seed + b, kmeans_iterations)
@@ -222,7 +228,7 @@ def fit_bundle(
             done += 1
             if progress is not None:
                 progress(done, total)
-        if family != "astra":
+        if kind != "inputs":
             first = quantizers[family][0], trees[family][0]
     meta = {
         "metric": metric,

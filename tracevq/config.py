@@ -118,7 +118,7 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         mlp_ratio=2.0,
         num_classes=10,
     ),
-    # digit pairs (tracevq.data): two 12x12 digits on a 24x24 canvas, label = their sum
+    # digit pairs (accuracy.data): two 12x12 digits on a 24x24 canvas, label = their sum
     "vit-digit-pairs": ModelConfig(
         "vit-digit-pairs",
         image_size=24,
@@ -143,7 +143,7 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         num_classes=10,
     ),
 }
-# glyph pairs (tracevq.glyphs): four 12x12 glyphs on a 24x24 canvas, label = the pair
+# glyph pairs (accuracy.glyphs): four 12x12 glyphs on a 24x24 canvas, label = the pair
 # (top-left, bottom-right) of 8 glyphs, 64 classes; otherwise the digit-pairs model
 MODEL_CONFIGS["vit-glyphs"] = dataclasses.replace(
     MODEL_CONFIGS["vit-digit-pairs"], name="vit-glyphs", num_classes=64

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from tracevq.errors import ConfigError
+from tracevq.method_table import METHODS, exact_methods
 from tracevq.methods import Method
 from tracevq.models import RemoteKV, RemoteRows
 from tracevq.partition import partition_ranges
@@ -42,9 +43,10 @@ class DeviceRun:
         peer_names: dict[int, str] | None = None,
     ):
         """`peer_names` name the peers in errors about their messages (default "device p")."""
-        if method.name == "single" and devices > 1:
+        if not method.spec.exchanges and devices > 1:
+            exact = " or ".join(repr(m) for m in exact_methods() if METHODS[m].exchanges)
             raise ConfigError(
-                f"method 'single' runs on one device, not {devices}: use 'voltage' for the "
+                f"method {method.name!r} runs on one device, not {devices}: use {exact} for the "
                 "exact sequence-parallel run (it sends and counts its payload)",
                 "devices",
             )

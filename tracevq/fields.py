@@ -1,6 +1,6 @@
 """Naming a field of a nested pydantic model in an error: its path as text, and the model
 that owns the fields at a path (for a "did you mean" among its keys). Shared by the study
-settings (`tracevq.train.settings`) and the testbed's files (`testbed.experiment.strict`).
+settings (`accuracy.settings`) and the testbed's files (`testbed.experiment.strict`).
 """
 
 from __future__ import annotations

@@ -16,16 +16,17 @@ from pathlib import Path
 
 import torch
 
-from tracevq.bundle import FAMILIES, Bundle, fit_bundle
+from tracevq.bundle import Bundle, fit_bundle
 from tracevq.checkpoint import load_checkpoint
 from tracevq.errors import TraceError
+from tracevq.method_table import codebook_methods
 from tracevq.models import build_model
 
 
 def fit_random_calibration(
     model_name: str,
     K: int,
-    families: tuple[str, ...] = tuple(FAMILIES),
+    families: tuple[str, ...] | None = None,
     *,
     model_seed: int = 0,
     checkpoint: str | Path | None = None,
@@ -37,7 +38,8 @@ def fit_random_calibration(
     progress: Callable[[int, int], None] | None = None,
 ) -> Bundle:
     """The bundle of `model_name` (seeded weights, or the checkpoint's) fitted on
-    `calibration_inputs` standard-normal inputs drawn with `seed`."""
+    `calibration_inputs` standard-normal inputs drawn with `seed`; `families`: the codebook
+    methods to fit (None: every one of the method table)."""
     model = build_model(model_name, seed=model_seed)
     if checkpoint:
         load_checkpoint(model, checkpoint, ema=checkpoint_ema)
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="model configuration name, e.g. vit-tiny")
     parser.add_argument("--K", type=int, required=True, help="codebook size")
     parser.add_argument("--out", type=Path, required=True, help="bundle file to write")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    families = codebook_methods()
+    parser.add_argument("--families", nargs="+", default=families, choices=families)
     parser.add_argument("--calibration-inputs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

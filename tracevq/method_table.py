@@ -1,13 +1,16 @@
 """The exchange methods, one entry each. Pure Python (no torch).
 
 An entry says what a method is called, which parameters it takes, how many bits it puts on the
-wire per layer, whether it reads codebooks (its family in a bundle is its name), whether it
-speaks Trace's wire format (a header byte, then indices at a tree level), and which class
-implements it. Everything that knows the methods reads this table: `tracevq.spec` (names and
-parameters), `tracevq.payload` (bits per layer), `tracevq.methods.make_method` (the class),
-the accuracy study's tables, and the testbed's schema (through `tracevq.spec`) and figures
-(this table's order is the order of every table and figure). Adding a method is its module and
-one entry here.
+wire per layer, what its codebooks quantise if it reads any (its family in a bundle is its
+name), whether it exchanges at all, whether it loses no precision, whether it speaks Trace's
+wire format (a header byte, then indices at a tree level, with live levels) and at which
+placement by default, and which class implements it. Everything that knows the methods reads
+this table: `tracevq.spec` (names and parameters), `tracevq.payload` (bits per layer),
+`tracevq.bundle` (what each family's codebooks are fitted on), `tracevq.methods.make_method`
+(the class, which also owns the method's differentiable receiver view), the accuracy study's
+settings and tables, and the testbed's schema (through `tracevq.spec`) and figures (this
+table's order is the order of every table and figure). Adding a method is its module and one
+entry here.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from tracevq.codec import HEADER_BYTES, index_bits
 
@@ -38,16 +41,42 @@ class Parameters(Protocol):
 
 # what a device sends for one layer: (parameters, its tokens, model width, batch) -> bits
 MessageBits = Callable[[Parameters, int, int, int], int]
+# what a codebook method's exchange point b quantises: the block input X^(b), the
+# post-attention residual Z^(b-1) or the attention update Z^(b-1) - X^(b-1) (VQ_0: X^(0))
+Quantises = Literal["inputs", "residuals", "updates"]
+QUANTISED = {"inputs": "the block input X", "residuals": "Z", "updates": "the update Z - X"}
 
 
 @dataclass(frozen=True)
 class MethodEntry:
+    """One exchange method.
+
+    Attributes:
+        name: what experiments and studies call it.
+        accepts: its parameters, beyond its name.
+        message_bits: the bits one device sends for one layer.
+        implementation: "module:Class", imported by `implementation_class`.
+        quantises: what its codebooks quantise; None: it reads no codebooks.
+        exchanges: False for a method that runs on one device and sends nothing.
+        exact: True when its logits are the single-device model's (no loss of precision).
+        trace: Trace's wire format (a header byte, indices at a live tree level) and overlap.
+        default_placement: Trace's Table VI case when none is given (tracevq.placement).
+    """
+
     name: str
-    accepts: tuple[str, ...]  # its parameters, beyond its name
+    accepts: tuple[str, ...]
     message_bits: MessageBits
-    implementation: str  # "module:Class", imported by `implementation_class`
-    codebooks: bool = False
+    implementation: str
+    quantises: Quantises | None = None
+    exchanges: bool = True
+    exact: bool = False
     trace: bool = False
+    default_placement: str | None = None
+
+    @property
+    def codebooks(self) -> bool:
+        """Whether the method reads codebooks (a bundle's family of its name)."""
+        return self.quantises is not None
 
     def implementation_class(self) -> type:
         """The class that implements the method (importing it imports torch)."""
@@ -78,8 +107,15 @@ def _level_indices(spec: Parameters, tokens: int, dim: int, batch: int) -> int:
 METHODS: dict[str, MethodEntry] = {
     entry.name: entry
     for entry in (
-        MethodEntry("single", (), _nothing, "tracevq.methods.baselines:Voltage"),
-        MethodEntry("voltage", (), _activations, "tracevq.methods.baselines:Voltage"),
+        MethodEntry(
+            "single",
+            (),
+            _nothing,
+            "tracevq.methods.baselines:Voltage",
+            exchanges=False,
+            exact=True,
+        ),
+        MethodEntry("voltage", (), _activations, "tracevq.methods.baselines:Voltage", exact=True),
         MethodEntry(
             "prism", ("segment", "mean_bits"), _segment_means, "tracevq.methods.baselines:Prism"
         ),
@@ -88,23 +124,25 @@ METHODS: dict[str, MethodEntry] = {
             ("K", "packed", "dedup"),
             _codeword_indices,
             "tracevq.methods.baselines:Astra",
-            codebooks=True,
+            quantises="inputs",
         ),
         MethodEntry(
             "trace-nb",
             ("K", "level_k", "level_min_k", "dedup", "placement", "remote_ffn", "search_beam"),
             _level_indices,
-            "tracevq.methods.trace:TraceMethod",
-            codebooks=True,
+            "tracevq.methods.trace:TraceNB",
+            quantises="updates",
             trace=True,
+            default_placement="1 A.i",
         ),
         MethodEntry(
             "trace-b",
             ("K", "level_k", "level_min_k", "buffers", "dedup", "placement", "search_beam"),
             _level_indices,
-            "tracevq.methods.trace:TraceMethod",
-            codebooks=True,
+            "tracevq.methods.trace:TraceB",
+            quantises="residuals",
             trace=True,
+            default_placement="2 B",
         ),
     )
 }
@@ -113,3 +151,18 @@ METHODS: dict[str, MethodEntry] = {
 def codebook_methods() -> list[str]:
     """The methods that read codebooks, in the table's order."""
     return [name for name, entry in METHODS.items() if entry.codebooks]
+
+
+def trace_methods() -> list[str]:
+    """The Trace methods (tree levels, Trace's wire format), in the table's order."""
+    return [name for name, entry in METHODS.items() if entry.trace]
+
+
+def exact_methods() -> list[str]:
+    """The methods without any loss of precision, in the table's order."""
+    return [name for name, entry in METHODS.items() if entry.exact]
+
+
+def methods_accepting(parameter: str) -> list[str]:
+    """The methods that take `parameter`, in the table's order."""
+    return [name for name, entry in METHODS.items() if parameter in entry.accepts]

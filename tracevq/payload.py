@@ -26,12 +26,13 @@ def payload_bits(
 ) -> list[int]:
     """Payload bits per layer for each device rank (one copy, as in the paper's Table II).
 
-    A single device sends nothing; `single` at more than one device is refused.
+    A single device sends nothing; a method that does not exchange (`single`) is refused at
+    more than one device.
     """
     config = model if isinstance(model, ModelConfig) else model_config(model)
     spec = method_spec(method, **params)
-    if spec.name == "single" and devices > 1:
-        raise ConfigError(f"method 'single' runs on one device, not {devices}", "devices")
+    if not spec.exchanges and devices > 1:
+        raise ConfigError(f"method {spec.name!r} runs on one device, not {devices}", "devices")
     sizes = partition_sizes(config.tokens, devices)
     if devices == 1:
         return [0]

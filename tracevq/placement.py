@@ -14,7 +14,12 @@ Each case answers three questions about the receiver's quantised copy of a peer'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+from tracevq.method_table import METHODS
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,8 @@ class Placement:
     Attributes:
         name: the paper's label ("1 A.i").
         method: the method whose codebooks it uses: "trace-nb" (pre-residual VQ, codes the
-            update A) or "trace-b" (post-residual VQ, codes Z).
+            update A) or "trace-b" (post-residual VQ, codes Z). Each method's default case is
+            its entry's `default_placement` (tracevq.method_table).
         first_kv: block 0's remote K/V from the exact X^(0) or from the VQ_0 codeword.
         first_residual: what block 0's update is added to (pre-residual cases only).
         carries_residual: each later update is added to the copy's previous state
@@ -33,7 +39,7 @@ class Placement:
     """
 
     name: str
-    method: Literal["trace-b", "trace-nb"]
+    method: str
     first_kv: Literal["exact", "vq0"]
     first_residual: Literal["exact", "vq0", "none"] | None
     carries_residual: bool | None
@@ -60,8 +66,22 @@ PLACEMENTS: dict[str, Placement] = {
         Placement("2 B", "trace-b", "vq0", None, None, (90.51, 89.90)),
     )
 }
-DEFAULT_PLACEMENT = {"trace-nb": "1 A.i", "trace-b": "2 B"}
 
 
 def placements_of(method: str) -> list[str]:
     return [name for name, p in PLACEMENTS.items() if p.method == method]
+
+
+def at_default_placement(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of an accuracy table (the study's `results.csv` or `table7_levels.csv`: a
+    `method` column, `placement` and `remote_ffn` where the study ran placements) of methods
+    without a placement, and of Trace at its method's default one without the receiver's FFN.
+    Takes the frame as it is: the library itself does not need pandas."""
+    if "placement" not in frame:
+        return frame
+    defaults = {n: e.default_placement for n, e in METHODS.items() if e.default_placement}
+    default = frame["method"].map(defaults)
+    plain = True  # without a remote_ffn column no row ran the receiver's FFN
+    if "remote_ffn" in frame:
+        plain = frame["remote_ffn"].fillna(False) == False  # noqa: E712 - element-wise
+    return frame[frame["placement"].isna() | ((frame["placement"] == default) & plain)]

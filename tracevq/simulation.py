@@ -13,7 +13,7 @@ from torch import Tensor
 from tracevq.bundle import Bundle
 from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError
-from tracevq.methods import Method, TraceMethod, make_method
+from tracevq.methods import Method, make_method
 from tracevq.models import VisionTransformer
 
 
@@ -47,10 +47,10 @@ def simulate(
     receiver decodes at the level in the message's header)."""
     if not isinstance(method, Method):
         method = make_method(method, model, bundle, **method_params)
-    if levels is not None and (len(levels) != devices or not isinstance(method, TraceMethod)):
+    if levels is not None and (len(levels) != devices or not method.spec.is_trace):
         raise ConfigError(f"levels {list(levels)}: one per device, for a Trace method", "levels")
 
-    own_level = method.level if isinstance(method, TraceMethod) else None
+    own_level = method.level if method.spec.is_trace else None
 
     def at_level(rank: int) -> None:
         if levels is not None:

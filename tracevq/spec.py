@@ -6,8 +6,8 @@ import difflib
 from dataclasses import asdict, dataclass
 
 from tracevq.errors import ConfigError
-from tracevq.method_table import METHODS
-from tracevq.placement import DEFAULT_PLACEMENT, PLACEMENTS, Placement, placements_of
+from tracevq.method_table import METHODS, QUANTISED, MethodEntry
+from tracevq.placement import PLACEMENTS, Placement, placements_of
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,22 @@ class MethodSpec:
     search_beam: int | None = None
 
     @property
+    def entry(self) -> MethodEntry:
+        """The method's entry in the table."""
+        return METHODS[self.name]
+
+    @property
     def uses_codebooks(self) -> bool:
-        return METHODS[self.name].codebooks
+        return self.entry.codebooks
 
     @property
     def is_trace(self) -> bool:
-        return METHODS[self.name].trace
+        return self.entry.trace
+
+    @property
+    def exchanges(self) -> bool:
+        """False for a method that runs on one device and sends nothing."""
+        return self.entry.exchanges
 
     @property
     def resolved_level_k(self) -> int:
@@ -72,7 +82,7 @@ class MethodSpec:
         """Trace's Table VI case (the method's default when unset); None for other methods."""
         if not self.is_trace:
             return None
-        return PLACEMENTS[self.placement or DEFAULT_PLACEMENT[self.name]]
+        return PLACEMENTS[self.placement or self.entry.default_placement]
 
     def params(self) -> dict[str, object]:
         """Only the parameters this method accepts, for records and handshakes."""
@@ -99,8 +109,9 @@ def method_spec(name: str, **params: object) -> MethodSpec:
                 f"method {name!r}: unknown parameter {key!r}{suggestion}; accepts {allowed}",
                 field=key,
             )
-    if name in DEFAULT_PLACEMENT and params.get("placement") is None:
-        params = {**params, "placement": DEFAULT_PLACEMENT[name]}
+    default = METHODS[name].default_placement
+    if default is not None and params.get("placement") is None:
+        params = {**params, "placement": default}
     spec = MethodSpec(name=name, **params)  # type: ignore[arg-type]
     _check(spec)
     return spec
@@ -168,7 +179,7 @@ def _check_placement(spec: MethodSpec) -> None:
     if other != spec.name:
         raise ConfigError(
             f"{where}: placement {spec.placement!r} is a case of {other!r} (its VQ codes "
-            f"{'Z' if other == 'trace-b' else 'the update Z - X'}); {spec.name} takes "
+            f"{QUANTISED[METHODS[other].quantises]}); {spec.name} takes "
             f"{', '.join(map(repr, own))}",
             "placement",
         )

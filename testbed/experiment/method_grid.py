@@ -17,7 +17,7 @@ MAX_TRIALS = 10_000  # device counts x bandwidths x method variants, counted bef
 FITTED_BRANCHING = 2  # codebooks the testbed fits get a binary tree (testbed.sweep.bundles)
 FLAG_PARAMS = {f.name for f in dataclasses.fields(MethodSpec) if isinstance(f.default, bool)}
 # parameters of the testbed, not of the method: resolved into the method's own before the run
-# (level_min_accuracy: into level_k or level_min_k, testbed.results.level_accuracy)
+# (level_min_accuracy: into level_k or level_min_k, testbed.experiment.level_accuracy)
 TESTBED_PARAMS = ("level_min_accuracy",)
 
 

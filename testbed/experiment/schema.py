@@ -131,7 +131,7 @@ class BundleSection(Strict):
 class EvaluationSection(Strict):
     """Labelled inputs to run through the distributed workers: a .pt file holding
     {"inputs": (N, C, [T,] H, W), "labels": (N,)} already normalised as the model expects
-    (`python -m tracevq.train` writes one next to its checkpoint and bundle). The trials then
+    (`python -m accuracy` writes one next to its checkpoint and bundle). The trials then
     run the first `limit` inputs (all by default), cut to whole batches, instead of
     `repeats` generated inputs, and record the correct predictions."""
 
@@ -141,7 +141,7 @@ class EvaluationSection(Strict):
 
 class ReportSection(Strict):
     """What the answer and the figures set beside the measurements
-    (testbed.results.level_accuracy)."""
+    (testbed.experiment.level_accuracy)."""
 
     level_accuracy: str | None = Field(
         None,

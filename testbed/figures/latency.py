@@ -25,7 +25,7 @@ from matplotlib.patches import Patch
 from testbed.figures.common import CONFIDENCE, interval_caption, save, styles, yerr
 from testbed.results import stats
 from testbed.results.store import Results
-from testbed.results.variants import link_labels, ok_trials, variant, variant_order
+from testbed.results.variants import BASELINE, link_labels, ok_trials, variant, variant_order
 
 PARTS = [
     ("compute_ms", "compute", "#2f5d8a"),
@@ -123,9 +123,10 @@ def panel_limit(effective: np.ndarray, high: np.ndarray) -> float:
 
 
 def compression(results: Results, path: Path) -> Path | None:
-    """Voltage's payload bits per layer over each variant's, device 0, per device count."""
+    """Voltage's (the baseline's) payload bits per layer over each variant's, device 0, per
+    device count."""
     plan = results.plan
-    if plan.empty or "voltage" not in set(plan["method"]):
+    if plan.empty or BASELINE not in set(plan["method"]):
         return None
     plan = plan[plan["rank"] == 0].copy()
     plan["variant"] = variant(plan)
@@ -134,10 +135,10 @@ def compression(results: Results, path: Path) -> Path | None:
     labels, ratios, colours = [], [], []
     several = plan["devices"].nunique() > 1
     for devices in sorted(plan["devices"].unique()):
-        if (devices, "voltage") not in bits.index:
+        if (devices, BASELINE) not in bits.index:
             continue
         for name in variant_order(plan[plan["devices"] == devices]):
-            ratios.append(bits[(devices, "voltage")] / bits[(devices, name)])
+            ratios.append(bits[(devices, BASELINE)] / bits[(devices, name)])
             labels.append(f"{name} (P={devices})" if several else name)
             colours.append(style[name].colour)
     fig, ax = plt.subplots(figsize=(8, BAR_IN * len(labels) + 1.4))

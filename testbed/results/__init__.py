@@ -6,8 +6,10 @@
 - `store`: a run directory and its tables (`testbed.results.load(run_dir)`).
 - `stats`: medians with distribution-free intervals, paired ratios.
 - `variants`: the names and order of method variants that every table and figure shares.
-- `answer`: the table a run prints; `level_accuracy`: the accuracy study's top-1 of the
-  levels a run used.
+- `answer`: the table a run prints.
+
+The accuracy study's top-1 of the levels a run used is an input the experiment names, read and
+checked in `testbed.experiment.level_accuracy`.
 """
 
 from typing import Any

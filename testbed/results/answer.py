@@ -8,8 +8,8 @@ of the levels used. Over impaired links (delay, jitter, loss: `impairments`) two
 emulator lost, duplicated and reordered and TCP's retransmissions. With an accuracy study's table
 (`report.level_accuracy`), a last column gives the mean over the group's rows (every device's every
 inference) of the study's top-1 at the level each used (`level_accuracy_pct`,
-testbed.results.level_accuracy). A last line counts the inferences during which the serial emulator
-stalled, if any.
+testbed.experiment.level_accuracy). A last line counts the inferences during which the serial
+emulator stalled, if any.
 
     P=2 vit-b16 (6 repetitions)   effective ms [95% CI]      comm ms   vs voltage
     1 Mbit/s  voltage             14,210 [14,102, 14,305]     13,402       1.00x
@@ -25,9 +25,14 @@ import pandas as pd
 from testbed.results import stats
 from testbed.results.impairment_study import delay_table, hidden_delay
 from testbed.results.store import Results
-from testbed.results.variants import link_labels, ok_trials, trial_impairments, variant_order
+from testbed.results.variants import (
+    BASELINE,
+    link_labels,
+    ok_trials,
+    trial_impairments,
+    variant_order,
+)
 
-BASELINE = "voltage"
 EXTRA_WIDTH = 13
 LEVEL_ACCURACY = "top-1 % used"
 

@@ -180,8 +180,8 @@ CONTEXT = _table(
     level_accuracy_pct           float64  %       with report.level_accuracy: the accuracy study's
                                                   top-1 of this method, P and K at the level this
                                                   device used (level_k), its mean over the study's
-                                                  seeds (testbed.results.level_accuracy); empty for
-                                                  other methods
+                                                  seeds (testbed.experiment.level_accuracy);
+                                                  empty for other methods
     batch                        Int64    -       inputs per inference
     cpus                         float64  -       CPU allotment per device
     threads                      Int64    -       the worker's torch threads

@@ -10,7 +10,7 @@ columns: nothing adds to a row afterwards.
 - `HostSessionFacts`: what the worker session around the trial did: its id, wall time, each
   link's bytes, the emulator's stalls, the trace it replayed.
 The link's rates and probes are `testbed.link.links.LinkState`, the accuracy study's table
-`testbed.results.level_accuracy.LevelAccuracy`.
+`testbed.experiment.level_accuracy.LevelAccuracy`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from testbed.link.wire import tcp_frame_bytes, wire_time_s
 from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
 
 if TYPE_CHECKING:
-    from testbed.results.level_accuracy import LevelAccuracy
+    from testbed.experiment.level_accuracy import LevelAccuracy
 from testbed.results.columns import LAYER_COLUMNS, LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, Column
 
 

@@ -2,7 +2,8 @@
 and every figure: a variant is a method with its parameters ('trace-b K=1024 level_k=32'), and
 variants go in one order (`variant_order`: voltage, prism, astra, trace-nb, trace-b, each by
 decreasing tree level), so that a variant has the same place in every table and figure; a link
-is a rate with the impairments a run swept (`link_labels`).
+is a rate with the impairments a run swept (`link_labels`). Gains and compression ratios are
+taken against one method, `BASELINE`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from testbed.results.store import Results
 from tracevq.method_table import METHODS
 
 METHOD_ORDER = tuple(METHODS)  # the method table's order
+BASELINE = "voltage"  # what the answer's gains and the compression figure compare against
 
 
 def variant(frame: pd.DataFrame) -> pd.Series:

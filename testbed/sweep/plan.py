@@ -15,6 +15,7 @@ from typing import Any
 
 from testbed.errors import ConfigError
 from testbed.experiment.impairments import ImpairmentError
+from testbed.experiment.level_accuracy import load_level_accuracy, resolve_accuracy_floor
 from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
 from testbed.experiment.method_grid import method_params
 from testbed.experiment.profiles import LinkProfile, load_profile
@@ -23,7 +24,6 @@ from testbed.kernel.tbf import BIT_PER_MBIT  # tc's `mbit`, what the testbed sha
 from testbed.link.paths import PathImpairments
 from testbed.link.traces import RateTrace, load_trace
 from testbed.results.facts import PlanRow
-from testbed.results.level_accuracy import load_level_accuracy, resolve_accuracy_floor
 from tracevq.codec import index_bits
 from tracevq.config import model_config
 from tracevq.payload import exchanges, payload_bits
@@ -141,7 +141,7 @@ def link_trace(link: LinkSection) -> RateTrace:
 
 def plan_trials(experiment: Experiment) -> list[Trial]:
     """Every trial of the grid; a method's level_min_accuracy resolved, per device count,
-    into its level (testbed.results.level_accuracy.resolve_accuracy_floor)."""
+    into its level (testbed.experiment.level_accuracy.resolve_accuracy_floor)."""
     trials = []
     variants = experiment.method_variants()
     floors = any("level_min_accuracy" in variant for variant in variants)

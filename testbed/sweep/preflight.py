@@ -19,13 +19,13 @@ from testbed.backends.base import Backend
 from testbed.backends.table import BACKENDS, backend_class
 from testbed.errors import ConfigError
 from testbed.experiment.impairments import ImpairmentError
+from testbed.experiment.level_accuracy import check_covered, load_level_accuracy
 from testbed.experiment.method_grid import FITTED_BRANCHING, variant_spec
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
 from testbed.link.emulators import EMULATORS, emulator_class
 from testbed.link.paths import PathImpairments
-from testbed.results.level_accuracy import check_covered, load_level_accuracy
 from testbed.sweep.plan import (
     Trial,
     device_profiles,

@@ -22,6 +22,7 @@ import yaml
 from testbed import voice
 from testbed.backends.base import Backend, DeviceSpec
 from testbed.errors import StorageError
+from testbed.experiment.level_accuracy import load_level_accuracy
 from testbed.experiment.schema import Experiment
 from testbed.figures import make_figures
 from testbed.link.links import Links, LinkState
@@ -29,7 +30,6 @@ from testbed.link.paths import PathImpairments
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
 from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
-from testbed.results.level_accuracy import load_level_accuracy
 from testbed.results.rows import RowFacts, assemble
 from testbed.results.store import (
     combine,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tracevq.data import (
+from accuracy.data import (
     DataError,
     cifar_splits,
     digit_pairs_splits,
@@ -18,7 +18,7 @@ from tracevq.data import (
     pair_dataset,
     read_cifar_batch,
 )
-from tracevq.glyphs import glyph_pairs, glyph_prototypes, render
+from accuracy.glyphs import glyph_pairs, glyph_prototypes, render
 
 
 def test_digits_split_is_fixed_stratified_and_upsampled():
@@ -223,7 +223,7 @@ def write_idx(path, magic: int, shape: tuple[int, ...], data: bytes) -> None:
 
 
 def test_idx_files_are_read_and_checked(tmp_path):
-    from tracevq.data import DataError, read_idx
+    from accuracy.data import DataError, read_idx
 
     labels = bytes(range(10)) * 3
     write_idx(tmp_path / "l.gz", 0x801, (30,), labels)
@@ -242,7 +242,7 @@ def test_idx_files_are_read_and_checked(tmp_path):
 
 
 def test_missing_fashion_files_say_what_to_install(tmp_path):
-    from tracevq.data import DataError, fashion_splits
+    from accuracy.data import DataError, fashion_splits
 
     (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"")
     with pytest.raises(DataError) as missing:
@@ -254,7 +254,7 @@ def test_missing_fashion_files_say_what_to_install(tmp_path):
 
 def test_debians_fashion_mnist_gives_the_published_splits():
     """Needs Debian's dataset-fashion-mnist (scripts/host-setup --for-tests installs it)."""
-    from tracevq.data import FASHION_DIR, fashion_splits
+    from accuracy.data import FASHION_DIR, fashion_splits
 
     if not FASHION_DIR.is_dir():
         pytest.fail(f"{FASHION_DIR} missing: apt-get install dataset-fashion-mnist")

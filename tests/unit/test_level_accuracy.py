@@ -1,5 +1,6 @@
-"""Which rows of an accuracy study's table a run's rows match (testbed.results.level_accuracy), on
-synthetic tables in the two shapes the study writes: table7_levels.csv and results.csv."""
+"""Which rows of an accuracy study's table a run's rows match
+(testbed.experiment.level_accuracy), on synthetic tables in the two shapes the study writes:
+table7_levels.csv and results.csv."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pandas as pd
 import pytest
 
 from testbed.errors import ConfigError
+from testbed.experiment.level_accuracy import check_covered, load_level_accuracy
 from testbed.experiment.schema import parse_experiment
-from testbed.results.level_accuracy import check_covered, load_level_accuracy
 from testbed.sweep.plan import plan_trials
 from tracevq.codec import level_sizes_for
 

@@ -1,12 +1,20 @@
 """Adding a plug-in is one class and one table entry: a toy backend and a toy emulator,
 registered here and nowhere else, carry an experiment through the schema, the preflight and
-a dry run; the toy emulator's own refusal is what the preflight says."""
+a dry run; the toy emulator's own refusal is what the preflight says. A toy codebook method,
+registered the same way, runs through the simulation, the payload, the schema, a dry run, the
+accuracy study's settings and its differentiable forward."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
+from torch import Tensor
 
+import tracevq
+from accuracy.quantizer import CodebookRule, TrainingCodec
+from accuracy.settings import parse_settings
 from testbed.backends.base import Backend
 from testbed.backends.table import BACKENDS, backend_class, backend_names
 from testbed.experiment.profiles import LinkProfile
@@ -16,6 +24,14 @@ from testbed.link.emulators import EMULATORS, emulator_class
 from testbed.link.rates import LinkRates
 from testbed.run import main
 from testbed.sweep.preflight import check_experiment
+from tracevq.bundle import fit_bundle
+from tracevq.distributed import ExactCodec, distributed_logits
+from tracevq.errors import ConfigError
+from tracevq.method_table import METHODS, MethodEntry
+from tracevq.methods import Method, Receiver, ReceiverView, Sender
+from tracevq.models import RemoteKV
+from tracevq.partition import partition_sizes
+from tracevq.spec import method_spec
 
 
 class ToyBackend(Backend):
@@ -106,3 +122,115 @@ def test_without_the_entries_the_names_are_unknown(tmp_path, capsys):
     assert main([path, "--dry-run", "--out", str(tmp_path / "out")]) == 2
     line = capsys.readouterr().err.strip()
     assert line.endswith("backend: unknown backend 'toy'; known: auto, docker, local, ssh, enoslib")
+
+
+class ToyView(ReceiverView):
+    """Every receiver sees the codeword of each token's block input."""
+
+    def seen(self, block: int, x: Tensor, previous: Tensor | None, z: Tensor | None) -> Tensor:
+        return self.codec(block, x)
+
+
+class ToySender(Sender):
+    def __init__(self, method: ToyVQ):
+        self.method = method
+
+    def pre_block(self, block: int, x: Tensor) -> bytes:
+        indices = self.method.quantizers[block].nearest(x).reshape(-1)
+        return indices.numpy().astype("<u2").tobytes()
+
+
+class ToyReceiver(Receiver):
+    def __init__(self, method: ToyVQ, peer: int, tokens: int, batch: int):
+        self.method, self.peer, self.shape = method, peer, (batch, tokens)
+
+    def remote_kv(self, block: int, message: bytes | None) -> RemoteKV:
+        assert message is not None
+        self.check_length(message, 2 * self.shape[0] * self.shape[1], self.method.name, block)
+        indices = np.frombuffer(message, dtype="<u2").astype(np.int64)
+        self.check_indices(indices, self.method.spec.K, self.method.name, block)
+        rows = torch.from_numpy(indices).reshape(self.shape)
+        x = self.method.quantizers[block].decode(rows)  # (B, n, D)
+        return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
+
+
+class ToyVQ(Method):
+    """The nearest codeword of each block input, as 16-bit indices."""
+
+    view_class = ToyView
+
+    def __init__(self, spec, model, quantizers, trees):
+        super().__init__(spec, model)
+        self.quantizers = quantizers
+
+    def sender(self, rank: int, tokens: int, batch: int) -> Sender:
+        return ToySender(self)
+
+    def receiver(self, peer: int, tokens: int, batch: int) -> Receiver:
+        return ToyReceiver(self, peer, tokens, batch)
+
+
+TOY_METHOD = MethodEntry(
+    "toy-vq",
+    ("K",),
+    lambda spec, tokens, dim, batch: 16 * tokens * batch,
+    f"{__name__}:ToyVQ",
+    quantises="inputs",
+)
+
+
+@pytest.fixture
+def toy_method(monkeypatch):
+    monkeypatch.setitem(METHODS, TOY_METHOD.name, TOY_METHOD)
+
+
+def test_a_registered_method_runs_simulated_and_in_the_differentiable_forward(toy_method):
+    model = tracevq.build_model("vit-tiny", seed=4)
+    generator = torch.Generator().manual_seed(1)
+    calibration = torch.randn(model.config.input_shape(8), generator=generator)
+    bundle = fit_bundle(model, calibration, K=16, families=("toy-vq",))
+    inputs = torch.randn(model.config.input_shape(2), generator=generator)
+
+    result = tracevq.simulate(model, inputs, "toy-vq", 3, bundle=bundle, K=16)
+    sizes = partition_sizes(model.config.tokens, 3)
+    assert tracevq.payload_bits("vit-tiny", "toy-vq", 3, K=16) == [16 * n for n in sizes]
+    assert list(result.payload_bits_per_layer) == [16 * 2 * n for n in sizes]  # batch 2
+    assert list(result.wire_bytes[0]) == [2 * 2 * n for n in sizes]
+
+    spec = method_spec("toy-vq", K=16)
+    with torch.no_grad():
+        mine = distributed_logits(model, inputs, 3, spec, ExactCodec(bundle.quantizers["toy-vq"]))
+    torch.testing.assert_close(mine, result.logits, atol=1e-5, rtol=1e-5)
+    assert (mine - model(inputs)).abs().max() > 1e-3  # the codebooks do change the logits
+
+    codec = TrainingCodec(bundle.quantizers["toy-vq"], CodebookRule())
+    tuned = tracevq.build_model("vit-tiny", seed=4).train()
+    (distributed_logits(tuned, inputs, 2, spec, codec).sum() + codec.loss()).backward()
+    assert tuned.patch_embed.proj.weight.grad.abs().sum() > 0  # through the codewords
+
+
+def test_a_registered_method_is_a_study_choice_and_an_experiments(toy_method, toys, tmp_path):
+    settings = parse_settings({"name": "x", "codebooks": {"families": ["toy-vq"]}})
+    assert settings.codebooks.families == ["toy-vq"]
+    path = tmp_path / "toy.yaml"
+    path.write_text(
+        "name: toy\nmodel: {name: vit-tiny}\nbackend: toy\n"
+        "link: {bandwidth_mbit: [1]}\n"
+        "methods: [{name: voltage}, {name: toy-vq, K: 16}]\n"
+    )
+    experiment = load_experiment(str(path))
+    assert [m["name"] for m in experiment.methods] == ["voltage", "toy-vq"]
+    out = tmp_path / "out"
+    assert main([str(path), "--dry-run", "--out", str(out)]) == 0
+    (plan,) = out.glob("toy/*/plan.csv")
+    rows = pd.read_csv(plan)
+    toy = rows[rows["method"] == "toy-vq"]
+    sizes = partition_sizes(tracevq.model_config("vit-tiny").tokens, 2)
+    assert sorted(toy["payload_bits_per_layer"]) == sorted(16 * n for n in sizes)
+
+
+def test_without_its_entry_the_method_is_unknown():
+    with pytest.raises(ConfigError, match="unknown method 'toy-vq'"):
+        method_spec("toy-vq", K=16)
+    with pytest.raises(ConfigError, match=r"codebooks\.families: 'toy-vq' is not a codebook"):
+        parse_settings({"name": "x", "codebooks": {"families": ["toy-vq"]}}, "study.yaml")

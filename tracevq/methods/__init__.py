@@ -6,12 +6,23 @@ from __future__ import annotations
 from tracevq.bundle import Bundle
 from tracevq.errors import ConfigError
 from tracevq.method_table import METHODS
-from tracevq.methods.base import Method, Receiver, Sender
-from tracevq.methods.trace import TraceMethod, auto_level
+from tracevq.methods.base import Codec, Method, Receiver, ReceiverView, Sender
+from tracevq.methods.trace import TraceB, TraceMethod, TraceNB, auto_level
 from tracevq.models import VisionTransformer
 from tracevq.spec import MethodSpec, method_spec
 
-__all__ = ["Method", "Sender", "Receiver", "make_method", "auto_level", "TraceMethod"]
+__all__ = [
+    "Method",
+    "Sender",
+    "Receiver",
+    "ReceiverView",
+    "Codec",
+    "make_method",
+    "auto_level",
+    "TraceMethod",
+    "TraceB",
+    "TraceNB",
+]
 
 
 def make_method(

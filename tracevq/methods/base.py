@@ -21,17 +21,23 @@ each inference a device makes one `Sender` and, per peer, one `Receiver`:
 
 Messages are the exact bytes that cross the link; their size follows from the method, the
 sender's token count and batch, and (for Trace) the header byte, so no length prefix is needed.
+
+A method also owns its receivers' view as one differentiable computation (`ReceiverView`,
+made by `Method.receiver_view`): what the accuracy study's P-device forward
+(`tracevq.distributed`) trains through, equal to the bytes' path in evaluation.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from tracevq.errors import ProtocolError
+from tracevq.errors import ConfigError, ProtocolError
+from tracevq.method_table import METHODS
 from tracevq.models import RemoteKV, RemoteRows, VisionTransformer
 from tracevq.payload import message_bits
 from tracevq.spec import MethodSpec
@@ -88,10 +94,35 @@ class Receiver(abc.ABC):
             raise self.refuse(f"{method} message", block, f"{bad} values are not finite (NaN/inf)")
 
 
+# the codewords of exchange point b for rows x (..., D) -> (..., D): straight-through in
+# training, chosen as the byte-exact methods choose them in evaluation (tracevq.distributed)
+Codec = Callable[[int, Tensor], Tensor]
+
+
+class ReceiverView:
+    """What the receivers stand every remote token on, block by block, in one autograd graph.
+
+    `seen(b, x, previous, z)` gets the exact block input x = X^(b) of every token (B, N, D)
+    and, for b > 0, the previous block's input X^(b-1) and post-attention residual Z^(b-1);
+    it returns the block input every peer rebuilds of each token (B, N, D), whose LN1 and K/V
+    projection the peers attend over. Every receiver rebuilds a token the same way, so one view
+    serves them all; a view may keep state from block to block, so it serves one forward pass.
+    This one is exact: the block input itself (Voltage, and the single-device model).
+    """
+
+    def __init__(self, spec: MethodSpec, model: VisionTransformer, codec: Codec | None):
+        self.spec, self.model, self.codec = spec, model, codec
+
+    def seen(self, block: int, x: Tensor, previous: Tensor | None, z: Tensor | None) -> Tensor:
+        return x
+
+
 class Method(abc.ABC):
     """A sequence-parallel exchange method bound to a model (and its codebooks)."""
 
     header_bytes = 0  # bytes to read before the message size is known
+    # the receivers' differentiable view (`receiver_view`); None: the method has none
+    view_class: type[ReceiverView] | None = None
 
     def __init__(self, spec: MethodSpec, model: VisionTransformer):
         self.spec = spec
@@ -134,3 +165,24 @@ class Method(abc.ABC):
     def describe(self) -> dict[str, object]:
         """Parameters and derived facts for records (level, bits, buffer memory ...)."""
         return {"method": self.name, **self.spec.params()}
+
+    @classmethod
+    def receiver_view(
+        cls, spec: MethodSpec, model: VisionTransformer, codec: Codec | None = None
+    ) -> ReceiverView:
+        """A fresh view of the method's receivers for one differentiable forward pass, with
+        `codec` choosing codewords; refused for a method without one (Prism: a mean stands
+        for a group of tokens, not for each)."""
+        if cls.view_class is None:
+            viewable = [
+                name
+                for name, entry in METHODS.items()
+                if entry.implementation_class().view_class is not None
+            ]
+            raise ConfigError(
+                f"no differentiable forward for {spec.name!r}; choose from {', '.join(viewable)}",
+                "name",
+            )
+        if spec.uses_codebooks and codec is None:
+            raise ConfigError(f"{spec.name!r} needs its codebooks (a codec)")
+        return cls.view_class(spec, model, codec)

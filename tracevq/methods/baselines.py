@@ -1,6 +1,7 @@
 """The comparison methods: Voltage (full activations), Prism (segment means), Astra (VQ of the
 block input, projection at the receiver). None of them can overlap: their message is needed
-before the block's attention."""
+before the block's attention. Their receivers' differentiable views: Voltage's is the exact
+block input, Astra's the codeword of it; Prism has none."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 
 from tracevq.codec import index_bits, pack_indices, unpack_indices
-from tracevq.methods.base import Method, Receiver, Sender
+from tracevq.methods.base import Method, Receiver, ReceiverView, Sender
 from tracevq.models import RemoteKV, RemoteRows, VisionTransformer
 from tracevq.spec import MethodSpec
 from tracevq.tree import CodebookTree
@@ -37,14 +38,16 @@ class VoltageReceiver(Receiver):
         self.method, self.peer, self.shape = method, peer, (batch, tokens, method.dim)
 
     def remote_kv(self, block: int, message: bytes) -> RemoteKV:
-        self.check_length(message, 4 * math.prod(self.shape), "voltage", block)
+        self.check_length(message, 4 * math.prod(self.shape), self.method.name, block)
         x = bytes_tensor(message, np.dtype("<f4"), self.shape)  # (B, n, D)
-        self.check_finite(x, "voltage", block)
+        self.check_finite(x, self.method.name, block)
         return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
 
 
 class Voltage(Method):
     """Sends the block input X_p in fp32; receivers run LN1 and the K/V projection."""
+
+    view_class = ReceiverView  # the exact block input
 
     def __init__(self, spec: MethodSpec, model: VisionTransformer):
         super().__init__(spec, model)
@@ -77,9 +80,9 @@ class PrismReceiver(Receiver):
 
     def remote_kv(self, block: int, message: bytes) -> RemoteKV:
         expected = self.method.dtype.itemsize * math.prod(self.shape)
-        self.check_length(message, expected, "prism", block)
+        self.check_length(message, expected, self.method.name, block)
         means = bytes_tensor(message, self.method.dtype, self.shape)  # (B, groups, D)
-        self.check_finite(means, "prism", block)
+        self.check_finite(means, self.method.name, block)
         k, v = self.method.model.blocks[block].attn.kv_heads(means)
         return RemoteKV(k, v, self.bias)
 
@@ -114,10 +117,10 @@ class AstraReceiver(Receiver):
         self.expected_bytes = method.message_bytes(tokens, batch)
 
     def remote_kv(self, block: int, message: bytes) -> RemoteKV | RemoteRows:
-        self.check_length(message, self.expected_bytes, "astra", block)
+        self.check_length(message, self.expected_bytes, self.method.name, block)
         array = self.method.unpack(message, math.prod(self.shape))
         # 16-bit words, or packed at ceil(log2 K) bits: either can hold an index >= K
-        self.check_indices(array, self.method.spec.K, "astra", block)
+        self.check_indices(array, self.method.spec.K, self.method.name, block)
         indices = torch.from_numpy(array).reshape(self.shape)
         if self.method.spec.dedup:
             return RemoteRows(indices)
@@ -125,8 +128,18 @@ class AstraReceiver(Receiver):
         return RemoteKV(*self.method.model.blocks[block].remote_kv(x))
 
 
+class CodewordView(ReceiverView):
+    """Astra's receivers see the codeword of the block input X^(b), at every block."""
+
+    def seen(self, block: int, x: Tensor, previous: Tensor | None, z: Tensor | None) -> Tensor:
+        assert self.codec is not None, "receiver_view checks the codec"
+        return self.codec(block, x)
+
+
 class Astra(Method):
     """Sends the index of the nearest codeword of X_p; receivers project the codeword."""
+
+    view_class = CodewordView
 
     def __init__(
         self,

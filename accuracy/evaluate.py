@@ -3,7 +3,8 @@ workers would exchange, so these figures are the deployed accuracy, not a traini
 
 One row per (method, devices, K, tree level, tree metric). Trace methods are evaluated at every
 level of the codebook tree (the level changes nothing but the encoder's search set: see
-docs/method.md, Codebook tree and levels), with each hierarchy metric for trace-b (Table VII);
+docs/method.md, Codebook tree and levels), with each hierarchy metric for the families of
+`finetune.metric_families` (trace-b: Table VII);
 the finest level is the full codebook and does not depend on the metric. Each row also carries
 the payload bits one device (device 0) sends per layer for one image, to set accuracy against
 communication.
@@ -16,13 +17,14 @@ from collections.abc import Iterable
 import torch
 
 import tracevq
+from accuracy.data import Dataset
+from accuracy.loops import accuracy
+from accuracy.settings import Settings
 from tracevq.bundle import Bundle
-from tracevq.data import Dataset
+from tracevq.method_table import METHODS, exact_methods, methods_accepting
 from tracevq.methods import Method, make_method
 from tracevq.models import VisionTransformer
 from tracevq.partition import partition_sizes
-from tracevq.train.loops import accuracy
-from tracevq.train.settings import Settings
 
 
 def simulated_accuracy(
@@ -42,7 +44,7 @@ def _with_count(rows: list[dict[str, object]], test: Dataset) -> list[dict[str, 
 
 def _row(method: Method, devices: int, value: float, **extra: object) -> dict[str, object]:
     tokens = partition_sizes(method.model.config.tokens, devices)[0]
-    bits = method.payload_bits(tokens, 1) if devices > 1 and method.name != "single" else 0
+    bits = method.payload_bits(tokens, 1) if devices > 1 and method.spec.exchanges else 0
     return {
         "method": method.name,
         "devices": devices,
@@ -55,27 +57,31 @@ def _row(method: Method, devices: int, value: float, **extra: object) -> dict[st
 def evaluate_exact(
     model: VisionTransformer, test: Dataset, settings: Settings
 ) -> list[dict[str, object]]:
-    """single (P = 1) and voltage (each P): the methods without any loss of precision."""
+    """The methods without any loss of precision: single (P = 1) and voltage (each P)."""
     size = settings.evaluation.batch_size
-    single = make_method("single", model)
-    rows = [_row(single, 1, simulated_accuracy(model, single, 1, test, size))]
-    for devices in settings.evaluation.devices:
-        voltage = make_method("voltage", model)
-        rows.append(_row(voltage, devices, simulated_accuracy(model, voltage, devices, test, size)))
+    rows = []
+    for name in exact_methods():
+        method = make_method(name, model)
+        counts = settings.evaluation.devices if METHODS[name].exchanges else [1]
+        for devices in counts:
+            value = simulated_accuracy(model, method, devices, test, size)
+            rows.append(_row(method, devices, value))
     return _with_count(rows, test)
 
 
 def evaluate_baselines(
     model: VisionTransformer, test: Dataset, settings: Settings
 ) -> list[dict[str, object]]:
-    """single, voltage and prism (each segment size) on the base model."""
+    """single, voltage and the methods with segments, prism (each segment size of
+    `evaluation.prism_segments`), on the base model."""
     evaluation, size = settings.evaluation, settings.evaluation.batch_size
     rows = evaluate_exact(model, test, settings)
     for devices in evaluation.devices:
-        for segment in evaluation.prism_segments:
-            prism = make_method("prism", model, segment=segment)
-            value = simulated_accuracy(model, prism, devices, test, size)
-            rows.append(_row(prism, devices, value, segment=segment))
+        for name in methods_accepting("segment"):
+            for segment in evaluation.prism_segments:
+                method = make_method(name, model, segment=segment)
+                value = simulated_accuracy(model, method, devices, test, size)
+                rows.append(_row(method, devices, value, segment=segment))
     for row in rows:
         row.update(variant="base", seed=-1)
     return _with_count(rows, test)
@@ -109,7 +115,7 @@ def evaluate_family(
         levels: Iterable[int] = range(tree.num_levels) if sweep else [tree.finest]
         for devices in evaluation.devices:
             for level in levels:
-                if family != "astra":
+                if method.spec.is_trace:  # a method with levels encodes at this one
                     method.set_level(level)
                 value = simulated_accuracy(model, method, devices, test, evaluation.batch_size)
                 extra = {

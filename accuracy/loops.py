@@ -11,10 +11,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from tracevq.data import Dataset
+from accuracy.data import Dataset
+from accuracy.quantizer import TrainingCodec
+from accuracy.settings import BaseSection, FinetuneSection
+from tracevq.distributed import distributed_logits
 from tracevq.models import VisionTransformer
-from tracevq.train.distributed import TrainingCodec, distributed_logits
-from tracevq.train.settings import BaseSection, FinetuneSection
+from tracevq.spec import MethodSpec
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +104,16 @@ def train_base(
 def finetune(
     model: VisionTransformer,
     codec: TrainingCodec,
-    family: str,
+    method: MethodSpec,
     train: Dataset,
     section: FinetuneSection,
     augment: BaseSection,
     seed: int,
     progress: bool = False,
-    params: dict[str, object] | None = None,
 ) -> list[float]:
-    """Fine-tune model and codebooks in the differentiable P-device forward (Trace with the
-    method `params` placement and remote_ffn, defaults when absent); P alternates over
-    `section.devices` step by step. Returns the loss of every step."""
+    """Fine-tune model and codebooks in the differentiable P-device forward of `method` (a
+    Trace method at its placement, with its remote_ffn); P alternates over `section.devices`
+    step by step. Returns the loss of every step."""
     generator = torch.Generator().manual_seed(seed)
     parameters = [*model.parameters(), *codec.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=section.lr, weight_decay=section.weight_decay)
@@ -120,13 +121,13 @@ def finetune(
     codec.train()
     data = endless_batches(train, section.batch_size, generator)
     losses = []
-    bar = tqdm(range(section.steps), desc=f"fine-tune {family}", disable=not progress)
+    bar = tqdm(range(section.steps), desc=f"fine-tune {method.name}", disable=not progress)
     for step in bar:
         images, labels = next(data)
         set_lr(optimizer, section.lr * cosine_lr(step, section.steps, section.steps // 10 + 1))
         devices = section.devices[step % len(section.devices)]
         images = augmented(images, augment, generator)
-        logits = distributed_logits(model, images, devices, family, codec, **(params or {}))
+        logits = distributed_logits(model, images, devices, method, codec)
         task = F.cross_entropy(logits, labels, label_smoothing=augment.label_smoothing)
         loss = task + codec.loss()
         optimizer.zero_grad(set_to_none=True)

@@ -8,16 +8,12 @@ import torch
 import torch.nn.functional as F
 
 import tracevq
+from accuracy.quantizer import CodebookRule, TrainableQuantizer, TrainingCodec
 from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
 from tracevq.checkpoint import load_checkpoint
+from tracevq.distributed import ExactCodec, distributed_logits, remote_kv_error
 from tracevq.errors import ConfigError
-from tracevq.train.distributed import (
-    ExactCodec,
-    TrainingCodec,
-    distributed_logits,
-    remote_kv_error,
-)
-from tracevq.train.quantizer import CodebookRule, TrainableQuantizer
+from tracevq.method_table import METHODS
 from tracevq.tree import build_tree
 from tracevq.vq import VectorQuantizer
 
@@ -43,6 +39,11 @@ def inputs(model):
     return torch.randn(model.config.input_shape(4), generator=torch.Generator().manual_seed(2))
 
 
+def _codec(family, quantizers, trees, level=None):
+    """The exact codec of `family`: with its trees where the method has levels."""
+    return ExactCodec(quantizers, trees if METHODS[family].trace else None, level)
+
+
 def _simulated(model, inputs, family, devices, bundle, level=None):
     params = {"K": bundle.K}
     if level is not None:
@@ -55,9 +56,7 @@ def _simulated(model, inputs, family, devices, bundle, level=None):
 def test_eval_forward_equals_simulate(model, bundle, inputs, family, devices):
     quantizers, trees = bundle.family(family)
     with torch.no_grad():
-        mine = distributed_logits(
-            model, inputs, devices, family, ExactCodec(family, quantizers, trees)
-        )
+        mine = distributed_logits(model, inputs, devices, family, _codec(family, quantizers, trees))
     expected = _simulated(model, inputs, family, devices, bundle)
     torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-5)
     assert (mine - model(inputs)).abs().max() > 1e-3  # the codebooks do change the logits
@@ -80,7 +79,7 @@ def test_eval_forward_equals_simulate_at_every_placement(
             inputs,
             3,
             family,
-            ExactCodec(family, quantizers, trees),
+            _codec(family, quantizers, trees),
             placement=placement,
             **extra,
         )
@@ -93,7 +92,7 @@ def test_eval_forward_equals_simulate_at_every_placement(
 @pytest.mark.parametrize("family", ["trace-b", "trace-nb"])
 def test_eval_forward_equals_simulate_at_a_coarse_level(model, bundle, inputs, family):
     quantizers, trees = bundle.family(family)
-    codec = ExactCodec(family, quantizers, trees, level=1)
+    codec = _codec(family, quantizers, trees, level=1)
     with torch.no_grad():
         mine = distributed_logits(model, inputs, 3, family, codec)
     torch.testing.assert_close(mine, _simulated(model, inputs, family, 3, bundle, level=1))
@@ -113,9 +112,7 @@ def test_training_forward_in_eval_mode_equals_simulate_after_finetuning(model, b
     tuned, trained = _finetuned(model, bundle, "trace-b", code_dim=None)
     quantizers, trees = trained.family("trace-b")
     with torch.no_grad():
-        mine = distributed_logits(
-            tuned, inputs, 2, "trace-b", ExactCodec("trace-b", quantizers, trees)
-        )
+        mine = distributed_logits(tuned, inputs, 2, "trace-b", _codec("trace-b", quantizers, trees))
     torch.testing.assert_close(mine, _simulated(tuned, inputs, "trace-b", 2, trained))
 
 
@@ -166,7 +163,7 @@ def test_trained_model_and_bundle_round_trip(model, bundle, inputs, tmp_path, fa
         quantizers, trees = loaded.family(family)
         with torch.no_grad():
             mine = distributed_logits(
-                loaded_model, inputs, devices, family, ExactCodec(family, quantizers, trees)
+                loaded_model, inputs, devices, family, _codec(family, quantizers, trees)
             )
         torch.testing.assert_close(mine, got, atol=1e-5, rtol=1e-5)
 
@@ -271,20 +268,20 @@ def test_finetuning_steps_reduce_the_loss(model):
 
 
 def test_remote_kv_error_is_zero_for_voltage_and_falls_with_the_level(model, inputs):
-    exact = remote_kv_error(model, inputs, 2, "voltage", ExactCodec("voltage", []))
+    exact = remote_kv_error(model, inputs, 2, "voltage", ExactCodec([]))
     assert max(exact) < 1e-5 and len(exact) == model.config.depth
     seen = inputs[:2]  # 34 token rows, fewer than K: the full codebook holds them all
     quantizers, trees = fit_bundle(model, seen, K=64, families=("trace-b",)).family("trace-b")
     coarse, fine = (
-        sum(remote_kv_error(model, seen, 2, "trace-b", ExactCodec("trace-b", quantizers, trees, m)))
+        sum(remote_kv_error(model, seen, 2, "trace-b", _codec("trace-b", quantizers, trees, m)))
         for m in (0, trees[0].finest)
     )
     assert fine < 0.1 * coarse
 
 
 def test_flips_mirror_about_half_the_images_and_leave_the_rest_as_shifted():
-    from tracevq.train.loops import augmented, shift
-    from tracevq.train.settings import BaseSection
+    from accuracy.loops import augmented, shift
+    from accuracy.settings import BaseSection
 
     images = torch.rand(400, 1, 8, 8)
     plain = shift(images, 1, torch.Generator().manual_seed(3))

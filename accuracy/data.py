@@ -10,7 +10,7 @@ Six sources, each giving float32 images (n, C, H, W) scaled to [0, 1] and int64 
   tokens in row-major order put b on another device than the CLS token, so the class depends
   on how exactly the peers' tokens cross the link. Each split of pairs is drawn only from the
   same split of the digits.
-- `glyphs`: glyph pairs (tracevq.glyphs), generated from a seed in any number: 64 classes,
+- `glyphs`: glyph pairs (accuracy.glyphs), generated from a seed in any number: 64 classes,
   test splits as large as a study's sampling error needs.
 - `cifar`: CIFAR-format python batches (`data_batch_*`, `test_batch`, or CIFAR-100's
   `train`/`test`): pickled dicts with `data` (n, 3072) uint8 and `labels` or `fine_labels`.
@@ -196,10 +196,10 @@ def glyph_pairs_splits(
     test_size: int = 60000,
     split_seed: int = 0,
 ) -> Splits:
-    """Glyph pairs (tracevq.glyphs): every split drawn from its own seed with the same
+    """Glyph pairs (accuracy.glyphs): every split drawn from its own seed with the same
     prototypes, so a test image is never a training image and the test split can be as large
     as the study's sampling error needs."""
-    from tracevq.glyphs import glyph_pairs, glyph_prototypes
+    from accuracy.glyphs import glyph_pairs, glyph_prototypes
 
     prototypes = glyph_prototypes(glyphs, 1000 * split_seed)
     classes = [f"{a}-{b}" for a in range(glyphs) for b in range(glyphs)]

@@ -1,7 +1,7 @@
 """The accuracy of the Trace levels a run used, from the accuracy study's per-level table.
 
 A run's latency says what a level costs; what it loses is measured by the accuracy study
-(`python -m tracevq.train`), which evaluates Trace at every tree level of its codebooks. An
+(`python -m accuracy`), which evaluates Trace at every tree level of its codebooks. An
 experiment names that table (`report: {level_accuracy: PATH}`), and every Trace row of its
 results gets `level_accuracy_pct`: the table's top-1 (%) at the level the inference used.
 
@@ -40,6 +40,7 @@ import yaml
 from testbed.errors import ConfigError
 from testbed.experiment.method_grid import variant_spec
 from testbed.experiment.schema import Experiment
+from tracevq.placement import at_default_placement
 
 FIELD = "report.level_accuracy"
 KEYS = ["method", "devices", "K", "level_k"]
@@ -115,8 +116,6 @@ def _read(path: str) -> pd.DataFrame:
         )
     table = table.dropna(subset=["level_k"]).rename(columns={value: "value"})
     if "placement" in table:  # a study of Table VI placements: the methods' defaults only
-        from tracevq.train.report import at_default_placement
-
         table = at_default_placement(table)
     numbers = ["devices", "level_k", "value"] + (["K"] if "K" in table else [])
     for column in numbers:

@@ -19,19 +19,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from accuracy.data import Splits
+from accuracy.evaluate import evaluate_exact, evaluate_family
+from accuracy.loops import accuracy, finetune
+from accuracy.quantizer import CodebookRule, TrainingCodec
+from accuracy.settings import Settings
 from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
-from tracevq.data import Splits
+from tracevq.distributed import ExactCodec, distributed_logits, remote_kv_error
+from tracevq.method_table import METHODS
 from tracevq.models import VisionTransformer
-from tracevq.train.distributed import (
-    ExactCodec,
-    TrainingCodec,
-    distributed_logits,
-    remote_kv_error,
-)
-from tracevq.train.evaluate import evaluate_exact, evaluate_family
-from tracevq.train.loops import accuracy, finetune
-from tracevq.train.quantizer import CodebookRule
-from tracevq.train.settings import Settings
+from tracevq.spec import MethodSpec, method_spec
 from tracevq.tree import build_tree
 from tracevq.vq import VectorQuantizer
 
@@ -59,7 +56,7 @@ class Job:
 
     @property
     def directory(self) -> str:
-        if self.family == "single":
+        if not METHODS[self.family].codebooks:  # the control: no K
             return f"seed{self.seed}/{self.family}-{self.variant}"
         slug = (self.placement or "").replace(" ", "").replace(".", "")  # "1 A.ii" -> "1Aii"
         case = (f"-{slug}" if slug else "") + ("-ffn" if self.remote_ffn else "")
@@ -70,6 +67,12 @@ class Job:
         """The placement and receiver FFN as method parameters, where the job sets them."""
         params: dict[str, object] = {} if self.placement is None else {"placement": self.placement}
         return params | ({"remote_ffn": True} if self.remote_ffn else {})
+
+    @property
+    def spec(self) -> MethodSpec:
+        """The method the job trains and evaluates (at its K when it reads codebooks)."""
+        size = {"K": self.K} if METHODS[self.family].codebooks else {}
+        return method_spec(self.family, **size, **self.method_params)
 
 
 def rule_of(settings: Settings, name: str) -> tuple[CodebookRule, int | None]:
@@ -114,7 +117,7 @@ def run_job(
 
     Returns the result rows and the job's record (validation accuracy, final training loss,
     relative error of the remote K/V per block on validation images, seconds)."""
-    if job.family == "single":
+    if not job.spec.uses_codebooks:
         return run_control(job, settings, model, splits)
     started = time.perf_counter()
     fitted = Bundle.load(settings.run_dir / fit_of(job, settings).path)
@@ -128,28 +131,18 @@ def run_job(
         rule, _ = rule_of(settings, job.variant)
         codec = TrainingCodec(quantizers, rule, seed=job.seed)
         losses = finetune(
-            model,
-            codec,
-            job.family,
-            splits.train,
-            settings.finetune,
-            settings.base,
-            job.seed,
-            params=job.method_params,
+            model, codec, job.spec, splits.train, settings.finetune, settings.base, job.seed
         )
         info["final_loss"] = sum(losses[-10:]) / max(1, len(losses[-10:]))
-        every = job.variant == default_rule and job.family == "trace-b"
+        every = job.variant == default_rule and job.family in settings.finetune.metric_families
         metrics = settings.codebooks.metrics if every else settings.codebooks.metrics[:1]
-    info["val_accuracy"] = validation_accuracy(
-        model, job.family, quantizers, splits, settings, job.method_params
-    )
+    info["val_accuracy"] = validation_accuracy(model, job.spec, quantizers, splits, settings)
     info["kv_error"] = remote_kv_error(
         model,
         splits.val.take(slice(0, 200)),
         settings.evaluation.devices[0],
-        job.family,
-        ExactCodec(job.family, quantizers),
-        **job.method_params,
+        job.spec,
+        ExactCodec(quantizers),
     )
     bundles = {
         metric: with_trees(model, job.family, quantizers, metric, settings, fitted.meta)
@@ -179,13 +172,14 @@ def run_control(
     job: Job, settings: Settings, model: VisionTransformer, splits: Splits
 ) -> tuple[list[dict[str, object]], dict[str, object]]:
     """The control for fine-tuning: the single-device model trained for the same steps with
-    the same optimiser and data, no codebooks (the exact P-device forward is the plain model).
-    Without it, gains of the fine-tuned VQ models could be extra training, not VQ adaptation."""
+    the same optimiser and data, no codebooks (the exact P-device forward, the job's method's
+    exact view, is the plain model). Without it, gains of the fine-tuned VQ models could be
+    extra training, not VQ adaptation."""
     started = time.perf_counter()
     model = copy.deepcopy(model)
     codec = TrainingCodec([], rule_of(settings, job.variant)[0])
     losses = finetune(
-        model, codec, "voltage", splits.train, settings.finetune, settings.base, job.seed
+        model, codec, job.spec, splits.train, settings.finetune, settings.base, job.seed
     )
     directory = settings.run_dir / job.directory
     directory.mkdir(parents=True, exist_ok=True)
@@ -209,19 +203,18 @@ def _bundle_name(metric: str, settings: Settings) -> str:
 
 def validation_accuracy(
     model: VisionTransformer,
-    family: str,
+    method: MethodSpec,
     quantizers: list[VectorQuantizer],
     splits: Splits,
     settings: Settings,
-    params: dict[str, object] | None = None,
 ) -> float:
     """Accuracy on the validation split at the first device count, full codebook: the figure
     for choices (steps, learning rate), so that the test split is never tuned on."""
-    codec = ExactCodec(family, quantizers)
+    codec = ExactCodec(quantizers)
     devices = settings.evaluation.devices[0]
 
     def predict(images: torch.Tensor) -> torch.Tensor:
-        return distributed_logits(model, images, devices, family, codec, **(params or {}))
+        return distributed_logits(model, images, devices, method, codec)
 
     return accuracy(predict, splits.val)
 

@@ -17,10 +17,14 @@ count; a dead code restarts on a random row of the current batch, with the mean 
 The commitment loss ||z - sg(e)||^2 pulls the encoder output z towards its codeword. With a
 d_q projection the search, the codebook and the EMA statistics live in the projected space,
 and `project_in` / `project_out` are trained by gradient.
+
+`TrainingCodec` is the codec of every exchange point in training: what the differentiable
+P-device forward (`tracevq.distributed.distributed_logits`) takes its codewords from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,3 +131,26 @@ class TrainableQuantizer(nn.Module):
         if self.codebook is not None:
             self.codebook.copy_(codebook)
         self.vq.set_codebook(codebook)
+
+
+class TrainingCodec(nn.Module):
+    """Straight-through codewords; `loss` and `update` collect and apply every exchange point."""
+
+    def __init__(self, quantizers: Sequence[VectorQuantizer], rule: CodebookRule, seed: int = 0):
+        super().__init__()
+        self.quantizers = nn.ModuleList(
+            TrainableQuantizer(vq, rule, seed + b) for b, vq in enumerate(quantizers)
+        )
+
+    def forward(self, block: int, x: Tensor) -> Tensor:
+        return self.quantizers[block](x)
+
+    def loss(self) -> Tensor:
+        return sum((q.loss for q in self.quantizers), torch.zeros(()))
+
+    def update(self) -> int:
+        return sum(q.update() for q in self.quantizers)
+
+    def sync(self) -> None:
+        for q in self.quantizers:
+            q.sync()

@@ -30,11 +30,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from tracevq.method_table import METHODS, codebook_methods  # noqa: E402
-from tracevq.placement import DEFAULT_PLACEMENT, PLACEMENTS  # noqa: E402
-from tracevq.train.settings import Settings  # noqa: E402
-
-VQ_METHODS = tuple(codebook_methods())
+from accuracy.settings import Settings  # noqa: E402
+from tracevq.method_table import METHODS, codebook_methods, exact_methods  # noqa: E402
+from tracevq.placement import PLACEMENTS, at_default_placement  # noqa: E402
 
 
 def aggregate(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -45,11 +43,11 @@ def aggregate(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def label(row: pd.Series) -> str:
-    if row["method"] in ("single", "voltage") and row["variant"] != "base":
+    if row["method"] in exact_methods() and row["variant"] != "base":
         return f"{row['method']} (fine-tuned, {row['variant']})"
-    if row["method"] == "prism":
-        return f"prism (s={int(row['segment'])})"
-    if row["method"] in VQ_METHODS:
+    if pd.notna(row.get("segment")):  # prism's rows, one per segment size
+        return f"{row['method']} (s={int(row['segment'])})"
+    if row["method"] in codebook_methods():
         variant = "k-means" if row["variant"] == "kmeans" else f"fine-tuned, {row['variant']}"
         return f"{row['method']} (K={int(row['K'])}, {variant})"
     return str(row["method"])
@@ -70,10 +68,10 @@ def _order(row: pd.Series) -> tuple:
 
 
 def method_table(frame: pd.DataFrame, main_K: int, default_rule: str) -> pd.DataFrame:
-    exact = frame["method"].isin(["single", "voltage"])
+    exact = frame["method"].isin(exact_methods())
     baseline = frame[(frame["variant"] == "base") | (exact & (frame["variant"] == default_rule))]
     vq = frame[
-        frame["method"].isin(VQ_METHODS)
+        frame["method"].isin(codebook_methods())
         & (frame["K"] == main_K)
         & (frame["finest"] == True)  # noqa: E712 - pandas element-wise comparison
         & (frame["metric"] == frame["metric"].dropna().iloc[0])
@@ -99,7 +97,7 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
     rules = list(settings.finetune.rules)
     main_K = max(settings.finetune.K) if settings.finetune.K else max(settings.codebooks.K)
     metric = settings.codebooks.metrics[0]
-    vq = frame[frame["method"].isin(VQ_METHODS)]
+    vq = frame[frame["method"].isin(codebook_methods())]
     finest = vq[(vq["finest"] == True) & (vq["metric"] == metric)]  # noqa: E712
     tables: dict[str, pd.DataFrame] = {}
     tables["table3_methods"] = method_table(frame, main_K, rules[0])
@@ -123,7 +121,7 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
     if kv_error is not None:
         kv_error.to_csv(directory / "table_kv_error.csv", index=False)
     base = frame[frame["variant"] == "base"]
-    single = float(base.loc[base["method"] == "single", "accuracy"].iloc[0])
+    single = float(base.loc[base["devices"] == 1, "accuracy"].iloc[0])  # the single device
     header = _noise_note(single, int(frame["test_images"].iloc[0]), settings.data.task)
     _write_markdown(tables, kv_error, directory / "summary.md", header)
     _plot_methods(tables["table3_methods"], single, directory / "fig_methods.png")
@@ -132,16 +130,6 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
     _plot_rules(tables["table8_rules"], single, directory / "fig_rules.png")
     if placements is not None:
         _plot_placements(placements, single, directory / "fig_placements.png")
-
-
-def at_default_placement(frame: pd.DataFrame) -> pd.DataFrame:
-    """The rows of methods without a placement, and of Trace at its default one."""
-    if "placement" not in frame:
-        return frame
-    default = frame["method"].map(DEFAULT_PLACEMENT)
-    ffn = frame["remote_ffn"] if "remote_ffn" in frame else pd.Series(False, frame.index)
-    plain = ffn.fillna(False) == False  # noqa: E712 - element-wise
-    return frame[frame["placement"].isna() | ((frame["placement"] == default) & plain)]
 
 
 def sampling_half_width(accuracy: float, images: int) -> float:

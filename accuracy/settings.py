@@ -1,6 +1,7 @@
 """The study configuration: typed, unknown keys rejected with a hint, errors naming the field
 path and the file. Loaded in one place (`load_settings`); the resolved form is saved with the
-results (`settings.yaml` in the output directory).
+results (`settings.yaml` in the output directory). The methods a field may name are the method
+table's (`tracevq.method_table`): its codebook methods, or its Trace methods.
 """
 
 from __future__ import annotations
@@ -15,10 +16,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tracevq.config import known_model_name, model_config
 from tracevq.errors import ConfigError
 from tracevq.fields import field_path, model_at
+from tracevq.method_table import codebook_methods, methods_accepting, trace_methods
 from tracevq.placement import PLACEMENTS
 
 TASKS = ("digits", "pairs", "glyphs", "cifar", "folder", "fashion")
-VQ_FAMILIES = ("astra", "trace-b", "trace-nb")
+
+
+def _among(names: list[str], choices: list[str], kind: str) -> list[str]:
+    """`names`, each one of `choices` (methods of the table, `kind` says which)."""
+    for name in names:
+        if name not in choices:
+            hint = difflib.get_close_matches(str(name), choices, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ValueError(
+                f"{name!r} is not a {kind}{suggestion}; choose from {', '.join(choices)}"
+            )
+    return names
+
+
+def _codebook_methods(names: list[str]) -> list[str]:
+    return _among(names, codebook_methods(), "codebook method")
 
 
 class Strict(BaseModel):
@@ -79,9 +96,7 @@ class RuleSection(Strict):
 
 class CodebookSection(Strict):
     K: list[int] = Field(default_factory=lambda: [64, 1024])
-    families: list[Literal["astra", "trace-b", "trace-nb"]] = Field(
-        default_factory=lambda: list(VQ_FAMILIES)
-    )
+    families: list[str] = Field(default_factory=codebook_methods)
     calibration_images: int = Field(256, ge=1)  # k-means initialisation rows come from these
     kmeans_iterations: int = Field(20, ge=1)  # Lloyd iterations after k-means++
     branching: int = Field(2, ge=2)
@@ -95,6 +110,8 @@ class CodebookSection(Strict):
     # (`remote_ffn`; at "1 B" the Trace-nb of before placements), the other reading of Table VI
     remote_ffn_placements: list[str] = Field(default_factory=list)
     evaluate_kmeans: bool = True  # False: only the fine-tuned codebooks are evaluated
+
+    _families = field_validator("families")(_codebook_methods)
 
     @field_validator("placements")
     @classmethod
@@ -124,9 +141,14 @@ class FinetuneSection(Strict):
     weight_decay: float = Field(0.05, ge=0)
     devices: list[int] = Field(default_factory=lambda: [2, 3])
     rules: dict[str, RuleSection] = Field(default_factory=lambda: {"ema": RuleSection()})
-    rule_families: list[Literal["astra", "trace-b", "trace-nb"]] = Field(
+    rule_families: list[str] = Field(
         default_factory=lambda: ["trace-b"]
     )  # families that also get every rule after the first (Table VIII)
+    metric_families: list[str] = Field(
+        default_factory=lambda: ["trace-b"]
+    )  # families whose default-rule codebooks get trees by every metric (Table VII)
+
+    _families = field_validator("rule_families", "metric_families")(_codebook_methods)
 
     @field_validator("rules")
     @classmethod
@@ -140,10 +162,15 @@ class EvaluationSection(Strict):
     devices: list[int] = Field(default_factory=lambda: [2, 3])
     prism_segments: list[int] = Field(default_factory=lambda: [2, 4])
     batch_size: int = Field(500, ge=1)
-    all_levels: list[Literal["trace-b", "trace-nb"]] = Field(
-        default_factory=lambda: ["trace-b", "trace-nb"]
-    )  # evaluated at every tree level (with every metric for trace-b)
+    all_levels: list[str] = Field(
+        default_factory=trace_methods
+    )  # evaluated at every tree level (with every metric for finetune.metric_families)
     sweep_kmeans: bool = True  # also sweep the levels of the k-means-only codebooks
+
+    @field_validator("all_levels")
+    @classmethod
+    def _trace_methods(cls, names: list[str]) -> list[str]:
+        return _among(names, trace_methods(), "Trace method (one with tree levels)")
 
     @field_validator("prism_segments")
     @classmethod
@@ -193,11 +220,12 @@ def parse_settings(data: Any, source: str = "<settings>", **overrides: Any) -> S
         raise ConfigError(f"{source}: {problems}") from None
     if settings.data.task in ("cifar", "folder") and settings.data.path is None:
         raise ConfigError(f"{source}: data.path: required for task {settings.data.task!r}")
+    with_ffn = methods_accepting("remote_ffn")
     for name in settings.codebooks.remote_ffn_placements:
-        if name not in settings.codebooks.placements or PLACEMENTS[name].method != "trace-nb":
+        if name not in settings.codebooks.placements or PLACEMENTS[name].method not in with_ffn:
             raise ConfigError(
-                f"{source}: codebooks.remote_ffn_placements: {name!r} must be a trace-nb case "
-                f"listed in codebooks.placements"
+                f"{source}: codebooks.remote_ffn_placements: {name!r} must be a "
+                f"{' or '.join(with_ffn)} case listed in codebooks.placements"
             )
     for name in settings.codebooks.placements:
         if PLACEMENTS[name].method not in settings.codebooks.families:

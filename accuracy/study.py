@@ -27,9 +27,7 @@ import torch
 from tqdm import tqdm
 
 import tracevq
-from tracevq.checkpoint import load_checkpoint
-from tracevq.config import ModelConfig
-from tracevq.data import (
+from accuracy.data import (
     Dataset,
     Splits,
     cifar_splits,
@@ -39,12 +37,15 @@ from tracevq.data import (
     folder_splits,
     glyph_pairs_splits,
 )
+from accuracy.evaluate import evaluate_baselines
+from accuracy.jobs import Fit, Job, fit_of, run_fit, run_job
+from accuracy.loops import accuracy, train_base
+from accuracy.settings import Settings, dump_settings
+from tracevq.checkpoint import load_checkpoint
+from tracevq.config import ModelConfig
+from tracevq.method_table import METHODS
 from tracevq.models import VisionTransformer
 from tracevq.placement import PLACEMENTS
-from tracevq.train.evaluate import evaluate_baselines
-from tracevq.train.jobs import Fit, Job, fit_of, run_fit, run_job
-from tracevq.train.loops import accuracy, train_base
-from tracevq.train.settings import Settings, dump_settings
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
     """Every fit and job the settings ask for, in a deterministic order. Rules beyond the
     default are tried at the main K (the largest fine-tuned one) only; a Trace family runs at
     each of its placements in `codebooks.placements` (all from one fit). With fine-tuning,
-    each seed also fine-tunes the model alone (`single`), as a control."""
+    each seed also fine-tunes the model alone (`single`: the exact method that runs on one
+    device), as a control."""
     rules = list(settings.finetune.rules)
     main_K = max(settings.finetune.K, default=0)
     fits: dict[Fit, None] = {}
@@ -168,9 +170,10 @@ def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
     for job in jobs:
         fits[fit_of(job, settings)] = None
     if main_K and settings.finetune.steps > 0:  # the control: same training, no codebooks
-        jobs.extend(Job(seed, 0, "single", rules[0]) for seed in settings.seeds)
+        control = next(n for n, e in METHODS.items() if e.exact and not e.exchanges)
+        jobs.extend(Job(seed, 0, control, rules[0]) for seed in settings.seeds)
     # longest first (fine-tuning at large K), so that no process idles at the end
-    jobs.sort(key=lambda j: (j.variant == "kmeans", j.family == "single", -j.K))
+    jobs.sort(key=lambda j: (j.variant == "kmeans", not METHODS[j.family].codebooks, -j.K))
     return list(fits), jobs
 
 

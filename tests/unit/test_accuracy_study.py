@@ -14,15 +14,15 @@ import pytest
 import torch
 
 import tracevq
+from accuracy.__main__ import main
+from accuracy.evaluate import simulated_accuracy
+from accuracy.loops import accuracy, train_base
+from accuracy.report import sampling_half_width, write_report
+from accuracy.settings import BaseSection, load_settings, parse_settings
+from accuracy.study import load_splits, plan, run_study
 from tracevq.bundle import Bundle, model_fingerprint
 from tracevq.checkpoint import load_checkpoint
 from tracevq.errors import ConfigError
-from tracevq.train.__main__ import main
-from tracevq.train.evaluate import simulated_accuracy
-from tracevq.train.loops import accuracy, train_base
-from tracevq.train.report import sampling_half_width, write_report
-from tracevq.train.settings import BaseSection, load_settings, parse_settings
-from tracevq.train.study import load_splits, plan, run_study
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -276,7 +276,7 @@ def test_pool_workers_leave_when_the_study_is_killed(tmp_path):
         "finetune: {K: [8], steps: 100000, batch_size: 16}\n"
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "tracevq.train", str(study), "--quiet"],
+        [sys.executable, "-m", "accuracy", str(study), "--quiet"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -310,6 +310,19 @@ def test_cli_reports_bad_files_without_a_traceback(tmp_path, capsys):
     assert main([str(tmp_path / "missing.yaml")]) == 2
 
 
+def test_the_old_door_runs_the_study(tmp_path):
+    """`python -m tracevq.train` is `python -m accuracy` (a thin alias)."""
+    missing = tmp_path / "missing.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "tracevq.train", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: study file not found: {missing}"
+
+
 @pytest.mark.slow
 def test_digits_model_reaches_90_percent_quickly():
     torch.set_num_threads(1)
@@ -324,7 +337,7 @@ def test_digits_model_reaches_90_percent_quickly():
 def test_a_checkpoint_study_says_when_fine_tuning_augments_by_default(tmp_path, caplog, base):
     """base: is not trained from when model.checkpoint is given, yet its shifts and flips are
     the fine-tuning's augmentation: leaving it out is said in one warning."""
-    from tracevq.train.study import base_model
+    from accuracy.study import base_model
 
     checkpoint = tmp_path / "base.pth"
     torch.save(tracevq.build_model("vit-digits").state_dict(), checkpoint)
