@@ -21,17 +21,19 @@ import numpy as np
 import torch
 
 from devices.clock import Clock
+from devices.errors import WorkerError
 from devices.handshake import make_hello, shake
 from devices.inputs import InputSource
 from devices.level import LiveLevel, choose_level
 from devices.mesh import Mesh
+from devices.pace import PROGRESS_FILE, Control, Pace, Progress
 from devices.records import RecordLog, SessionFacts, write_atomic, write_json
 from devices.session import Session, stamped
 from devices.spec import MethodRun, RunSpec, read_secret
 from devices.transport import MessageFormat
 from tracevq.bundle import Bundle, model_fingerprint
 from tracevq.methods import Method
-from tracevq.partition import partition_sizes
+from tracevq.partition import partition_ranges
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,12 @@ class Device:
     def __init__(self, spec: RunSpec, model: Any, methods: dict[str, tuple[Method, Bundle | None]]):
         self.spec, self.model, self.methods = spec, model, methods
         config = model.config
-        self.sizes = partition_sizes(config.tokens, spec.devices)
+        ranges = partition_ranges(config.tokens, spec.devices, spec.partition)
+        self.sizes = [stop - start for start, stop in ranges]
+        self.control = None if spec.control_file is None else Control(spec.control_file)
+        self.pace = Pace(spec.speed, self.control, spec.threads)
+        self.progress: Progress | None = None
+        self.held = 0  # holds released so far
         self.inputs = InputSource(config, spec.batch, spec.input_seed, spec.inputs)
         self.timing_s: dict[str, float] = {}
         self.levels: dict[str, dict[str, Any]] = {}
@@ -94,7 +101,9 @@ class Device:
             tokens = self.sizes[spec.rank]
             for run in spec.runs:
                 method = self.methods[run.id][0]
-                self.levels[run.id] = choose_level(method, tokens, spec.batch, spec.rate_mbit)
+                self.levels[run.id] = choose_level(
+                    method, tokens, spec.batch, spec.rate_mbit, self.pace.speed
+                )
             hello = self.hello()
             names = [self.mesh.name(peer) for peer in range(spec.devices)]
             hosts = [host for host, _ in spec.addresses]
@@ -131,16 +140,28 @@ class Device:
         spec = self.spec
         sessions = {
             run.id: Session(
-                self.methods[run.id][0], spec.rank, self.mesh, spec.batch, spec.recv_timeout_s
+                self.methods[run.id][0],
+                spec.rank,
+                self.mesh,
+                spec.batch,
+                spec.recv_timeout_s,
+                self.sizes,
+                self.pace,
             )
             for run in spec.runs
         }
+        if self.control is not None:
+            self.progress = Progress(spec.out / PROGRESS_FILE)
+        round_index = -1
         live = self._live_levels()
         self.mesh.start(lambda peer: self._formats(peer, self.slots()))
         # device 0's logits of each run, (inferences, batch, classes), filled as they come
         logits: dict[str, np.ndarray] = {}
         with RecordLog(spec.out) as records:
             for run, index, measured in self.slots():
+                if measured and index != round_index:
+                    round_index = index
+                    self._start_round(index)
                 inputs, labels = self.inputs.get(index)
                 label = f"{'inference' if measured else 'warm-up'} {index} of run {run.id}"
                 session = sessions[run.id]
@@ -158,7 +179,23 @@ class Device:
                     shape = (run.inferences, *output.shape)
                     logits.setdefault(run.id, np.zeros(shape, np.float32))[index] = output
                 records.add(record, rows, arrived)
+        self.timing_s["dilation_slept_s"] = round(self.pace.slept_s, 3)
         self._write_logits(logits)
+
+    def _start_round(self, index: int) -> None:
+        """Says that measured round `index` starts, first waiting for the orchestrator's
+        release where an event comes before it (`RunSpec.holds`)."""
+        if self.progress is None:
+            return
+        self.progress.write(index, self.clock.now_ns())
+        if index in self.spec.holds:
+            assert self.control is not None, "the spec checks that holds have a control file"
+            self.held += 1
+            if not self.control.wait_released(self.held, self.spec.recv_timeout_s):
+                raise WorkerError(
+                    f"no release before measured round {index} within "
+                    f"{self.spec.recv_timeout_s:g} s (an event was due there)"
+                )
 
     def _live_levels(self) -> dict[str, LiveLevel]:
         """The level choosers of the runs with `level_k: auto`, by run id."""

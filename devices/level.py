@@ -76,9 +76,10 @@ def measure_ffn_ms(method: Method, tokens: int, batch: int) -> float:
 
 
 def choose_level(
-    method: Method, tokens: int, batch: int, rate_mbit: float | None
+    method: Method, tokens: int, batch: int, rate_mbit: float | None, speed: float = 1.0
 ) -> dict[str, Any]:
-    """Set the method's level if it asks for `auto`; returns what was decided and why."""
+    """Set the method's level if it asks for `auto`; returns what was decided and why. The
+    FFN is timed at full speed, then stretched to the device's `speed` (devices.pace)."""
     if not method.spec.is_trace or method.spec.level_k != "auto":
         return {"mode": "fixed"}
     finest = len(method.level_bits) - 1
@@ -90,7 +91,7 @@ def choose_level(
             "rate_mbit": None,
             "reason": "no link rate given (--rate-mbit): finest level",
         }
-    ffn_ms = measure_ffn_ms(method, tokens, batch)
+    ffn_ms = measure_ffn_ms(method, tokens, batch) / speed
     level = auto_level(method.level_bits, tokens * batch, rate_mbit * 1e6, ffn_ms, method.min_level)
     method.set_level(level)
     transfer_ms = 1000 * method.payload_bits(tokens, batch) / (rate_mbit * 1e6)

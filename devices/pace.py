@@ -19,7 +19,8 @@ process's (`time.process_time`, which adds the sender's and receivers' little CP
 The speed can change while the worker runs: the orchestrator writes it into the device's
 control file (`Control`), which the worker maps and reads at every stretch (no system call).
 The same file releases the worker at inference boundaries where an event must happen before
-the inference starts (`Control.released`).
+the inference starts (`Control.wait_released`), and the worker says which measured round it
+starts in its `progress` file (`Progress`), which the orchestrator reads.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from pathlib import Path
 
 # speed, releases; written twice so that a reader never takes a torn write for a value
 CONTROL = struct.Struct("<dqdq")
+# the measured round a device has started (-1: none yet) and when (its clock, ns); the same
+PROGRESS = struct.Struct("<qqqq")
+PROGRESS_FILE = "progress"  # in the worker's output folder
 HOLD_POLL_S = 0.0005
 
 
@@ -53,6 +57,33 @@ def read_control(path: Path) -> tuple[float, int]:
         speed, released, again, released_again = CONTROL.unpack(stream.read(CONTROL.size))
     assert (speed, released) == (again, released_again), "written by write_control only"
     return speed, released
+
+
+class Progress:
+    """Where the worker says which measured round it starts (`out/progress`)."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.write(-1, 0)
+
+    def write(self, round_index: int, at_ns: int) -> None:
+        os.pwrite(self.fd, PROGRESS.pack(round_index, at_ns, round_index, at_ns), 0)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def read_progress(path: Path) -> tuple[int, int] | None:
+    """(round, its start ns) a worker reported, or None (no file yet, or a torn read)."""
+    try:
+        with path.open("rb") as stream:
+            data = stream.read(PROGRESS.size)
+    except OSError:
+        return None
+    if len(data) < PROGRESS.size:
+        return None
+    round_index, at_ns, again, at_again = PROGRESS.unpack(data)
+    return (round_index, at_ns) if (round_index, at_ns) == (again, at_again) else None
 
 
 class Control:

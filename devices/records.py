@@ -106,6 +106,7 @@ class InferenceRecord:
     (devices.level.LiveLevel; None before the first estimate). predicted: device 0's classes;
     correct: how many matched the labels (when the inputs have labels). tcp_retransmits: TCP
     segments this device's kernel retransmitted to its peers during the inference (TCP_INFO).
+    speed: the device's speed when the inference started (devices.pace; 1.0: its cores').
     """
 
     run: str
@@ -122,6 +123,7 @@ class InferenceRecord:
     predicted: list[int] | None = None
     correct: int | None = None
     tcp_retransmits: int | None = None  # segments the kernel resent to every peer meanwhile
+    speed: float = 1.0
 
 
 @dataclass
@@ -185,8 +187,10 @@ RECORD_KINDS = {"inferences": InferenceRecord, "blocks": BlockRecord, "arrivals"
 
 class RecordLog:
     """The session's records, one line per measured inference as it ends; written to a
-    temporary file and renamed into place by `close()`, so a reader never sees part of
-    it. Use as a context manager: an error discards the file."""
+    temporary file and renamed into place when the session ends, so a reader never sees part
+    of a line. Use as a context manager. A session that fails (a peer left, SIGTERM) still
+    publishes the inferences it finished; its session.json says it failed, and only a reader
+    that knows why (a device's departure on the timeline) takes them."""
 
     def __init__(self, out: Path):
         self.path = Path(out) / RECORDS_FILE
@@ -216,9 +220,8 @@ class RecordLog:
         published = False
         try:
             self.stream.close()  # flushes: a full disk raises here too
-            if kind is None:
-                os.replace(self.tmp, self.path)
-                published = True
+            os.replace(self.tmp, self.path)
+            published = True
         finally:
             if not published:
                 self.tmp.unlink(missing_ok=True)

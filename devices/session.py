@@ -25,8 +25,8 @@ from devices.mesh import Mesh
 from devices.records import ArrivalRecord, BlockRecord, InferenceRecord
 from devices.transport import Incoming, Outgoing, total_retransmits
 from tracevq.engine import DeviceRun
+from devices.pace import Pace
 from tracevq.methods import Method
-from tracevq.partition import partition_sizes
 
 LOSS_GRACE_S = 0.3
 
@@ -40,12 +40,23 @@ def stamped(method: Method) -> bool:
 class Session:
     """Runs inferences of `method` as device `rank` of the mesh's devices."""
 
-    def __init__(self, method: Method, rank: int, mesh: Mesh, batch: int, recv_timeout_s: float):
+    def __init__(
+        self,
+        method: Method,
+        rank: int,
+        mesh: Mesh,
+        batch: int,
+        recv_timeout_s: float,
+        sizes: list[int],
+        pace: Pace | None = None,
+    ):
+        """`sizes`: every device's tokens; `pace`: the device's speed (full speed without)."""
         self.method, self.rank, self.mesh = method, rank, mesh
         self.batch, self.recv_timeout_s = batch, recv_timeout_s
         self.clock: Clock = mesh.clock
         self.devices = len(mesh.addresses)
-        self.sizes = partition_sizes(method.model.config.tokens, self.devices)
+        self.sizes = sizes
+        self.pace = pace or Pace()
         self.depth = method.model.config.depth
         self.peer_names = {peer: mesh.name(peer) for peer in range(self.devices)}
         self.stamped = stamped(method)
@@ -57,27 +68,35 @@ class Session:
         """One inference; `label` ("inference 3 of run x", "warm-up 0 ...") names it in errors."""
         now = self.clock.now_ns
         resent = self._retransmits()
-        start = now()
-        device_run = DeviceRun(self.method, self.rank, self.devices, inputs, self.peer_names)
+        start, speed, stretch = now(), self.pace.speed, self.pace.stretch
+        with stretch():
+            device_run = DeviceRun(
+                self.method, self.rank, self.devices, inputs, self.peer_names, self.sizes
+            )
         outgoing: dict[int, Outgoing] = {}
         marks, arrivals, unique_keys = [], [], []
         for block in range(self.depth):
             context = f"block {block} of {label}"
             block_start = now()
-            self._post(outgoing, block, device_run.begin_block(block), context)
-            device_run.project_local(block)  # while the peers' messages for this block travel
+            with stretch():
+                message = device_run.begin_block(block)
+            self._post(outgoing, block, message, context)
+            with stretch():  # while the peers' messages for this block travel
+                device_run.project_local(block)
             wait_start = now()
             incoming = self._collect(context) if device_run.exchanges_at(block) else {}
             wait_end = now() if incoming else wait_start
             messages = {peer: item.message for peer, item in incoming.items()}
             try:
-                message = device_run.attend(block, messages)
+                with stretch():
+                    message = device_run.attend(block, messages)
             except MessageError as error:  # the receiver names the peer and the block
                 raise ProtocolError(f"{label}: {error}") from None
             self._post(outgoing, block + 1, message, context)
             unique_keys.append(device_run.unique_remote_keys)
             ffn_start = now()
-            device_run.finish_block(block)
+            with stretch():
+                device_run.finish_block(block)
             ffn_end = now()
             marks.append((block_start, wait_start, wait_end, ffn_start, ffn_end))
             arrivals += [
@@ -94,7 +113,8 @@ class Session:
                 )
                 for peer, m in incoming.items()
             ]
-        logits = device_run.logits() if self.rank == 0 else None
+        with stretch():
+            logits = device_run.logits() if self.rank == 0 else None
         end = now()
         self._await_sends(outgoing, label)
         blocks = [
@@ -104,6 +124,7 @@ class Session:
         for record, count in zip(blocks, unique_keys, strict=True):
             record.unique_remote_keys = count
         record = self._inference_record(run, index, start, end, blocks)
+        record.speed = speed
         after = self._retransmits()
         if resent is not None and after is not None:
             record.tcp_retransmits = after - resent

@@ -63,6 +63,27 @@ class RunSpec(BaseModel):
         description="the run's secret (hex, at least 32 digits): every peer must prove "
         "it knows it in the handshake; the file, kept out of results, is read, never copied",
     )
+    partition: list[int] | None = Field(
+        None, description="every device's tokens in rank order (default even)"
+    )
+    speed: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the device's speed, a fraction of its cores' own (devices.pace): each "
+        "stretch of compute takes 1/speed times its CPU time",
+    )
+    control_file: Path | None = Field(
+        None,
+        description="a control file (devices.pace) that gives the speed while the session "
+        "runs and releases the holds; the worker then reports the round it starts in "
+        "out/progress",
+    )
+    holds: list[int] = Field(
+        default_factory=list,
+        description="measured rounds before which the device waits for the orchestrator's "
+        "release (an event at that inference); needs control_file",
+    )
     clock_skew_s: float = Field(
         0.0,
         description="added to every timestamp this device takes: emulates a board whose "
@@ -91,6 +112,12 @@ class RunSpec(BaseModel):
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
             raise ValueError(f"runs: ids must differ, {repeated} repeated")
+        if self.partition is not None and len(self.partition) != len(self.peers):
+            raise ValueError(
+                f"partition: {len(self.partition)} token counts for {len(self.peers)} devices"
+            )
+        if self.holds and self.control_file is None:
+            raise ValueError("holds: a device that holds needs a control_file to be released")
         return self
 
     @property

@@ -78,6 +78,7 @@ def distributed_logits(
     method: str | MethodSpec,
     codec: nn.Module | None = None,
     probe: list[tuple[Tensor, Tensor]] | None = None,
+    sizes: Sequence[int] | None = None,
     **params: object,
 ) -> Tensor:
     """Device 0's logits (B, classes) when `devices` devices run `method` with `codec`
@@ -85,10 +86,11 @@ def distributed_logits(
     method's default when absent, and trace-nb's remote_ffn).
 
     `probe`, if given, receives per block the pair (exact [K; V], remote view of [K; V]) of
-    every token, each (B, H, N, 2d), for diagnostics."""
+    every token, each (B, H, N, 2d), for diagnostics. `sizes`: every device's tokens
+    (tracevq.partition; default even)."""
     spec = method if isinstance(method, MethodSpec) else method_spec(method, **params)
     view = spec.entry.implementation_class().receiver_view(spec, model, codec)
-    ranges = partition_ranges(model.config.tokens, devices)
+    ranges = partition_ranges(model.config.tokens, devices, sizes)
     x = model.embed(images)  # (B, N, D), token t as computed on its own device
     z: Tensor | None = None  # post-attention residual of the previous block
     previous: Tensor | None = None  # block input of the previous block

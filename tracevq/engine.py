@@ -21,6 +21,8 @@ other peers, which an honest third device would otherwise be led to blame.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -41,8 +43,10 @@ class DeviceRun:
         devices: int,
         inputs: Tensor,
         peer_names: dict[int, str] | None = None,
+        sizes: Sequence[int] | None = None,
     ):
-        """`peer_names` name the peers in errors about their messages (default "device p")."""
+        """`peer_names` name the peers in errors about their messages (default "device p");
+        `sizes`, every device's tokens (tracevq.partition; default even)."""
         if not method.spec.exchanges and devices > 1:
             exact = " or ".join(repr(m) for m in exact_methods() if METHODS[m].exchanges)
             raise ConfigError(
@@ -52,7 +56,7 @@ class DeviceRun:
             )
         self.method, self.rank = method, rank
         self.model = method.model
-        self.ranges = partition_ranges(self.model.config.tokens, devices)
+        self.ranges = partition_ranges(self.model.config.tokens, devices, sizes)
         batch = inputs.shape[0]
         start, stop = self.ranges[rank]
         self.sender = method.sender(rank, stop - start, batch)

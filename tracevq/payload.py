@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tracevq.config import ModelConfig, model_config
 from tracevq.errors import ConfigError
 from tracevq.method_table import METHODS
-from tracevq.partition import partition_sizes
+from tracevq.partition import partition_ranges
 from tracevq.spec import MethodSpec, method_spec
 
 
@@ -22,9 +24,15 @@ def exchanges(spec: MethodSpec, depth: int) -> int:
 
 
 def payload_bits(
-    model: str | ModelConfig, method: str, devices: int, batch: int = 1, **params: object
+    model: str | ModelConfig,
+    method: str,
+    devices: int,
+    batch: int = 1,
+    sizes: Sequence[int] | None = None,
+    **params: object,
 ) -> list[int]:
-    """Payload bits per layer for each device rank (one copy, as in the paper's Table II).
+    """Payload bits per layer for each device rank (one copy, as in the paper's Table II), at
+    the partition `sizes` (every device's tokens; default even).
 
     A single device sends nothing; a method that does not exchange (`single`) is refused at
     more than one device.
@@ -33,7 +41,7 @@ def payload_bits(
     spec = method_spec(method, **params)
     if not spec.exchanges and devices > 1:
         raise ConfigError(f"method {spec.name!r} runs on one device, not {devices}", "devices")
-    sizes = partition_sizes(config.tokens, devices)
+    sizes = [b - a for a, b in partition_ranges(config.tokens, devices, sizes)]
     if devices == 1:
         return [0]
     return [message_bits(spec, size, config.dim, batch) for size in sizes]

@@ -37,6 +37,7 @@ def simulate(
     devices: int = 2,
     bundle: Bundle | None = None,
     levels: Sequence[int] | None = None,
+    sizes: Sequence[int] | None = None,
     **method_params: object,
 ) -> SimulationResult:
     """Run `method` on `devices` simulated devices; the messages are the real wire bytes.
@@ -44,7 +45,8 @@ def simulate(
     One device runs the same engine with no peers: nothing is sent. `single` is refused at
     more than one device (tracevq.engine.DeviceRun). `levels`: per device, the tree level a
     Trace method encodes its messages at (devices of a session that chose differently; each
-    receiver decodes at the level in the message's header)."""
+    receiver decodes at the level in the message's header); `sizes`: every device's tokens
+    (tracevq.partition; default even)."""
     if not isinstance(method, Method):
         method = make_method(method, model, bundle, **method_params)
     if levels is not None and (len(levels) != devices or not method.spec.is_trace):
@@ -59,7 +61,7 @@ def simulate(
     depth = model.config.depth
     payload = np.zeros((depth, devices), dtype=np.int64)
     wire = np.zeros((depth, devices), dtype=np.int64)
-    runs = [DeviceRun(method, rank, devices, inputs) for rank in range(devices)]
+    runs = [DeviceRun(method, rank, devices, inputs, sizes=sizes) for rank in range(devices)]
     inbox: dict[int, dict[int, bytes]] = defaultdict(dict)  # block -> sender -> message
 
     def post(block: int, rank: int, message: bytes | None) -> None:
