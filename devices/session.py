@@ -22,10 +22,10 @@ from torch import Tensor
 from devices.clock import Clock
 from devices.errors import MessageError, PeerLostError, ProtocolError
 from devices.mesh import Mesh
+from devices.pace import Pace
 from devices.records import ArrivalRecord, BlockRecord, InferenceRecord
 from devices.transport import Incoming, Outgoing, total_retransmits
 from tracevq.engine import DeviceRun
-from devices.pace import Pace
 from tracevq.methods import Method
 
 LOSS_GRACE_S = 0.3
