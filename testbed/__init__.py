@@ -16,7 +16,8 @@ it (tests/unit/test_layers.py reads every import against `LAYERS`):
 - `kernel/`: what the kernel is asked to do: qdisc parameters and the shaping plan, netlink,
   the qdisc probe, network namespaces, interface names, processes;
 - `experiment/`: what the user writes: the experiment schema, link profiles, inventories;
-- the ground: `errors`, `voice`, `source` (this checkout's folders).
+- the ground: `errors`, `voice`, `source` (this checkout's folders), `units`, `atomic` (a file
+  written whole).
 """
 
 # Top to bottom; a name is a folder or a module directly under testbed/.
@@ -29,5 +30,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("backends",),
     ("kernel",),
     ("experiment",),
-    ("errors", "voice", "source"),
+    ("errors", "voice", "source", "units", "atomic"),
 )

@@ -50,6 +50,7 @@ from testbed.backends.base import (
     write_secret,
 )
 from testbed.errors import DeviceError
+from testbed.experiment.schema import MAX_DEVICES
 from testbed.kernel.addresses import choose_subnet, host_networks
 from testbed.kernel.interfaces import check_ifname, link_up
 from testbed.kernel.netns import (
@@ -65,7 +66,6 @@ from testbed.source import python_env
 log = logging.getLogger(__name__)
 
 DEVICE_INTERFACE = "eth0"
-MAX_DEVICES = 254  # hosts of one /24, the bridge takes no address
 KILL_WAIT_S = 5.0
 WHO = "local backend"
 

@@ -42,7 +42,7 @@ from testbed.experiment.strict import Strict, as_list, describe, distinct
 from testbed.experiment.yamlfile import load_yaml
 from tracevq.config import known_model_name, model_config
 
-MAX_DEVICES = 254  # hosts of one /24 (the local backend's network)
+MAX_DEVICES = 254  # hosts of one /24: the local backend's network, whose bridge takes none
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from testbed.errors import ShapingError
 from testbed.kernel.fifo import pfifo_argv
-from testbed.kernel.tbf import BIT_PER_MBIT, ETHERNET_FRAME_BYTES, MIN_BURST_FRAMES
+from testbed.kernel.tbf import ETHERNET_FRAME_BYTES, MIN_BURST_FRAMES
 from testbed.kernel.u32 import u32_destination_argv
+from testbed.units import BIT_PER_MBIT
 
 HTB_HANDLE = "1:"
 UPLINK_MINOR = 0x1

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from testbed.atomic import write_atomically
 from testbed.backends.ssh.scripts import REMOVE_TREE
 from testbed.backends.ssh.session import BoardSession, connect
 from testbed.backends.ssh.shaping import unshape
@@ -43,10 +44,8 @@ def write(run_dir: Path, inventory: Inventory, sessions: Sequence[BoardSession])
             for session in sessions
         ],
     }
-    path = run_dir / RECORD
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(record, indent=2))
-    temporary.replace(path)
+    text = json.dumps(record, indent=2)
+    write_atomically(run_dir / RECORD, lambda temporary: temporary.write_text(text))
 
 
 def forget(run_dir: Path) -> None:

@@ -64,8 +64,8 @@ from testbed.kernel.netns import (
     open_netns,
 )
 from testbed.kernel.processes import run_checked
-from testbed.kernel.tbf import BIT_PER_MBIT
 from testbed.source import python_env
+from testbed.units import BIT_PER_MBIT
 
 log = logging.getLogger(__name__)
 
