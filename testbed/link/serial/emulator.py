@@ -23,7 +23,7 @@ from testbed.backends.base import Backend
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.addresses import choose_subnet, host_networks
-from testbed.kernel.netns import run_tag
+from testbed.kernel.names import run_tag
 from testbed.link.emulator import Emulator, LinkCounters, Refusal
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
