@@ -44,6 +44,8 @@ class TokenBucket(Emulator):
         """Delay, jitter and loss need netem, whose uplink qdisc cannot sit beside per-pair
         classes and which this host's kernel may lack (probed where the devices share it, as
         root)."""
+        if (shared := super().refusal(profile, backend, pair_rates, paths)) is not None:
+            return shared
         paths = paths or PathImpairments()
         if not profile.needs_netem and not paths:
             return None
@@ -82,7 +84,7 @@ class TokenBucket(Emulator):
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
         apply: Callable[[Device, ShapingPlan], None]
         apply = self.backend.change_rate if in_place else self.backend.shape
-        devices = self.backend.devices
+        devices = self.devices
         paths = self.paths.within(rates.devices)
         plans: dict[int, ShapingPlan] = {}
         for device in devices:

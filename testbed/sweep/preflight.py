@@ -23,7 +23,7 @@ from testbed.experiment.method_grid import FITTED_BRANCHING, variant_spec
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
-from testbed.link.emulators import EMULATORS, emulator_class
+from testbed.link.emulators import emulator_class
 from testbed.link.paths import PathImpairments
 from testbed.results.level_accuracy import check_covered, load_level_accuracy
 from testbed.sweep.plan import (
@@ -63,15 +63,6 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
     _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
     paths = PathImpairments.of(experiment.link)
-    if paths and not emulator.impairs_paths:
-        field = (
-            "downlink_impairments" if experiment.link.downlink_impairments else "pair_impairments"
-        )
-        able = " or ".join(name for name, kind in EMULATORS.items() if kind.impairs_paths)
-        raise ConfigError(
-            f"{source}: link.{field}: the {emulator.name} emulator impairs uplinks only "
-            f"(link.uplink_impairments); downlink and per-pair impairments need {able}"
-        )
     for field, variant in _variants(experiment, profile, source):
         refused = emulator.refusal(variant, backend, bool(experiment.link.pair_mbit), paths)
         if refused is not None:

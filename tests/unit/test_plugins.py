@@ -42,6 +42,8 @@ class ToyLink(Emulator):
 
     @classmethod
     def refusal(cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool, paths=None):
+        if (shared := super().refusal(profile, backend, pair_rates, paths)) is not None:
+            return shared  # later hops' impairments: the toy link impairs nothing
         if profile.needs_netem:
             return Refusal("link.profile", f"the toy link adds nothing to '{profile.name}'")
         return None
