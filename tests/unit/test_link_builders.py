@@ -14,9 +14,10 @@ from testbed.kernel.fifo import pfifo_argv
 from testbed.kernel.htb import HtbClass, htb_argv, htb_class_argv, htb_params, htb_root_argv
 from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
 from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
-from testbed.kernel.shaping import change_argvs, check_support, downlink_clear_argv, plan, tc_argv
+from testbed.kernel.shaping import change_argvs, check_support, downlink_clear_argv, tc_argv
 from testbed.kernel.u32 import u32_destination_argv, u32_redirect_argv
 from testbed.link.rates import LinkRates, RateOverrides, probe_plan
+from testbed.link.token_bucket import profile_plan
 
 IDEAL = LinkProfile(name="ideal", rate_mbit=10)
 WIFI = LinkProfile(name="wifi", rate_mbit=20, delay_ms=4)
@@ -94,7 +95,7 @@ def test_downlink_argv_redirects_ingress_to_an_ifb() -> None:
 
 
 def test_a_plan_with_a_downlink_keeps_the_uplink_tbf_and_adds_the_ifb() -> None:
-    shaping = plan(IDEAL, 10.0, downlink_mbit=3.0)
+    shaping = profile_plan(IDEAL, 10.0, downlink_mbit=3.0)
     assert not shaping.is_tbf_only and shaping.htb is None
     commands = tc_argv("eth0", shaping)
     assert " ".join(commands[0][:9]) == "tc qdisc replace dev eth0 root handle 1: tbf"
@@ -128,7 +129,7 @@ def test_a_plan_with_a_downlink_keeps_the_uplink_tbf_and_adds_the_ifb() -> None:
 
 
 def test_a_plan_with_peer_caps_has_an_htb_root_changed_class_by_class() -> None:
-    shaping = plan(IDEAL, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+    shaping = profile_plan(IDEAL, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
     assert shaping.htb == htb_params(10.0, {1: ("10.0.0.2", 4.0)})
     assert tc_argv("eth0", shaping) == htb_argv("eth0", shaping.htb)
     changes = change_argvs("eth0", shaping)
@@ -136,21 +137,21 @@ def test_a_plan_with_peer_caps_has_an_htb_root_changed_class_by_class() -> None:
         ["class", "change"],
         ["qdisc", "change"],
     ] * 2
-    assert plan(IDEAL, 10.0).is_tbf_only  # the simple case is what it always was
+    assert profile_plan(IDEAL, 10.0).is_tbf_only  # the simple case is what it always was
 
 
 def test_support_and_netem_are_checked_for_the_new_kinds() -> None:
     with pytest.raises(ShapingError, match="no htb qdisc"):
-        plan(IDEAL, 10.0, {**ALL, "htb": False}, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+        profile_plan(IDEAL, 10.0, {**ALL, "htb": False}, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
     with pytest.raises(ShapingError, match="no ingress qdisc"):
-        plan(IDEAL, 10.0, {**ALL, "ingress": False}, downlink_mbit=3.0)
-    check_support(plan(IDEAL, 10.0, downlink_mbit=3.0), ALL)
+        profile_plan(IDEAL, 10.0, {**ALL, "ingress": False}, downlink_mbit=3.0)
+    check_support(profile_plan(IDEAL, 10.0, downlink_mbit=3.0), ALL)
     with pytest.raises(ShapingError, match=r"per-pair classes \(link.pair_mbit\)"):
-        plan(WIFI, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+        profile_plan(WIFI, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
     with pytest.raises(ShapingError, match=r"per-pair classes \(link.pair_impairments\)"):
-        plan(WIFI, 10.0, peer_impairments={1: ("10.0.0.2", {"loss_pct": 1})})
+        profile_plan(WIFI, 10.0, peer_impairments={1: ("10.0.0.2", {"loss_pct": 1})})
     with pytest.raises(ShapingError, match="a downlink or a pair needs netem's impairments"):
-        plan(IDEAL, 10.0, ALL, downlink_impairments={"delay_ms": 5})
+        profile_plan(IDEAL, 10.0, ALL, downlink_impairments={"delay_ms": 5})
 
 
 def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
@@ -158,7 +159,7 @@ def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
     device 2 keeps its cap and its pfifo."""
     caps = {2: ("10.0.0.3", 4.0)}
     hops = {1: ("10.0.0.2", {"delay_ms": 20, "jitter_ms": 2, "loss_pct": 1}), 2: ("x", {})}
-    shaping = plan(IDEAL, 10.0, peer_caps_mbit=caps, peer_impairments=hops)
+    shaping = profile_plan(IDEAL, 10.0, peer_caps_mbit=caps, peer_impairments=hops)
     assert shaping.needs_netem and shaping.netem is None and not shaping.uplink_only
     assert shaping.htb == htb_params(10.0, {1: ("10.0.0.2", 10.0), 2: ("10.0.0.3", 4.0)})
     assert list(shaping.peer_netem) == [0x11]  # an empty hop impairs nothing
@@ -175,7 +176,7 @@ def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
 def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     """Under the downlink's tbf where it has a rate, else the ifb's root."""
     hop = {"delay_ms": 5, "loss_gemodel": {"p_pct": 1, "r_pct": 25}}
-    shaping = plan(IDEAL, 10.0, downlink_mbit=3.0, downlink_impairments=hop)
+    shaping = profile_plan(IDEAL, 10.0, downlink_mbit=3.0, downlink_impairments=hop)
     assert shaping.htb is None and shaping.has_downlink and shaping.needs_netem
     commands = [" ".join(argv) for argv in tc_argv("eth0", shaping)]
     # tbf's 21,778 bytes plus 5 ms at 3 Mbit/s (1,875 B), in full frames: 16
@@ -185,7 +186,7 @@ def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     assert [" ".join(argv) for argv in change_argvs("eth0", shaping)][-1] == (
         f"tc qdisc change dev ifb-eth0 parent 1:1 {netem}"
     )
-    alone = plan(IDEAL, 10.0, downlink_impairments={"delay_ms": 5})
+    alone = profile_plan(IDEAL, 10.0, downlink_impairments={"delay_ms": 5})
     commands = [" ".join(argv) for argv in tc_argv("eth0", alone)]
     assert commands[1:5] == [
         " ".join(argv)
@@ -198,7 +199,7 @@ def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     ]
     assert commands[5:] == ["tc qdisc add dev ifb-eth0 root handle 1: netem limit 1000 delay 5ms"]
     assert len(change_argvs("eth0", alone)) == 1  # the uplink's tbf; the ifb has no rate
-    assert plan(IDEAL, 10.0, downlink_impairments={"loss_pct": 0}).uplink_only
+    assert profile_plan(IDEAL, 10.0, downlink_impairments={"loss_pct": 0}).uplink_only
 
 
 # rates -----------------------------------------------------------------------------------------
