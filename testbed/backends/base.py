@@ -146,7 +146,7 @@ class Backend(abc.ABC):
     """Base of every backend of the table (`testbed.backends.table`).
 
     What a backend can do is said by its class attributes, which the preflight, the links and
-    the runner read instead of its name.
+    the runner read instead of its name; what it cannot run, by its `refusal`.
     """
 
     name: str = ""
@@ -156,9 +156,27 @@ class Backend(abc.ABC):
     on_this_host: bool = True
     default_emulator: str = "serial"  # when the experiment names none (testbed.link.emulators)
     shapes_downlinks: bool = True  # downlink and per-pair rates, not only uplinks
-    needs_inventory: bool = False  # it runs on the experiment's inventory of boards
-    needs_provider: bool = False  # it runs on the boards of the experiment's EnOSlib provider
+    # the experiment's top-level section it reads (testbed.experiment.sections), if any:
+    # `inventory` (ssh), `provider` (enoslib)
+    settings: str | None = None
     in_auto: bool = False  # `backend: auto` may take it (in the table's order) when available
+
+    @classmethod
+    def refusal(cls, experiment: Experiment) -> str | None:
+        """Why this backend cannot run `experiment`, in one line naming the field (`field:
+        what is wrong; what would be right`), or None: asked by the preflight before anything
+        starts, which adds the file. Here: downlink and per-pair rates on a backend that
+        shapes uplinks only; a backend adds its own rules (its section's, say)."""
+        if cls.shapes_downlinks:
+            return None
+        able = " or ".join(name for name, kind in BACKENDS.items() if kind.shapes_downlinks)
+        for field_name in ("downlink_mbit", "pair_mbit"):
+            if getattr(experiment.link, field_name):
+                return (
+                    f"link.{field_name}: the {cls.name} backend shapes uplinks only "
+                    f"(link.uplink_mbit); downlink and per-pair rates need the {able} backend"
+                )
+        return None
 
     @classmethod
     def create(cls, run_id: str, run_dir: Path, experiment: Experiment) -> Backend:
@@ -285,3 +303,6 @@ class Backend(abc.ABC):
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+BACKENDS: dict[str, type[Backend]] = {}  # the table, filled by testbed.backends.table
