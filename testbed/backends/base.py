@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -70,6 +70,17 @@ class Device:
     threads: int  # intra-op threads for the worker: matches the CPU allotment
     cpuset: str | None = None  # pinned cores, when the host has enough of them
     netns_path: str | None = None  # host path of its network namespace (for pyroute2)
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What a run left that one backend made, as found when the run is over: the run (its
+    id, or only its tag where a name carries no more) and the things, one line each as
+    `testbed.clean` lists them."""
+
+    tag: str
+    run_id: str | None
+    items: tuple[str, ...]
 
 
 @dataclass
@@ -192,6 +203,20 @@ class Backend(abc.ABC):
     def versions(cls) -> dict[str, str]:
         """Versions of what it runs on, for environment.json."""
         return {}
+
+    @classmethod
+    def leftovers(cls, run_dirs: Mapping[str, Path]) -> list[Leftovers]:
+        """What runs left of this backend's making, by run (what `stop` would have removed,
+        had it run): `testbed.clean` removes what it finds once the run is over. `run_dirs`:
+        the run directory of each run this host holds a lock of, by run id (a backend may
+        keep a record there). Here: nothing."""
+        return []
+
+    @classmethod
+    def remove(cls, leftovers: Leftovers) -> list[str]:
+        """Removes what `leftovers` lists (one of `leftovers()`); returns what went, one line
+        each."""
+        return []
 
     def __init__(self, run_id: str, run_dir: Path):
         self.run_id = run_id

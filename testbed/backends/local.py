@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from testbed.backends.base import (
@@ -42,6 +42,7 @@ from testbed.backends.base import (
     Device,
     DeviceSpec,
     ExecResult,
+    Leftovers,
     Process,
     plan_cpus,
     write_secret,
@@ -56,8 +57,10 @@ from testbed.kernel.netns import (
     create_netns,
     in_netns,
     iproute,
+    leftovers_by_tag,
     netlink_step,
     netns_path,
+    remove_leftovers,
     remove_namespaces,
 )
 from testbed.kernel.processes import kill_group, start_group
@@ -121,6 +124,18 @@ class LocalBackend(Backend):
     name = "local"
     in_auto = True  # where no Docker engine answers
     python = sys.executable or "python3"  # devices run the host's interpreter and code
+
+    @classmethod
+    def leftovers(cls, run_dirs: Mapping[str, Path]) -> list[Leftovers]:
+        """As root: every run's namespaces and links on this host (`tb-<tag>-*`, the serial
+        link's too), by the tag their names carry."""
+        if os.geteuid() != 0:
+            return []
+        return [Leftovers(tag, None, tuple(items)) for tag, items in leftovers_by_tag().items()]
+
+    @classmethod
+    def remove(cls, leftovers: Leftovers) -> list[str]:
+        return remove_leftovers(tag=leftovers.tag)
 
     def __init__(self, run_id: str, run_dir: Path):
         super().__init__(run_id, run_dir)

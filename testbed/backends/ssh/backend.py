@@ -46,12 +46,20 @@ import shlex
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from testbed.backends.base import SECRET_FILE_NAME, Backend, CpuPlan, Device, DeviceSpec, Process
+from testbed.backends.base import (
+    SECRET_FILE_NAME,
+    Backend,
+    CpuPlan,
+    Device,
+    DeviceSpec,
+    Leftovers,
+    Process,
+)
 from testbed.backends.ssh import leftovers
 from testbed.backends.ssh.checks import check_board
 from testbed.backends.ssh.files import code_is_current, source_archive, uploads_needed
@@ -106,6 +114,18 @@ class SshBackend(Backend):
     def refusal(cls, experiment: Experiment) -> str | None:
         """Its inventory's rules (`testbed.backends.ssh.refusal`), then every backend's."""
         return inventory_refusal(experiment, cls.name) or super().refusal(experiment)
+
+    @classmethod
+    def leftovers(cls, run_dirs: Mapping[str, Path]) -> list[Leftovers]:
+        """Runs whose boards may keep what they changed: those whose run directory holds the
+        record (`testbed.backends.ssh.leftovers`), one item each, the record's path."""
+        return leftovers.recorded(run_dirs)
+
+    @classmethod
+    def remove(cls, found: Leftovers) -> list[str]:
+        """Connects to the record's boards and undoes what it says (TestbedError naming the
+        boards not reached, whose record then stays)."""
+        return leftovers.undo(Path(found.items[0]))
 
     def __init__(self, run_id: str, run_dir: Path, inventory: Inventory | None):
         super().__init__(run_id, run_dir)
