@@ -1,20 +1,29 @@
 """Adding a plug-in is one class and one table entry: a toy backend and a toy emulator,
 registered here and nowhere else, carry an experiment through the schema, the preflight and
-a dry run; the toy emulator's own refusal is what the preflight says."""
+a dry run; the toy emulator's own refusal is what the preflight says. A toy lab, a backend
+with a section of its own in the experiment, registers, is validated, refuses what it cannot
+run and has its leftovers cleaned up, from this file alone."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pandas as pd
 import pytest
+from pydantic import Field
 
-from testbed.backends.base import Backend
+from testbed.backends.base import Backend, Leftovers
 from testbed.backends.table import BACKENDS, backend_class, backend_names
+from testbed.clean import clean
 from testbed.experiment.profiles import LinkProfile
 from testbed.experiment.schema import load_experiment
+from testbed.experiment.sections import SECTIONS, Section
+from testbed.kernel.names import run_tag
 from testbed.link.emulator import Emulator, Refusal
 from testbed.link.emulators import EMULATORS, emulator_class
 from testbed.link.rates import LinkRates
 from testbed.run import main
+from testbed.sweep.lock import RunLock
 from testbed.sweep.preflight import check_experiment
 
 
@@ -108,3 +117,129 @@ def test_without_the_entries_the_names_are_unknown(tmp_path, capsys):
     assert main([path, "--dry-run", "--out", str(tmp_path / "out")]) == 2
     line = capsys.readouterr().err.strip()
     assert line.endswith("backend: unknown backend 'toy'; known: auto, docker, local, ssh, enoslib")
+
+
+# A backend with a section of its own -----------------------------------------------------
+
+
+class ToyLab(Backend):
+    """Racks of boards in a toy lab, described by the experiment's `toy_lab:` section; a run
+    leaves its racks switched on, which the lab lists until they are switched off."""
+
+    name = "toy-lab"
+    on_this_host = False
+    default_emulator = "toy-link"
+    settings = "toy_lab"
+    switched_on: ClassVar[list[Leftovers]] = []  # what dead runs left, as the lab finds it
+
+    @classmethod
+    def refusal(cls, experiment):
+        lab = experiment.section(cls.settings)
+        if lab is None:
+            return f"toy_lab: backend '{cls.name}' needs its racks (toy_lab: {{racks: N}})"
+        if max(experiment.devices.count) > lab.racks:
+            most = max(experiment.devices.count)
+            return f"devices.count: {most} devices, but the toy lab has {lab.racks} racks"
+        return super().refusal(experiment)
+
+    @classmethod
+    def leftovers(cls, run_dirs):
+        return list(cls.switched_on)
+
+    @classmethod
+    def remove(cls, leftovers):
+        cls.switched_on.remove(leftovers)
+        return [f"toy lab: {item} switched off" for item in leftovers.items]
+
+    def start(self, spec):
+        raise NotImplementedError
+
+    def spawn(self, device, argv):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        pass
+
+
+def toy_lab_section() -> type[Section]:
+    """The toy lab's section. Defining it registers it (`toy_lab` keeps that to one test)."""
+
+    class ToyLabSection(Section):
+        """The toy lab: how many racks it has."""
+
+        section = "toy_lab"
+        about = "the toy lab's racks (backend toy-lab)"
+        racks: int = Field(ge=1, description="one device per rack")
+
+    return ToyLabSection
+
+
+@pytest.fixture
+def toy_lab(toys, monkeypatch):
+    """The toy lab in the backend table and its section registered, for this test only."""
+    registered = dict(SECTIONS)
+    monkeypatch.setitem(BACKENDS, ToyLab.name, ToyLab)
+    monkeypatch.setattr(ToyLab, "switched_on", [])
+    toy_lab_section()
+    yield ToyLab
+    SECTIONS.clear()
+    SECTIONS.update(registered)
+
+
+def write_lab(tmp_path, lab: str, count: int = 2) -> str:
+    path = tmp_path / "lab.yaml"
+    path.write_text(
+        f"name: lab\nmodel: {{name: vit-tiny}}\nbackend: toy-lab\n{lab}"
+        f"devices: {{count: {count}}}\nlink: {{bandwidth_mbit: 5}}\nmethods: [{{name: voltage}}]\n"
+    )
+    return str(path)
+
+
+def refused_line(capsys, path: str, out) -> str:
+    """The one line `testbed.run PATH --dry-run` refuses it with (exit 2, nothing written)."""
+    assert main([path, "--dry-run", "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert not out.exists()
+    return line
+
+
+def test_a_backends_own_section_is_the_schemas_when_it_is_registered(toy_lab, tmp_path, capsys):
+    path = write_lab(tmp_path, "toy_lab: {racks: 3}\n")
+    experiment = load_experiment(path)
+    assert experiment.section("toy_lab").racks == 3  # typed by its own model
+    checked = check_experiment(experiment, experiment.backend, path)
+    assert checked.backend is ToyLab and checked.emulator is ToyLink
+    assert main([path, "--dry-run", "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    path = write_lab(tmp_path, "toy_lab: {racks: 3, rakcs: 1}\n")
+    line = refused_line(capsys, path, tmp_path / "refused")
+    assert line.endswith(": toy_lab.rakcs: unknown key (did you mean 'racks'?)")
+
+
+def test_a_backends_refusal_is_the_preflights(toy_lab, tmp_path, capsys):
+    path = write_lab(tmp_path, "toy_lab: {racks: 2}\n", count=3)
+    line = refused_line(capsys, path, tmp_path / "out")
+    assert line == f"testbed.run: {path}: devices.count: 3 devices, but the toy lab has 2 racks"
+    path = write_lab(tmp_path, "")
+    line = refused_line(capsys, path, tmp_path / "out")
+    assert line == (
+        f"testbed.run: {path}: toy_lab: backend 'toy-lab' needs its racks (toy_lab: {{racks: N}})"
+    )
+
+
+def test_a_backends_leftovers_are_found_and_removed_by_clean(toy_lab, tmp_path, monkeypatch):
+    monkeypatch.setenv("TESTBED_STATE_DIR", str(tmp_path / "state"))
+    left = Leftovers(run_tag("toy-run"), "toy-run", ("rack 0", "rack 1"))
+    ToyLab.switched_on.append(left)
+    with RunLock("toy-run", tmp_path / "toy-run"):  # its orchestrator runs: kept
+        report = clean(run_id="toy-run")
+        assert report.removed == [] and "its orchestrator is running" in report.kept[0]
+    report = clean(run_id="toy-run")
+    assert report.removed == ["toy lab: rack 0 switched off", "toy lab: rack 1 switched off"]
+    assert ToyLab.switched_on == []
+
+
+def test_without_its_entries_a_backends_section_is_an_unknown_key(tmp_path, capsys):
+    path = write_lab(tmp_path, "toy_lab: {racks: 3}\n")
+    line = refused_line(capsys, path, tmp_path / "out")
+    assert line == f"testbed.run: {path}: toy_lab: unknown key"
