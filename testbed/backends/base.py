@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from testbed.experiment.sections import SECTIONS
+
 if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment
     from testbed.kernel.shaping import ShapingPlan
@@ -176,10 +178,15 @@ class Backend(abc.ABC):
     def refusal(cls, experiment: Experiment) -> str | None:
         """Why this backend cannot run `experiment`, in one line naming the field (`field:
         what is wrong; what would be right`), or None: asked by the preflight before anything
-        starts, which adds the file. Here: downlink and per-pair rates on a backend that
-        shapes uplinks only; a backend adds its own rules (its section's, say)."""
-        if cls.shapes_downlinks:
-            return None
+        starts, which adds the file. Here: its section missing, then what the section must
+        hold (`section_refusal`), then downlink and per-pair rates on a backend that shapes
+        uplinks only."""
+        if cls.settings is not None and experiment.section(cls.settings) is None:
+            needed = SECTIONS[cls.settings].needed if cls.settings in SECTIONS else "it"
+            return f"{cls.settings}: backend '{cls.name}' needs {needed}"
+        refused = cls.section_refusal(experiment)
+        if refused is not None or cls.shapes_downlinks:
+            return refused
         able = " or ".join(name for name, kind in BACKENDS.items() if kind.shapes_downlinks)
         for field_name in ("downlink_mbit", "pair_mbit"):
             if getattr(experiment.link, field_name):
@@ -187,6 +194,12 @@ class Backend(abc.ABC):
                     f"link.{field_name}: the {cls.name} backend shapes uplinks only "
                     f"(link.uplink_mbit); downlink and per-pair rates need the {able} backend"
                 )
+        return None
+
+    @classmethod
+    def section_refusal(cls, experiment: Experiment) -> str | None:
+        """Why its section, given, cannot carry the experiment (files that are not there, too
+        few boards), or None. Here: None."""
         return None
 
     @classmethod

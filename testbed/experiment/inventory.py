@@ -111,6 +111,7 @@ class Inventory(Section):
         "the boards of a backend that needs them (ssh): a YAML file's path, or inline; see "
         "Inventory below"
     )
+    needed = "an inventory of boards (a file's path or inline; see experiments/ssh-smoke.yaml)"
 
     known_hosts: str = Field(
         min_length=1, description="the file every board's host key is checked against"

@@ -103,6 +103,7 @@ class Provider(Section):
         "the EnOSlib provider that reserves or lists the boards (backend enoslib); see "
         "Provider below"
     )
+    needed = "an EnOSlib provider (see experiments/enoslib-static.yaml)"
 
     kind: Literal["static", "g5k", "iotlab", "chameleon", "fabric"] = Field(
         description="EnOSlib's provider: static (hosts you have), g5k, iotlab, chameleon, fabric"

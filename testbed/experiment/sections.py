@@ -26,6 +26,7 @@ class Section(Strict):
 
     section: ClassVar[str] = ""  # its top-level key in the experiment
     about: ClassVar[str] = ""  # what the schema says of the key
+    needed: ClassVar[str] = ""  # what a backend that reads it needs where it is missing
 
     @classmethod
     def given(cls, value: Any) -> Any:

@@ -122,25 +122,20 @@ def test_without_the_entries_the_names_are_unknown(tmp_path, capsys):
 # A backend with a section of its own -----------------------------------------------------
 
 
-class ToyLab(Backend):
+class ToyLab(ToyBackend):
     """Racks of boards in a toy lab, described by the experiment's `toy_lab:` section; a run
     leaves its racks switched on, which the lab lists until they are switched off."""
 
     name = "toy-lab"
-    on_this_host = False
-    default_emulator = "toy-link"
     settings = "toy_lab"
     switched_on: ClassVar[list[Leftovers]] = []  # what dead runs left, as the lab finds it
 
     @classmethod
-    def refusal(cls, experiment):
-        lab = experiment.section(cls.settings)
-        if lab is None:
-            return f"toy_lab: backend '{cls.name}' needs its racks (toy_lab: {{racks: N}})"
-        if max(experiment.devices.count) > lab.racks:
-            most = max(experiment.devices.count)
-            return f"devices.count: {most} devices, but the toy lab has {lab.racks} racks"
-        return super().refusal(experiment)
+    def section_refusal(cls, experiment):
+        most, racks = max(experiment.devices.count), experiment.section(cls.settings).racks
+        if most > racks:
+            return f"devices.count: {most} devices, but the toy lab has {racks} racks"
+        return None
 
     @classmethod
     def leftovers(cls, run_dirs):
@@ -151,15 +146,6 @@ class ToyLab(Backend):
         cls.switched_on.remove(leftovers)
         return [f"toy lab: {item} switched off" for item in leftovers.items]
 
-    def start(self, spec):
-        raise NotImplementedError
-
-    def spawn(self, device, argv):
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        pass
-
 
 def toy_lab_section() -> type[Section]:
     """The toy lab's section. Defining it registers it (`toy_lab` keeps that to one test)."""
@@ -169,6 +155,7 @@ def toy_lab_section() -> type[Section]:
 
         section = "toy_lab"
         about = "the toy lab's racks (backend toy-lab)"
+        needed = "its racks (toy_lab: {racks: N})"
         racks: int = Field(ge=1, description="one device per rack")
 
     return ToyLabSection

@@ -51,11 +51,10 @@ class EnoslibBackend(SshBackend):
     settings = Provider.section  # its hosts become the ssh backend's inventory at start
 
     @classmethod
-    def refusal(cls, experiment: Experiment) -> str | None:
-        """Its provider's rules (`testbed.backends.enoslib.refusal`), then every backend's
-        (not the ssh backend's inventory rules: the provider's hosts are its boards)."""
-        refused = provider_refusal(experiment, cls.name)
-        return refused or super(SshBackend, cls).refusal(experiment)
+    def section_refusal(cls, experiment: Experiment) -> str | None:
+        """Its provider's rules (`testbed.backends.enoslib.refusal`), not the ssh backend's
+        inventory's: the provider's hosts become its boards."""
+        return provider_refusal(experiment)
 
     @classmethod
     def versions(cls) -> dict[str, str]:

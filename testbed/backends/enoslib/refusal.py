@@ -1,5 +1,5 @@
-"""What the enoslib backend refuses before anything starts: no provider, a provider's
-configuration that EnOSlib's own schema refuses, fewer static hosts than devices, a
+"""What the enoslib backend refuses before anything starts: a provider's configuration that
+EnOSlib's own schema refuses, fewer static hosts than devices, a
 known_hosts file or a key file that is not there. Nothing is reserved here.
 """
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testbed.backends.enoslib import providers
+from testbed.backends.ssh.refusal import known_hosts_refusal
 from testbed.errors import ConfigError
 from testbed.experiment.provider import Provider
 
@@ -16,15 +17,12 @@ if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment
 
 
-def provider_refusal(experiment: Experiment, backend: str) -> str | None:
-    """Why `backend` cannot run on the experiment's provider (one line naming the field), or
-    None."""
+def provider_refusal(experiment: Experiment) -> str | None:
+    """Why the experiment's provider cannot carry its devices (one line naming the field), or
+    None (also where it gives none: `Backend.refusal` says so first)."""
     provider = experiment.section(Provider.section)
     if not isinstance(provider, Provider):
-        return (
-            f"provider: backend '{backend}' needs an EnOSlib provider (see "
-            "experiments/enoslib-static.yaml)"
-        )
+        return None
     try:
         providers.check(provider)
     except ConfigError as error:
@@ -35,12 +33,9 @@ def provider_refusal(experiment: Experiment, backend: str) -> str | None:
             f"devices.count: {most} devices, but the static provider lists {listed} hosts in "
             f"role {provider.role} (one device per host)"
         )
-    if not provider.accept_new_host_keys and not Path(provider.known_hosts).is_file():
-        return (
-            f"provider.known_hosts: file not found: {provider.known_hosts}; record the hosts' "
-            "keys (`ssh-keyscan -p PORT ADDRESS >> FILE`), or say accept_new_host_keys: true "
-            "for a first connection"
-        )
+    refused = known_hosts_refusal(Provider.section, provider, "the hosts' keys")
+    if refused is not None:
+        return refused
     key_file = provider.boards.key_file
     if key_file is not None and not Path(key_file).is_file():
         return f"provider.boards.key_file: file not found: {key_file}"

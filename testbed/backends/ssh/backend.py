@@ -111,9 +111,9 @@ class SshBackend(Backend):
         return cls(run_id, run_dir, experiment.section(cls.settings))
 
     @classmethod
-    def refusal(cls, experiment: Experiment) -> str | None:
-        """Its inventory's rules (`testbed.backends.ssh.refusal`), then every backend's."""
-        return inventory_refusal(experiment, cls.name) or super().refusal(experiment)
+    def section_refusal(cls, experiment: Experiment) -> str | None:
+        """Its inventory's rules (`testbed.backends.ssh.refusal`)."""
+        return inventory_refusal(experiment)
 
     @classmethod
     def leftovers(cls, run_dirs: Mapping[str, Path]) -> list[Leftovers]:
