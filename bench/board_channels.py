@@ -51,8 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from testbed.backends.ssh.files import source_archive
     from testbed.experiment.profiles import load_profile
     from testbed.experiment.provider import Provider
-    from testbed.kernel import shaping
     from testbed.kernel.shaping import change_argv
+    from testbed.link.token_bucket import profile_plan
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-channels-") as temporary:
@@ -62,10 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend = EnoslibBackend(uuid.uuid4().hex[:12], directory / "run", provider)
             try:
                 rows.append(("set-up", "direct", timed(lambda: backend.start(DeviceSpec(count)))))
-                plan = shaping.plan(load_profile("ideal"), 5.0)
+                plan = profile_plan(load_profile("ideal"), 5.0)
                 for device in backend.devices:
                     backend.shape(device, plan)
-                changed = shaping.plan(load_profile("ideal"), 2.0)
+                changed = profile_plan(load_profile("ideal"), 2.0)
 
                 def change_in_turn() -> None:
                     for device in backend.devices:

@@ -4,8 +4,9 @@ Run as root from the repository root: `python -m bench.serial_link_check` (about
 `--help` for rates, sizes, counts, shapers). Two network namespaces, a sender `a` and a
 receiver `b`, joined by one of:
 
-- `tbf`: a veth pair, with `testbed.kernel.shaping.plan` and `testbed.kernel.netlink.apply` (profile
-  `ideal`, the project's two-frame bucket) on a's end, as the project shapes devices today;
+- `tbf`: a veth pair, with `testbed.link.token_bucket.profile_plan` and
+  `testbed.kernel.netlink.apply` (profile `ideal`, the project's two-frame bucket) on a's end,
+  as the project shapes devices today;
 - `serial+tbf`: `testbed.link.serial.switch.SerialSwitch` (its default, backpressure on: tbf at the
   rate on each device's `sl0` in front of the emulator), both ports at the rate;
 - `serial`: the same switch without the tbf (the emulator alone);
@@ -172,7 +173,7 @@ def _namespaces(prefix: str, count: int = 2) -> Iterator[tuple[str, ...]]:
 def tbf_bed(prefix: str) -> Iterator[Bed]:
     from testbed.experiment.profiles import load_profile
     from testbed.kernel.netlink import apply
-    from testbed.kernel.shaping import plan
+    from testbed.link.token_bucket import profile_plan
 
     with _namespaces(prefix) as names:
         _ip(
@@ -195,7 +196,9 @@ def tbf_bed(prefix: str) -> Iterator[Bed]:
             _ip("-n", name, "link", "set", interface, "up")
 
         def set_rate(rate_mbit: float) -> None:
-            apply(f"/var/run/netns/{names[0]}", "tbba", plan(load_profile("ideal"), rate_mbit))
+            apply(
+                f"/var/run/netns/{names[0]}", "tbba", profile_plan(load_profile("ideal"), rate_mbit)
+            )
 
         yield Bed("tbf", names, addresses, set_rate)
 

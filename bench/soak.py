@@ -73,7 +73,7 @@ def workers(client, run_id: str) -> dict[str, int]:
 
 
 def emulator(run_id: str) -> int | None:
-    from testbed.kernel.netns import run_tag
+    from testbed.kernel.names import run_tag
 
     tag = run_tag(run_id)
     for entry in Path("/proc").iterdir():

@@ -17,7 +17,8 @@ it (tests/unit/test_layers.py reads every import against `LAYERS`):
   the qdisc probe, network namespaces, interface names, processes;
 - `experiment/`: what the user writes: the experiment schema, link profiles, inventories,
   the accuracy study's table of top-1 per level that an experiment names;
-- the ground: `errors`, `voice`, `source` (this checkout's folders).
+- the ground: `errors`, `voice`, `source` (this checkout's folders), `units`, `atomic` (a file
+  written whole).
 """
 
 # Top to bottom; a name is a folder or a module directly under testbed/.
@@ -30,5 +31,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("backends",),
     ("kernel",),
     ("experiment",),
-    ("errors", "voice", "source"),
+    ("errors", "voice", "source", "units", "atomic"),
 )

@@ -1,9 +1,10 @@
 """`python -m testbed.clean [--run RUN_ID] [--all]`: remove what dead runs left behind.
 
-What a run leaves: containers and networks labelled `testbed.run=<run id>` (Docker, when an
-engine answers), the local backend's and serial link's network namespaces, veths and
-bridges, named by the run's tag (`tb-<tag>-*`, as root), and on boards (ssh and enoslib
-backends) the qdiscs of their shaped interface and the run's directory, which the run's
+What a run leaves, each backend of the table finds and removes (`Backend.leftovers`,
+`Backend.remove`): containers and networks labelled `testbed.run=<run id>` (docker, when an
+engine answers), the network namespaces, veths and bridges of the local backend and of the
+serial link, named by the run's tag (`tb-<tag>-*`; local, as root), and on boards (ssh and
+enoslib) the qdiscs of their shaped interface and the run's directory, which the run's
 `board-leftovers.json` lists (`testbed.backends.ssh.leftovers`; the boards are reached as
 the run reached them, host keys checked). Whether the run is over is read from
 its lock (testbed.sweep.lock): its orchestrator's pid and that process's start time. Without
@@ -32,9 +33,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from testbed.backends.base import Backend, Leftovers
 from testbed.backends.ssh.leftovers import RECORD as BOARD_RECORD
 from testbed.backends.ssh.leftovers import undo as undo_boards
+from testbed.backends.table import BACKENDS
 from testbed.errors import TestbedError
+from testbed.kernel.names import run_tag
 from testbed.sweep.lock import Holder, read_locks, remove_lock
 
 log = logging.getLogger(__name__)
@@ -42,21 +46,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunLeftovers:
-    """One run's leftovers on this host, and its lock if any."""
+    """One run's leftovers, by the backend that found them, and its lock if any."""
 
     tag: str
     run_id: str | None = None  # None: known by its namespaces' tag alone
-    docker: list[str] = field(default_factory=list)
-    local: list[str] = field(default_factory=list)
+    found: list[tuple[type[Backend], Leftovers]] = field(default_factory=list)
     holder: Holder | None = None
-
-    @property
-    def boards(self) -> Path | None:
-        """Its record of what it changed on boards, if it left one."""
-        if self.holder is None or not self.holder.run_dir:
-            return None
-        record = Path(self.holder.run_dir) / BOARD_RECORD
-        return record if record.is_file() else None
 
     @property
     def label(self) -> str:
@@ -71,10 +66,8 @@ class CleanReport:
 
 def find_leftovers() -> list[RunLeftovers]:
     """Every run that left something here, with its lock (locks without leftovers too)."""
-    from testbed.backends.docker.backend import engine_available, leftovers_by_run
-    from testbed.kernel.netns import leftovers_by_tag, run_tag
-
     locks = read_locks()
+    run_dirs = {run_id: Path(h.run_dir) for run_id, h in locks.items() if h.run_dir}
     runs: dict[str, RunLeftovers] = {}
 
     def entry(tag: str, run_id: str | None) -> RunLeftovers:
@@ -84,12 +77,12 @@ def find_leftovers() -> list[RunLeftovers]:
 
     for run_id, holder in locks.items():
         entry(run_tag(run_id), run_id).holder = holder
-    if engine_available():
-        for run_id, items in leftovers_by_run().items():
-            entry(run_tag(run_id), run_id).docker += items
-    if os.geteuid() == 0:
-        for tag, items in leftovers_by_tag().items():
-            entry(tag, None).local += items
+    seen: set[Leftovers] = set()
+    for backend in BACKENDS.values():
+        for leftovers in backend.leftovers(run_dirs):
+            if leftovers not in seen:  # a backend may find what another does (its base's)
+                seen.add(leftovers)
+                entry(leftovers.tag, leftovers.run_id).found.append((backend, leftovers))
     return sorted(runs.values(), key=lambda run: (run.run_id or "", run.tag))
 
 
@@ -112,9 +105,6 @@ def why_keep(run: RunLeftovers, chosen: bool, everything: bool) -> str | None:
 
 def clean(run_id: str | None = None, everything: bool = False) -> CleanReport:
     """Removes the leftovers of dead runs (or of `run_id`; `everything`: regardless of locks)."""
-    from testbed.backends.docker.backend import remove_by_label
-    from testbed.kernel.netns import remove_leftovers, run_tag
-
     report = CleanReport()
     for run in find_leftovers():
         chosen = run_id is not None and run_id in (run.run_id, run.tag, run_tag(run_id))
@@ -122,15 +112,11 @@ def clean(run_id: str | None = None, everything: bool = False) -> CleanReport:
             continue
         reason = why_keep(run, chosen, everything)
         if reason is not None:
-            if run.docker or run.local or run.boards:
+            if run.found:
                 report.kept.append(f"{run.label}: {reason}")
             continue
-        if run.boards is not None:
-            report.removed += undo_boards(run.boards)  # the lock stays if a board did not answer
-        if run.docker and run.run_id is not None:
-            report.removed += remove_by_label(run.run_id)
-        if run.local:
-            report.removed += remove_leftovers(tag=run.tag)
+        for backend, leftovers in run.found:  # a removal that fails raises: the lock stays
+            report.removed += backend.remove(leftovers)
         if run.holder is not None:
             remove_lock(run.holder)
             report.removed.append(f"lock of run {run.holder.run_id} ({run.holder.describe()})")

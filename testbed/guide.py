@@ -15,10 +15,12 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from testbed.backends.table import AUTO, BACKENDS
@@ -31,7 +33,7 @@ from testbed.experiment.profiles import (
     load_profile,
 )
 from testbed.experiment.provider import BoardDefaults, Provider
-from testbed.experiment.schema import Experiment
+from testbed.experiment.schema import Experiment, experiment_model
 from testbed.link.emulators import EMULATORS
 from testbed.source import EXPERIMENTS_DIR
 from tracevq.method_table import METHODS
@@ -97,9 +99,9 @@ def cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def fields_table(model: type[BaseModel], prefix: str) -> list[str]:
+def fields_table(fields: Mapping[str, FieldInfo], prefix: str) -> list[str]:
     lines = ["| field | type | default | bounds | meaning |", "|---|---|---|---|---|"]
-    for name, field in model.model_fields.items():
+    for name, field in fields.items():
         lines.append(
             f"| `{prefix}{name}` | {type_name(field.annotation)} | {default_text(field)} | "
             f"{bounds_text(field)} | {cell(field.description or '')} |"
@@ -107,10 +109,25 @@ def fields_table(model: type[BaseModel], prefix: str) -> list[str]:
     return lines
 
 
-def section(title: str, model: type[BaseModel], prefix: str) -> list[str]:
+def section(
+    title: str, model: type[BaseModel], prefix: str, fields: Mapping[str, FieldInfo] | None = None
+) -> list[str]:
     about = summary(model)
     intro = [about, ""] if about else []
-    return [f"## {title}", "", *intro, *fields_table(model, prefix), ""]
+    table = fields_table(model.model_fields if fields is None else fields, prefix)
+    return [f"## {title}", "", *intro, *table, ""]
+
+
+def top_level() -> dict[str, FieldInfo]:
+    """The experiment's fields, with the sections of the table's backends after `backend`."""
+    sections = experiment_model().model_fields
+    fields = {}
+    for name, field in Experiment.model_fields.items():
+        fields[name] = field
+        if name == "backend":
+            keys = dict.fromkeys(b.settings for b in BACKENDS.values() if b.settings)
+            fields.update({key: sections[key] for key in keys})
+    return fields
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
@@ -173,11 +190,7 @@ def backends() -> list[str]:
             backend.on_this_host,
             backend.default_emulator,
             backend.shapes_downlinks,
-            "`inventory`"
-            if backend.needs_inventory
-            else "`provider`"
-            if backend.needs_provider
-            else "-",
+            f"`{backend.settings}`" if backend.settings else "-",
             backend.in_auto,
         ]
         shown = [f if isinstance(f, str) else ("yes" if f else "no") for f in flags]
@@ -233,11 +246,11 @@ def page() -> str:
         EXAMPLE.read_text().rstrip(),
         "```",
         "",
-        *section("Top level", Experiment, ""),
+        *section("Top level", Experiment, "", top_level()),
     ]
     for name, field in Experiment.model_fields.items():
         model = _model_of(field.annotation)
-        if model is not None and model not in (Inventory, Provider):
+        if model is not None:
             lines += section(f"`{name}`", model, f"{name}.")
     lines += methods() + backends() + emulators() + profiles()
     lines += section("Inventory", Inventory, "inventory.")

@@ -21,11 +21,13 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
+
+from testbed.experiment.sections import SECTIONS
 
 if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment
@@ -70,6 +72,17 @@ class Device:
     threads: int  # intra-op threads for the worker: matches the CPU allotment
     cpuset: str | None = None  # pinned cores, when the host has enough of them
     netns_path: str | None = None  # host path of its network namespace (for pyroute2)
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What a run left that one backend made, as found when the run is over: the run (its
+    id, or only its tag where a name carries no more) and the things, one line each as
+    `testbed.clean` lists them."""
+
+    tag: str
+    run_id: str | None
+    items: tuple[str, ...]
 
 
 @dataclass
@@ -146,7 +159,7 @@ class Backend(abc.ABC):
     """Base of every backend of the table (`testbed.backends.table`).
 
     What a backend can do is said by its class attributes, which the preflight, the links and
-    the runner read instead of its name.
+    the runner read instead of its name; what it cannot run, by its `refusal`.
     """
 
     name: str = ""
@@ -156,9 +169,38 @@ class Backend(abc.ABC):
     on_this_host: bool = True
     default_emulator: str = "serial"  # when the experiment names none (testbed.link.emulators)
     shapes_downlinks: bool = True  # downlink and per-pair rates, not only uplinks
-    needs_inventory: bool = False  # it runs on the experiment's inventory of boards
-    needs_provider: bool = False  # it runs on the boards of the experiment's EnOSlib provider
+    # the experiment's top-level section it reads (testbed.experiment.sections), if any:
+    # `inventory` (ssh), `provider` (enoslib)
+    settings: str | None = None
     in_auto: bool = False  # `backend: auto` may take it (in the table's order) when available
+
+    @classmethod
+    def refusal(cls, experiment: Experiment) -> str | None:
+        """Why this backend cannot run `experiment`, in one line naming the field (`field:
+        what is wrong; what would be right`), or None: asked by the preflight before anything
+        starts, which adds the file. Here: its section missing, then what the section must
+        hold (`section_refusal`), then downlink and per-pair rates on a backend that shapes
+        uplinks only."""
+        if cls.settings is not None and experiment.section(cls.settings) is None:
+            needed = SECTIONS[cls.settings].needed if cls.settings in SECTIONS else "it"
+            return f"{cls.settings}: backend '{cls.name}' needs {needed}"
+        refused = cls.section_refusal(experiment)
+        if refused is not None or cls.shapes_downlinks:
+            return refused
+        able = " or ".join(name for name, kind in BACKENDS.items() if kind.shapes_downlinks)
+        for field_name in ("downlink_mbit", "pair_mbit"):
+            if getattr(experiment.link, field_name):
+                return (
+                    f"link.{field_name}: the {cls.name} backend shapes uplinks only "
+                    f"(link.uplink_mbit); downlink and per-pair rates need the {able} backend"
+                )
+        return None
+
+    @classmethod
+    def section_refusal(cls, experiment: Experiment) -> str | None:
+        """Why its section, given, cannot carry the experiment (files that are not there, too
+        few boards), or None. Here: None."""
+        return None
 
     @classmethod
     def create(cls, run_id: str, run_dir: Path, experiment: Experiment) -> Backend:
@@ -174,6 +216,20 @@ class Backend(abc.ABC):
     def versions(cls) -> dict[str, str]:
         """Versions of what it runs on, for environment.json."""
         return {}
+
+    @classmethod
+    def leftovers(cls, run_dirs: Mapping[str, Path]) -> list[Leftovers]:
+        """What runs left of this backend's making, by run (what `stop` would have removed,
+        had it run): `testbed.clean` removes what it finds once the run is over. `run_dirs`:
+        the run directory of each run this host holds a lock of, by run id (a backend may
+        keep a record there). Here: nothing."""
+        return []
+
+    @classmethod
+    def remove(cls, leftovers: Leftovers) -> list[str]:
+        """Removes what `leftovers` lists (one of `leftovers()`); returns what went, one line
+        each."""
+        return []
 
     def __init__(self, run_id: str, run_dir: Path):
         self.run_id = run_id
@@ -285,3 +341,6 @@ class Backend(abc.ABC):
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+BACKENDS: dict[str, type[Backend]] = {}  # the table, filled by testbed.backends.table

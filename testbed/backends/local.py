@@ -7,16 +7,16 @@ hook would send the bridged frames through the host's iptables FORWARD chain, wh
 Docker sets to DROP. The bridge has no address and the devices no default route, so devices
 reach each other and nothing else.
 
-Names derive from a tag, the first 8 hex digits of the run id's SHA-1: namespaces
-`tb-<tag>-sw` and `tb-<tag>-d<rank>` (under /var/run/netns, so `ip netns` lists them), the
-bridge `tb<tag>` and its ports `tb<tag>h<rank>` (interface names fit in 15 characters).
+Names derive from the run's tag (`testbed.kernel.names`): namespaces `tb-<tag>-sw` and
+`tb-<tag>-d<rank>`, the bridge `tb<tag>` and its ports `tb<tag>h<rank>`.
 
-Commands run through `ip netns exec`, in a process group of their own, pinned with `taskset`
-when the CPU plan pins cores, and with a memory limit set by `prlimit --data` when prlimit is
-available. RLIMIT_DATA bounds private writable memory (heap, anonymous maps, thread stacks);
-unlike RLIMIT_AS it does not count shared libraries or address space reserved and never used,
-which for a torch worker is hundreds of MB. Going over it makes allocations fail (MemoryError)
-instead of waking an OOM killer. Fractional CPU allotments are not enforced (no cgroups here).
+Commands run through `nsenter --net` (`testbed.kernel.netns.in_netns`), in a process group of
+their own, pinned with `taskset` when the CPU plan pins cores, and with a memory limit set by
+`prlimit --data` when prlimit is available. RLIMIT_DATA bounds private writable memory (heap,
+anonymous maps, thread stacks); unlike RLIMIT_AS it does not count shared libraries or address
+space reserved and never used, which for a torch worker is hundreds of MB. Going over it makes
+allocations fail (MemoryError) instead of waking an OOM killer. Fractional CPU allotments are
+not enforced (no cgroups here).
 
 The run secret (`testbed.backends.base`) is one file, `run.key` of mode 0600, in a folder of
 mode 0700 that `start()` makes outside the run directory (`tempfile.mkdtemp`, `testbed-<tag>-*`)
@@ -26,17 +26,14 @@ them all.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from testbed.backends.base import (
@@ -45,68 +42,49 @@ from testbed.backends.base import (
     Device,
     DeviceSpec,
     ExecResult,
+    Leftovers,
     Process,
     plan_cpus,
     write_secret,
 )
 from testbed.errors import DeviceError
+from testbed.experiment.schema import MAX_DEVICES
 from testbed.kernel.addresses import choose_subnet, host_networks
-from testbed.kernel.interfaces import check_ifname, link_up
+from testbed.kernel.interfaces import link_up, veth_into
+from testbed.kernel.names import RunNames
 from testbed.kernel.netns import (
     NETNS_DIR,
     create_netns,
+    in_netns,
+    iproute,
+    leftovers_by_tag,
     netlink_step,
     netns_path,
+    remove_leftovers,
     remove_namespaces,
-    run_tag,
 )
+from testbed.kernel.processes import kill_group, start_group
 from testbed.source import python_env
 
 log = logging.getLogger(__name__)
 
 DEVICE_INTERFACE = "eth0"
-MAX_DEVICES = 254  # hosts of one /24, the bridge takes no address
 KILL_WAIT_S = 5.0
 WHO = "local backend"
 
 
-@dataclass(frozen=True)
-class RunNames:
-    """Names of a run's namespaces and interfaces."""
-
-    tag: str
-
-    @classmethod
-    def for_run(cls, run_id: str) -> RunNames:
-        return cls(run_tag(run_id))
-
-    @property
-    def switch_netns(self) -> str:
-        return f"tb-{self.tag}-sw"
-
-    @property
-    def bridge(self) -> str:
-        return f"tb{self.tag}"
-
-    def device_netns(self, rank: int) -> str:
-        return f"tb-{self.tag}-d{rank}"
-
-    def port(self, rank: int) -> str:
-        """The bridge's end of the veth pair of device `rank`."""
-        return check_ifname(f"tb{self.tag}h{rank}", f"rank {rank}")
-
-
 def device_command(
-    netns_name: str, argv: Sequence[str], cpuset: str | None = None, memory_mb: int | None = None
+    netns: str, argv: Sequence[str], cpuset: str | None = None, memory_mb: int | None = None
 ) -> list[str]:
-    """The argument list that runs `argv` in a device's namespace, pinned and memory-limited."""
-    command = ["ip", "netns", "exec", netns_name]
+    """The argument list that runs `argv` in a device's namespace (its path), pinned and
+    memory-limited."""
+    command = []
     if cpuset:
         command += ["taskset", "-c", cpuset]
     if memory_mb:
         limit_bytes = memory_mb * 2**20
         command += ["prlimit", f"--data={limit_bytes}:{limit_bytes}", "--"]
-    return command + list(argv)
+    return in_netns(netns, command + list(argv))
 
 
 def root_problem() -> str | None:
@@ -115,6 +93,8 @@ def root_problem() -> str | None:
         return "needs root (network namespaces, veth pairs and a bridge)"
     if shutil.which("ip") is None:
         return "needs iproute2's `ip` (apt-get install iproute2)"
+    if shutil.which("nsenter") is None:
+        return "needs util-linux's `nsenter` (apt-get install util-linux)"
     return None
 
 
@@ -137,15 +117,25 @@ class LocalProcess(Process):
 
     def kill(self) -> None:
         """SIGKILL to the whole group, also when its leader has already ended."""
-        log.debug("kill -KILL -%d (%s)", self.popen.pid, self.label)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
+        kill_group(self.popen.pid, self.label)
 
 
 class LocalBackend(Backend):
     name = "local"
     in_auto = True  # where no Docker engine answers
     python = sys.executable or "python3"  # devices run the host's interpreter and code
+
+    @classmethod
+    def leftovers(cls, run_dirs: Mapping[str, Path]) -> list[Leftovers]:
+        """As root: every run's namespaces and links on this host (`tb-<tag>-*`, the serial
+        link's too), by the tag their names carry."""
+        if os.geteuid() != 0:
+            return []
+        return [Leftovers(tag, None, tuple(items)) for tag, items in leftovers_by_tag().items()]
+
+    @classmethod
+    def remove(cls, leftovers: Leftovers) -> list[str]:
+        return remove_leftovers(tag=leftovers.tag)
 
     def __init__(self, run_id: str, run_dir: Path):
         super().__init__(run_id, run_dir)
@@ -211,67 +201,43 @@ class LocalBackend(Backend):
         self.namespaces.append(name)
 
     def _create_switch(self) -> None:
-        from pyroute2 import NetNS
-
         switch, bridge = self.names.switch_netns, self.names.bridge
         self._create_namespace(switch)
-        with NetNS(switch, flags=0) as ipr:
+        with iproute(netns_path(switch), WHO, DeviceError) as ipr:
             with netlink_step(f"{switch}: add bridge {bridge}", WHO, DeviceError):
                 ipr.link("add", ifname=bridge, kind="bridge")
             link_up(ipr, switch, bridge, WHO, DeviceError)
 
     def _create_device(self, rank: int, spec: DeviceSpec) -> Device:
-        from pyroute2 import NetNS
-
         assert self.cpu_plan is not None and self.subnet is not None
-        switch, port = self.names.switch_netns, self.names.port(rank)
         name = self.names.device_netns(rank)
-        address = self.subnet[rank + 1]
+        address = ipaddress.IPv4Interface((self.subnet[rank + 1], self.subnet.prefixlen))
         self._create_namespace(name)
-        # The peer is created inside the device's namespace already named eth0: one netlink
-        # message instead of create, move and rename, and no interface with a temporary name.
-        with NetNS(switch, flags=0) as ipr:
-            with netlink_step(
-                f"{switch}: add veth {port} <-> {name}:{DEVICE_INTERFACE}", WHO, DeviceError
-            ):
-                peer = {"ifname": DEVICE_INTERFACE, "net_ns_fd": name}
-                ipr.link("add", ifname=port, kind="veth", peer=peer)
-            bridge = ipr.link_lookup(ifname=self.names.bridge)[0]
-            link_up(ipr, switch, port, WHO, DeviceError, master=bridge)
-        with NetNS(name, flags=0) as ipr:
-            with netlink_step(f"{name}: set lo up", WHO, DeviceError):
-                ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
-            eth0 = ipr.link_lookup(ifname=DEVICE_INTERFACE)[0]
-            with netlink_step(
-                f"{name}: add {address}/{self.subnet.prefixlen} to {DEVICE_INTERFACE}",
-                WHO,
-                DeviceError,
-            ):
-                ipr.addr("add", index=eth0, address=str(address), prefixlen=self.subnet.prefixlen)
-            link_up(ipr, name, DEVICE_INTERFACE, WHO, DeviceError)
+        switch, device = netns_path(self.names.switch_netns), netns_path(name)
+        port, bridge = self.names.port(rank), self.names.bridge
+        veth_into(switch, port, device, DEVICE_INTERFACE, address, WHO, DeviceError, bridge)
         return Device(
             rank=rank,
             name=name,
-            address=str(address),
+            address=str(address.ip),
             interface=DEVICE_INTERFACE,
             cpus=spec.cpus,
             threads=self.cpu_plan.threads,
             cpuset=self.cpu_plan.cpusets[rank],
-            netns_path=netns_path(name),
+            netns_path=device,
         )
 
     def spawn(self, device: Device, argv: Sequence[str]) -> Process:
         if device.name not in self.namespaces:
             raise DeviceError(f"{device.name} is not a running device of run {self.run_id}")
-        command = device_command(device.name, argv, device.cpuset, self.memory_mb)
-        log.debug("spawn on %s: %s", device.name, command)
-        popen = subprocess.Popen(
+        command = device_command(netns_path(device.name), argv, device.cpuset, self.memory_mb)
+        popen = start_group(
             command,
+            device.name,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=python_env(OMP_NUM_THREADS=str(device.threads)),
-            start_new_session=True,
         )
         process = LocalProcess(popen, device.name)
         self.processes.append(process)

@@ -3,15 +3,16 @@
 A backend is a `testbed.backends.base.Backend` subclass whose class attributes say what it
 can do; the experiment's `backend` (or `testbed.run --backend`) names one of this table, or
 `auto`: the first entry that may be chosen so (`in_auto`) and is `available()` here (Docker
-when an engine answers, else the local backend). Adding a backend is its module and one entry
-here.
+when an engine answers, else the local backend). Adding a backend is its module (or folder:
+with its own section of the experiment, a `testbed.experiment.sections.Section`, its rules in
+`refusal`, its leftovers) and one entry here.
 """
 
 from __future__ import annotations
 
 import difflib
 
-from testbed.backends.base import Backend
+from testbed.backends.base import BACKENDS, Backend
 from testbed.backends.docker.backend import DockerBackend
 from testbed.backends.enoslib.backend import EnoslibBackend
 from testbed.backends.local import LocalBackend
@@ -19,9 +20,8 @@ from testbed.backends.ssh.backend import SshBackend
 from testbed.errors import ConfigError, DeviceError
 
 AUTO = "auto"
-BACKENDS: dict[str, type[Backend]] = {
-    backend.name: backend for backend in (DockerBackend, LocalBackend, SshBackend, EnoslibBackend)
-}
+# the table lives beside the base class, whose refusal names the backends able to do more
+BACKENDS.update({b.name: b for b in (DockerBackend, LocalBackend, SshBackend, EnoslibBackend)})
 
 
 def backend_names() -> list[str]:

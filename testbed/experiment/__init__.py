@@ -6,5 +6,9 @@ one-line errors (`strict`), the YAML reader (`yamlfile`) and the names that beco
 components (`names`).
 
 Nothing here knows where a run happens: what depends on the host, the backend or the
-emulator is checked by `testbed.sweep.preflight`.
+emulator is checked by `testbed.sweep.preflight`. The schema knows no backend either: a
+backend's own section is a `sections.Section`, which registers itself where it is defined;
+importing this package registers the built-in backends' (`inventory`, `provider`).
 """
+
+from testbed.experiment import inventory, provider  # noqa: F401 - their sections register

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from testbed.errors import ConfigError
+from testbed.experiment.sections import Section
 from testbed.experiment.strict import Strict, describe
 from testbed.experiment.yamlfile import load_yaml
 
@@ -102,8 +103,15 @@ class Board(Strict):
         return f"board '{self.name}' ({self.user}@{self.address}:{self.port})"
 
 
-class Inventory(Strict):
+class Inventory(Section):
     """The boards a backend runs on, in rank order, and how their host keys are checked."""
+
+    section = "inventory"
+    about = (
+        "the boards of a backend that needs them (ssh): a YAML file's path, or inline; see "
+        "Inventory below"
+    )
+    needed = "an inventory of boards (a file's path or inline; see experiments/ssh-smoke.yaml)"
 
     known_hosts: str = Field(
         min_length=1, description="the file every board's host key is checked against"
@@ -126,6 +134,10 @@ class Inventory(Strict):
             ]
             data = {**data, "boards": boards}
         return data
+
+    @classmethod
+    def given(cls, value: Any) -> Any:
+        return inventory_input(value)
 
     @field_validator("known_hosts")
     @classmethod

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from testbed.experiment.inventory import absolute_path
+from testbed.experiment.sections import Section
 from testbed.experiment.strict import Strict
 
 PROVIDER_KINDS = ("static", "g5k", "iotlab", "chameleon", "fabric")
@@ -89,13 +90,20 @@ class BoardDefaults(Strict):
         return None if path is None else absolute_path(path)
 
 
-class Provider(Strict):
+class Provider(Section):
     """The EnOSlib provider (backend `enoslib`) that reserves the boards, or lists them
     (`static`); its hosts of `role`, in order, are ranks 0..P-1, run over SSH as the ssh
     backend's boards. `conf` is EnOSlib's own configuration of the provider, checked against
     EnOSlib's schema before anything starts; credentials stay where the provider reads them
     (~/.python-grid5000.yaml, ~/.iotlabrc, ...) and are refused here. Examples:
     experiments/enoslib/."""
+
+    section = "provider"
+    about = (
+        "the EnOSlib provider that reserves or lists the boards (backend enoslib); see "
+        "Provider below"
+    )
+    needed = "an EnOSlib provider (see experiments/enoslib-static.yaml)"
 
     kind: Literal["static", "g5k", "iotlab", "chameleon", "fabric"] = Field(
         description="EnOSlib's provider: static (hosts you have), g5k, iotlab, chameleon, fabric"

@@ -10,23 +10,29 @@ What the file alone decides is checked here: types without coercion (a boolean o
 not a number), finite numbers in sane ranges, names that are slugs, tree levels, device counts
 against the model's tokens, and the grid's size before it is expanded. What depends on the
 host, its files and the backend is checked by `testbed.sweep.preflight`.
+
+A backend's own section (`inventory:`, `provider:`, a plug-in's) is no field of `Experiment`:
+the experiment is validated by `experiment_model()`, `Experiment` with a field for every
+section registered (`testbed.experiment.sections`), and `Experiment.section(key)` reads one.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    BeforeValidator,
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from testbed.errors import ConfigError
-from testbed.experiment.inventory import Inventory, inventory_input
 from testbed.experiment.link_section import LinkSection
 from testbed.experiment.method_grid import (
     MAX_TRIALS,
@@ -37,12 +43,12 @@ from testbed.experiment.method_grid import (
     short,
 )
 from testbed.experiment.names import check_slug
-from testbed.experiment.provider import Provider
+from testbed.experiment.sections import SECTIONS, Section
 from testbed.experiment.strict import Strict, as_list, describe, distinct
 from testbed.experiment.yamlfile import load_yaml
 from tracevq.config import known_model_name, model_config
 
-MAX_DEVICES = 254  # hosts of one /24 (the local backend's network)
+MAX_DEVICES = 254  # hosts of one /24: the local backend's network, whose bridge takes none
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -178,16 +184,6 @@ class Experiment(Strict):
         description="where devices live: a backend of the table below, or auto (docker when "
         "an engine answers, else local)",
     )
-    inventory: Inventory | None = Field(
-        None,
-        description="the boards of a backend that needs them (ssh): a YAML file's path, or "
-        "inline; see Inventory below",
-    )
-    provider: Provider | None = Field(
-        None,
-        description="the EnOSlib provider that reserves or lists the boards (backend enoslib); "
-        "see Provider below",
-    )
     link: LinkSection = LinkSection()
     methods: list[dict[str, Any]] = Field(
         description="the method variants: each a mapping with a `name` and its parameters "
@@ -212,8 +208,6 @@ class Experiment(Strict):
         le=MAX_TIMEOUT_S,
         description="per trial: a session gets this times its trials before its workers are killed",
     )
-
-    _inventory = field_validator("inventory", mode="before")(inventory_input)
 
     @field_validator("name")
     @classmethod
@@ -264,6 +258,29 @@ class Experiment(Strict):
         """Every method entry with its list-valued parameters expanded into a grid."""
         return [v for i, entry in enumerate(self.methods) for v in expand_method(entry, i)]
 
+    def section(self, key: str | None) -> Section | None:
+        """A backend's section (`Backend.settings` names it), or None where the file gives
+        none or no section has that key."""
+        return None if key is None else getattr(self, key, None)
+
+
+def experiment_model() -> type[Experiment]:
+    """`Experiment` with a field for every backend's section registered so far (each None
+    unless given), which is what validates an experiment file."""
+    return _with_sections(tuple(SECTIONS.values()))
+
+
+@functools.cache
+def _with_sections(sections: tuple[type[Section], ...]) -> type[Experiment]:
+    fields: dict[str, Any] = {
+        kind.section: (
+            Annotated[kind | None, BeforeValidator(kind.given)],
+            Field(None, description=kind.about),
+        )
+        for kind in sections
+    }
+    return create_model("Experiment", __base__=Experiment, __module__=__name__, **fields)
+
 
 def _check_devices_fit(counts: list[int], model: str) -> None:
     tokens = model_config(model).tokens
@@ -292,10 +309,11 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> Experiment:
         raise ConfigError(
             f"{source}: an experiment is a mapping of keys, got {type(data).__name__}"
         )
+    model = experiment_model()
     try:
-        return Experiment.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"{source}: " + describe(error, Experiment)) from None
+        raise ConfigError(f"{source}: " + describe(error, model)) from None
 
 
 def load_experiment(path: str | Path) -> Experiment:

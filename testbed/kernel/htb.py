@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from testbed.errors import ShapingError
 from testbed.kernel.fifo import pfifo_argv
-from testbed.kernel.tbf import BIT_PER_MBIT, ETHERNET_FRAME_BYTES, MIN_BURST_FRAMES
+from testbed.kernel.tbf import ETHERNET_FRAME_BYTES, MIN_BURST_FRAMES, QUEUE_LATENCY_MS
 from testbed.kernel.u32 import u32_destination_argv
+from testbed.units import BIT_PER_MBIT
 
 HTB_HANDLE = "1:"
 UPLINK_MINOR = 0x1
@@ -52,7 +53,7 @@ class HtbParams:
 def htb_params(
     uplink_mbit: float,
     peer_caps_mbit: Mapping[int, tuple[str, float]],
-    queue_latency_ms: float = 50.0,
+    queue_latency_ms: float = QUEUE_LATENCY_MS,
     mtu: int = ETHERNET_FRAME_BYTES,
 ) -> HtbParams:
     """Classes for an uplink and per-peer caps {rank: (address, cap)}; a cap above the

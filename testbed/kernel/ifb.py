@@ -4,7 +4,7 @@ uplink (a tbf at the downlink rate). One per shaped device, inside its namespace
 
 from __future__ import annotations
 
-from testbed.kernel.interfaces import IFNAME_MAX_CHARS
+from testbed.kernel.names import IFNAME_MAX_CHARS
 
 
 def ifb_name(interface: str) -> str:

@@ -1,27 +1,19 @@
-"""Network interfaces: how long a name may be, how an interface is set up for the run's
-traffic alone, and which offloads a shaped or bridged interface must not have.
+"""Network interfaces: how an interface is set up for the run's traffic alone, how a device
+is wired to a switch (a veth pair whose peer is born inside the device's namespace), and which
+offloads a shaped or bridged interface must not have. Their names: `testbed.kernel.names`.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from typing import Any
 
 from testbed.errors import TestbedError
-from testbed.kernel.netns import netlink_step
+from testbed.kernel.netns import iproute, netlink_step, open_netns
 
-IFNAME_MAX_CHARS = 15  # IFNAMSIZ - 1
 # IFLA_INET6_ADDR_GEN_MODE none: the interface gets no IPv6 link-local address
 NO_LINK_LOCAL = {"attrs": [("AF_INET6", {"attrs": [("IFLA_INET6_ADDR_GEN_MODE", 1)]})]}
-
-
-def check_ifname(name: str, what: str, error: type[Exception] = ValueError) -> str:
-    """`name`, or `error` saying that `what` makes an interface name too long."""
-    if not name or len(name) > IFNAME_MAX_CHARS or "/" in name:
-        raise error(
-            f"{what} makes the interface name {name!r}, which is too long or holds a '/' (at "
-            f"most {IFNAME_MAX_CHARS} characters)"
-        )
-    return name
 
 
 def link_up(
@@ -38,6 +30,42 @@ def link_up(
         ipr.link("set", index=index, IFLA_AF_SPEC=NO_LINK_LOCAL)
     with netlink_step(f"{where}: {ifname}: up {settings or ''}".rstrip(), who, error):
         ipr.link("set", index=index, state="up", **settings)
+
+
+def veth_into(
+    switch: str,
+    port: str,
+    device: str,
+    interface: str,
+    address: ipaddress.IPv4Interface,
+    who: str,
+    error: type[TestbedError],
+    bridge: str | None = None,
+    **device_settings: Any,
+) -> None:
+    """A veth pair from the namespace `switch` into the namespace `device` (both paths): `port`
+    here, up (a port of `bridge` when given), and its peer `interface` created inside the
+    device's namespace already so named, addressed `address` and up (with `device_settings`,
+    e.g. gso_max_segs). One netlink message makes the pair: no interface with a temporary
+    name, nothing moved or renamed."""
+    where = f"{switch}: veth {port} <-> {device}:{interface}"
+    device_fd = open_netns(device, where, error)
+    try:
+        with iproute(switch, who, error) as ipr:
+            with netlink_step(f"add {where}", who, error):
+                peer = {"ifname": interface, "net_ns_fd": device_fd}
+                ipr.link("add", ifname=port, kind="veth", peer=peer)
+            master = {} if bridge is None else {"master": ipr.link_lookup(ifname=bridge)[0]}
+            link_up(ipr, switch, port, who, error, **master)
+    finally:
+        os.close(device_fd)
+    with iproute(device, who, error) as ipr:
+        index = ipr.link_lookup(ifname=interface)[0]
+        with netlink_step(f"{device}: {interface}: address {address}", who, error):
+            ipr.addr(
+                "add", index=index, address=str(address.ip), prefixlen=address.network.prefixlen
+            )
+        link_up(ipr, device, interface, who, error, **device_settings)
 
 
 def offload_argv(interface: str, checksums: bool = False) -> list[str]:

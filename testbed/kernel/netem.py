@@ -1,4 +1,4 @@
-"""netem, a profile's impairments as the kernel's qdisc (pure, no kernel): delay, jitter and its
+"""netem, a link's impairments as the kernel's qdisc (pure, no kernel): delay, jitter and its
 distribution, loss (random, Gilbert-Elliott or 4-state), duplication and reordering, with
 their correlations, as the `tc qdisc add ... netem` command that asks for them
 (tc-netem(8); the parameters are checked by `testbed.experiment.impairments`).
@@ -21,10 +21,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.experiment.impairments import checked, impaired
-from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.tbf import ETHERNET_FRAME_BYTES, TbfParams
 
 NETEM_DEFAULT_LIMIT_PACKETS = 1000  # the kernel's own default
+
+
+@dataclass(frozen=True)
+class LinkImpairments:
+    """What a link asks netem for, as its caller builds it from the user's profile: netem's
+    parameters (`testbed.experiment.impairments` names them; none: an ideal link), and the
+    name that errors and the saved plan give them (the profile's)."""
+
+    name: str
+    parameters: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -42,16 +51,16 @@ class NetemParams:
 
 
 def netem_params(
-    profile: LinkProfile, tbf: TbfParams | None = None, mtu: int = ETHERNET_FRAME_BYTES
+    impairments: LinkImpairments, tbf: TbfParams | None = None, mtu: int = ETHERNET_FRAME_BYTES
 ) -> NetemParams | None:
-    """netem parameters for a profile's impairments, or None when it has none.
+    """netem parameters for a link's impairments, or None when it has none.
 
     Under tbf, netem's queue replaces tbf's byte-limited fifo, so its packet limit is set to
     keep tbf's latency bound: tbf's byte limit plus what the delay (and jitter) keeps in
     flight, in full frames. Without `tbf` the kernel's default of 1000 packets is kept.
     """
     queue = None if tbf is None else (tbf.rate_bit_s, tbf.limit_bytes)
-    return netem_for(profile.impairments(), queue, mtu)
+    return netem_for(impairments.parameters, queue, mtu)
 
 
 def netem_for(

@@ -1,10 +1,11 @@
 """Applying a plan: pyroute2 inside the device's network namespace, `ethtool` and `tc` through
 `nsenter` (argument lists, never a shell). A thin layer over `testbed.kernel.shaping`.
 
-A root tbf (and netem) goes through pyroute2. A plan with per-peer classes or a downlink goes
-as the plan's own `tc`/`ip` argument lists through `nsenter`: the same commands the ssh
-backend and the logs show, where pyroute2's u32 keys and mirred actions would be a second
-rendering of them to keep in step.
+A root tbf alone goes through pyroute2 (`ShapingPlan.is_tbf_only`), and so does changing its
+rate in place. Every other plan goes as the plan's own `tc`/`ip` argument lists through
+`nsenter`: netem (whose distribution tables pyroute2 cannot load), per-peer classes and a
+downlink; the same commands the ssh backend and the logs show, where pyroute2's netem
+options, u32 keys and mirred actions would be a second rendering of them to keep in step.
 
 A shaped interface also gets offloads off and `gso_max_segs 1`, so that tbf meters, queues
 and drops real frames (see `testbed.kernel.shaping.gso_argv` for what goes wrong otherwise).

@@ -1,38 +1,30 @@
-"""Network namespaces: where they are mounted, how a run names its own, what runs in one, how
-netlink is spoken inside one, and how a run's namespaces and links are found and removed.
+"""Network namespaces: where they are mounted, how a command runs in one, how netlink is
+spoken inside one, and how a run's namespaces and links are found and removed (by their names,
+`testbed.kernel.names`).
 
-A run's names derive from its tag, the first 8 hex digits of the run id's SHA-1: the local
-backend's namespaces `tb-<tag>-sw` (its switch) and `tb-<tag>-d<rank>` (its devices), the
-serial emulator's `tb-<tag>-sl`, all under NETNS_DIR so that `ip netns` lists them; the links
-of a switch namespace are `tb<tag>` (a bridge), `tb<tag>h<rank>` (the bridge's ports) and
-`tb<tag>s<rank>` (the serial link's ports).
+One way in for every caller: a command runs in a namespace through `nsenter --net=PATH`
+(`in_netns`), netlink through pyroute2 opened on the namespace's PATH (`iproute`). A path
+names any namespace: a run's own under NETNS_DIR (`/var/run/netns/tb-<tag>-d0`) as well as a
+container's (`/proc/<pid>/ns/net`), which `ip netns exec`, taking only names under
+NETNS_DIR, cannot enter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import re
 import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from testbed.errors import TestbedError
+from testbed.kernel.names import holds_links, link_tag, netns_tag, run_tag
 
 log = logging.getLogger(__name__)
 
 NETNS_DIR = Path("/var/run/netns")  # iproute2's and pyroute2's
-NETNS_PATTERN = re.compile(r"^tb-(?P<tag>[0-9a-f]{8})-(?:sw|sl|d\d+)$")
-LINK_PATTERN = re.compile(r"^tb(?P<tag>[0-9a-f]{8})(?P<port>[hs]\d+)?$")
-SWITCH_SUFFIXES = ("-sw", "-sl")  # namespaces holding the run's links (their peers elsewhere)
-
-
-def run_tag(run_id: str) -> str:
-    """8 hex digits naming everything of a run, whatever characters the run id holds."""
-    return hashlib.sha1(run_id.encode()).hexdigest()[:8]
 
 
 def netns_path(name: str) -> str:
@@ -77,11 +69,21 @@ def open_netns(netns_path: str, where: str, error: type[TestbedError]) -> int:
         raise error(f"{where}: cannot open the device's namespace: {problem}") from None
 
 
-def create_netns(name: str, who: str, error: type[TestbedError]) -> None:
+def create_netns(name: str, who: str, error: type[TestbedError]) -> str:
+    """A new namespace `name` under NETNS_DIR, its loopback up; returns its path."""
     from pyroute2 import netns
 
     with netlink_step(f"create namespace {name}", who, error):
         netns.create(name)
+    path = netns_path(name)
+    try:
+        with iproute(path, who, error) as ipr, netlink_step(f"{name}: set lo up", who, error):
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            netns.remove(name)
+        raise
+    return path
 
 
 def pids_in(netns_path: Path) -> list[int]:
@@ -110,9 +112,9 @@ def _delete_links(netns_name: str | None, tag: str | None) -> list[str]:
         with NetNS(netns_name, flags=0) if netns_name else IPRoute() as ipr:
             ours = []
             for link in ipr.get_links():
-                match = LINK_PATTERN.match(link.get("ifname") or "")
-                if match and tag in (None, match["tag"]):
-                    ours.append((match["port"] is None, link.get("ifname"), link["index"]))
+                named = link_tag(link.get("ifname") or "")
+                if named and tag in (None, named[0]):
+                    ours.append((not named[1], link.get("ifname"), link["index"]))
             # ports first: deleting a port's veth also deletes the device's end, its peer
             for _, ifname, index in sorted(ours):
                 log.debug("netlink: %s: delete link %s", netns_name or "host", ifname)
@@ -136,9 +138,8 @@ def remove_namespaces(names: Sequence[str]) -> list[str]:
                 os.kill(pid, signal.SIGKILL)
                 removed.append(f"process {pid}")
     for name in names:
-        match = NETNS_PATTERN.match(name)
-        if match and name.endswith(SWITCH_SUFFIXES):
-            removed += _delete_links(name, match["tag"])
+        if holds_links(name):
+            removed += _delete_links(name, netns_tag(name))
     for name in reversed(names):  # devices before the switch
         log.debug("netlink: remove namespace %s", name)
         try:
@@ -158,13 +159,13 @@ def leftovers_by_tag() -> dict[str, list[str]]:
 
     found: dict[str, list[str]] = {}
     for name in sorted(netns.listnetns(str(NETNS_DIR))):
-        if match := NETNS_PATTERN.match(name):
-            found.setdefault(match["tag"], []).append(f"namespace {name}")
+        if tag := netns_tag(name):
+            found.setdefault(tag, []).append(f"namespace {name}")
     with IPRoute() as ipr:
         for link in ipr.get_links():
             ifname = link.get("ifname") or ""
-            if match := LINK_PATTERN.match(ifname):
-                found.setdefault(match["tag"], []).append(f"link {ifname}")
+            if named := link_tag(ifname):
+                found.setdefault(named[0], []).append(f"link {ifname}")
     return found
 
 
@@ -177,9 +178,9 @@ def remove_leftovers(run_id: str | None = None, tag: str | None = None) -> list[
     tag = tag or (run_tag(run_id) if run_id else None)
     names = []
     for name in sorted(netns.listnetns(str(NETNS_DIR))):
-        match = NETNS_PATTERN.match(name)
-        if match and tag in (None, match["tag"]):
+        found = netns_tag(name)
+        if found and tag in (None, found):
             names.append(name)
-    switches = [name for name in names if name.endswith(SWITCH_SUFFIXES)]
+    switches = [name for name in names if holds_links(name)]
     removed = remove_namespaces(switches + [name for name in names if name not in switches])
     return removed + _delete_links(None, tag)

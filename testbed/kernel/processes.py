@@ -1,15 +1,19 @@
-"""Processes on this host: whether one is alive and since when, the boot it belongs to, and a
+"""Processes on this host: whether one is alive and since when, the boot it belongs to, a
 command (an argument list, never a shell) run to its end with its failure raised as an error
-that says where it ran and what it was doing. Standard library only.
+that says where it ran and what it was doing, and a command started in a process group of its
+own, which `kill_group` ends with everything it started. Standard library only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from testbed.errors import ShapingError, TestbedError
 
@@ -69,3 +73,17 @@ def run_checked(
             log.debug("%s: failed: %s", where, result.stderr.strip())
         raise error(f"{where}: {doing}: `{text}` failed: {result.stderr.strip()}")
     return result.stdout
+
+
+def start_group(argv: Sequence[str], label: str, **popen: Any) -> subprocess.Popen[Any]:
+    """`argv` started in a session (and process group) of its own, led by the process
+    returned; `popen`: subprocess.Popen's other arguments (pipes, env, text)."""
+    log.debug("start %s: %s", label, " ".join(argv))
+    return subprocess.Popen(list(argv), start_new_session=True, **popen)
+
+
+def kill_group(pid: int, label: str) -> None:
+    """SIGKILL to the process group led by `pid`, also when its leader has already ended."""
+    log.debug("kill -KILL -%d (%s)", pid, label)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)

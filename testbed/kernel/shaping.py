@@ -1,4 +1,4 @@
-"""A shaping plan: a profile and a rate become one interface's qdiscs (pure, no kernel).
+"""A shaping plan: a rate and netem's parameters become one interface's qdiscs (pure, no kernel).
 
 The link code follows pyroute2's own `sched_*` modules:
 
@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from testbed.errors import ShapingError
-from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.htb import (
     PEER_MINOR_BASE,
     HtbClass,
@@ -47,8 +46,21 @@ from testbed.kernel.htb import (
 )
 from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
 from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
-from testbed.kernel.netem import NetemParams, netem_argv, netem_for, netem_params
-from testbed.kernel.tbf import ETHERNET_FRAME_BYTES, TbfParams, tbf_argv, tbf_keywords, tbf_params
+from testbed.kernel.netem import (
+    LinkImpairments,
+    NetemParams,
+    netem_argv,
+    netem_for,
+    netem_params,
+)
+from testbed.kernel.tbf import (
+    ETHERNET_FRAME_BYTES,
+    QUEUE_LATENCY_MS,
+    TbfParams,
+    tbf_argv,
+    tbf_keywords,
+    tbf_params,
+)
 from testbed.kernel.u32 import u32_redirect_argv
 
 
@@ -94,67 +106,85 @@ class ShapingPlan:
 
 
 def plan(
-    profile: LinkProfile,
-    rate_mbit: float | None = None,
+    impairments: LinkImpairments,
+    rate_mbit: float,
     support: Mapping[str, bool] | None = None,
     peer_caps_mbit: Mapping[int, tuple[str, float]] | None = None,
     downlink_mbit: float | None = None,
     downlink_impairments: Mapping[str, Any] | None = None,
     peer_impairments: Mapping[int, tuple[str, Mapping[str, Any]]] | None = None,
+    queue_latency_ms: float = QUEUE_LATENCY_MS,
+    burst_bytes: int | None = None,
 ) -> ShapingPlan:
-    """The shaping plan for a profile at a rate (the profile's own rate when None).
+    """The shaping plan for a link's uplink `impairments` at a rate.
 
     `peer_caps_mbit` ({peer rank: (its address, cap)}) caps what goes to those peers inside
     the uplink (root htb); `peer_impairments` ({peer rank: (its address, netem's
     parameters)}) impairs it there; `downlink_mbit` shapes and `downlink_impairments` impairs
-    what the interface receives (ifb). When `support` (as from `qdisc_support()`) is given,
+    what the interface receives (ifb). `queue_latency_ms` and `burst_bytes` bound every tbf's
+    queue and bucket (`tbf_params`). When `support` (as from `qdisc_support()`) is given,
     the plan is checked against it.
     """
-    rate = rate_mbit if rate_mbit is not None else profile.rate_mbit
-    if rate is None:
-        raise ShapingError(f"profile '{profile.name}' has no rate_mbit and no rate was given")
-    tbf = tbf_params(
-        rate, queue_latency_ms=profile.queue_latency_ms, burst_bytes=profile.burst_bytes
-    )
-    netem = netem_params(profile, tbf)
-    impaired_peers = {
-        rank: (address, hop)
-        for rank, (address, parameters) in (peer_impairments or {}).items()
-        if (hop := netem_for(parameters)) is not None
-    }
+    tbf = tbf_params(rate_mbit, queue_latency_ms=queue_latency_ms, burst_bytes=burst_bytes)
+    netem = netem_params(impairments, tbf)
     htb, peer_netem = None, {}
-    if peer_caps_mbit or impaired_peers:
-        if netem is not None:
-            field_name = "link.pair_mbit" if peer_caps_mbit else "link.pair_impairments"
-            raise ShapingError(
-                f"profile '{profile.name}': delay, jitter or loss together with per-pair "
-                f"classes ({field_name}) is not supported on tbf; use a rate-only profile "
-                "or the serial emulator"
-            )
-        caps = {rank: (address, float(rate)) for rank, (address, _) in impaired_peers.items()}
-        caps.update(peer_caps_mbit or {})
-        htb = htb_params(rate, caps, profile.queue_latency_ms)
-        peer_netem = {
-            PEER_MINOR_BASE + rank: _leaf_netem(impaired_peers[rank][1], htb, rank)
-            for rank in sorted(impaired_peers)
-        }
+    if peer_caps_mbit or peer_impairments:
+        htb, peer_netem = _pairs(
+            impairments.name,
+            rate_mbit,
+            netem,
+            peer_caps_mbit or {},
+            peer_impairments or {},
+            queue_latency_ms,
+        )
     downlink = None
     if downlink_mbit is not None:
         downlink = tbf_params(
-            downlink_mbit,
-            queue_latency_ms=profile.queue_latency_ms,
-            burst_bytes=profile.burst_bytes,
+            downlink_mbit, queue_latency_ms=queue_latency_ms, burst_bytes=burst_bytes
         )
     downlink_netem = None
     if downlink_impairments:
         queue = None if downlink is None else (downlink.rate_bit_s, downlink.limit_bytes)
         downlink_netem = netem_for(downlink_impairments, queue)
     shaping = ShapingPlan(
-        profile.name, float(rate), tbf, netem, htb, downlink, downlink_netem, peer_netem
+        impairments.name, float(rate_mbit), tbf, netem, htb, downlink, downlink_netem, peer_netem
     )
     if support is not None:
         check_support(shaping, support)
     return shaping
+
+
+def _pairs(
+    name: str,
+    rate_mbit: float,
+    netem: NetemParams | None,
+    peer_caps_mbit: Mapping[int, tuple[str, float]],
+    peer_impairments: Mapping[int, tuple[str, Mapping[str, Any]]],
+    queue_latency_ms: float,
+) -> tuple[HtbParams | None, dict[int, NetemParams]]:
+    """The root htb of capped and impaired peers (None: neither) and its netem leaves."""
+    impaired_peers = {
+        rank: (address, hop)
+        for rank, (address, parameters) in peer_impairments.items()
+        if (hop := netem_for(parameters)) is not None
+    }
+    if not (peer_caps_mbit or impaired_peers):
+        return None, {}
+    if netem is not None:
+        field_name = "link.pair_mbit" if peer_caps_mbit else "link.pair_impairments"
+        raise ShapingError(
+            f"profile '{name}': delay, jitter or loss together with per-pair "
+            f"classes ({field_name}) is not supported on tbf; use a rate-only profile "
+            "or the serial emulator"
+        )
+    caps = {rank: (address, float(rate_mbit)) for rank, (address, _) in impaired_peers.items()}
+    caps.update(peer_caps_mbit)
+    htb = htb_params(rate_mbit, caps, queue_latency_ms)
+    peer_netem = {
+        PEER_MINOR_BASE + rank: _leaf_netem(impaired_peers[rank][1], htb, rank)
+        for rank in sorted(impaired_peers)
+    }
+    return htb, peer_netem
 
 
 def _leaf_netem(hop: NetemParams, htb: HtbParams, rank: int) -> NetemParams:

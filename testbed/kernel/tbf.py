@@ -1,7 +1,7 @@
 """tbf, the token bucket: a rate becomes bucket and queue parameters (pure, no kernel).
 
-Rates follow tc's convention (1 mbit = 10^6 bit/s) and count whole link-layer frames
-(Ethernet header included).
+Rates follow tc's convention (1 mbit = 10^6 bit/s, `testbed.units`) and count whole
+link-layer frames (Ethernet header included).
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed.errors import ShapingError
+from testbed.units import BIT_PER_MBIT
 
-BIT_PER_MBIT = 1_000_000  # tc's `mbit`
 ETHERNET_FRAME_BYTES = 1514  # MTU 1500 + 14 bytes of Ethernet header, as tbf counts a packet
 MIN_BURST_FRAMES = 2  # the bucket: what a message gets through at once
+QUEUE_LATENCY_MS = 50.0  # the queue's bound where the link sets none, as tc's `latency`
 
 TBF_HANDLE = 0x10000  # "1:"
 TBF_CLASS = 0x10001  # "1:1", where tbf keeps its single child
@@ -30,7 +31,7 @@ class TbfParams:
 def tbf_params(
     rate_mbit: float,
     mtu: int = ETHERNET_FRAME_BYTES,
-    queue_latency_ms: float = 50.0,
+    queue_latency_ms: float = QUEUE_LATENCY_MS,
     burst_bytes: int | None = None,
 ) -> TbfParams:
     """Token-bucket parameters for a rate.

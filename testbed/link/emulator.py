@@ -5,7 +5,10 @@ An emulator shapes the links of one backend's started devices from a link profil
 trial's rates (`testbed.link.rates.LinkRates`). Its `refusal` is asked twice with the same
 answer: by the preflight before anything starts (a `ConfigError` naming the field), and by
 `Links` before the emulator is built (a `ShapingError`), so a profile is never half-emulated.
-The table of emulators is `testbed.link.emulators`.
+An emulator whose traffic must cross a link of its own gives the devices an address and an
+interface on it (`start` says which, `Attachment`); the backend's devices stay as they are,
+and `devices` is them as the links reach them. The table of emulators is
+`testbed.link.emulators`.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from __future__ import annotations
 import abc
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from testbed.backends.base import Backend
+from testbed.backends.base import Backend, Device
 from testbed.experiment.profiles import LinkProfile
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
@@ -27,6 +30,15 @@ class Refusal:
 
     field: str  # "link.profile", "link.emulator", ...
     why: str
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """Where an emulator's link reaches a device: the address its peers send to, and the
+    interface (as the device sees it) that carries that traffic."""
+
+    address: str
+    interface: str
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,13 @@ class Emulator(abc.ABC):
         self.paths = PathImpairments()  # the later hops (impairs_paths emulators only)
         self.step: dict[str, float] = {}  # a replayed trace's step: its delay and loss
         self.seeds = {}
+        self.attachments: dict[int, Attachment] = {}  # what `start` gave, by rank (Links)
+
+    @property
+    def devices(self) -> list[Device]:
+        """The backend's devices as the links reach them: at the address and interface this
+        emulator gave each (`start`), else their own."""
+        return [_attached(d, self.attachments.get(d.rank)) for d in self.backend.devices]
 
     def uplink(self, rank: int) -> LinkProfile:
         """What the device of `rank` sends through: its own profile, else the link's, with
@@ -68,7 +87,6 @@ class Emulator(abc.ABC):
         return profile.with_impairments(self.step) if self.step else profile
 
     @classmethod
-    @abc.abstractmethod
     def refusal(
         cls,
         profile: LinkProfile,
@@ -78,11 +96,23 @@ class Emulator(abc.ABC):
     ) -> Refusal | None:
         """Why `profile` cannot be emulated on `backend`'s devices (`pair_rates`: the
         experiment caps pairs, link.pair_mbit; `paths`: the later hops' impairments, for an
-        emulator that `impairs_paths`), or None when it can."""
+        emulator that `impairs_paths`), or None when it can. Here: the later hops' impairments
+        on an emulator that impairs uplinks only; a subclass adds its own rules."""
+        if not paths or cls.impairs_paths:
+            return None
+        able = " or ".join(name for name, kind in EMULATORS.items() if kind.impairs_paths)
+        field = "link.downlink_impairments" if paths.downlink else "link.pair_impairments"
+        return Refusal(
+            field,
+            f"the {cls.name} emulator impairs uplinks only (link.uplink_impairments); downlink "
+            f"and per-pair impairments need {able}",
+        )
 
-    def start(self) -> None:  # noqa: B027 - optional hook
-        """Builds what the emulator needs once the devices run (it may change their addresses:
-        the devices' traffic must cross it)."""
+    def start(self) -> dict[int, Attachment]:
+        """Builds what the emulator needs once the devices run. Returns, by rank, the address
+        and interface it gives a device whose traffic must cross a link of its own (none: the
+        devices are reached as the backend made them)."""
+        return {}
 
     @abc.abstractmethod
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
@@ -98,7 +128,7 @@ class Emulator(abc.ABC):
         """Per rank, what its link carried so far (its egress qdisc's counter)."""
         return {
             device.rank: LinkCounters(qdisc_sent_bytes(self.backend.qdisc_stats(device)))
-            for device in self.backend.devices
+            for device in self.devices
         }
 
     def stats(self) -> dict[int, dict[str, object]] | None:
@@ -112,6 +142,15 @@ class Emulator(abc.ABC):
 
     def stop(self) -> None:  # noqa: B027 - optional hook
         """Removes what `start` built (idempotent)."""
+
+
+EMULATORS: dict[str, type[Emulator]] = {}  # the table, filled by testbed.link.emulators
+
+
+def _attached(device: Device, attachment: Attachment | None) -> Device:
+    if attachment is None:
+        return device
+    return replace(device, address=attachment.address, interface=attachment.interface)
 
 
 def qdisc_sent_bytes(text: str) -> int:

@@ -11,13 +11,12 @@ import difflib
 
 from testbed.backends.base import Backend
 from testbed.errors import ConfigError
-from testbed.link.emulator import Emulator
+from testbed.link.emulator import EMULATORS, Emulator
 from testbed.link.serial.emulator import SerialEmulator
 from testbed.link.token_bucket import TokenBucket
 
-EMULATORS: dict[str, type[Emulator]] = {
-    emulator.name: emulator for emulator in (SerialEmulator, TokenBucket)
-}
+# the table lives beside the base class, whose refusal names the emulators able to do more
+EMULATORS.update({emulator.name: emulator for emulator in (SerialEmulator, TokenBucket)})
 
 
 def emulator_class(requested: str | None, backend: type[Backend]) -> type[Emulator]:

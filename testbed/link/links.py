@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed.backends.base import Backend
+from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
 from testbed.experiment.impairments import checked
 from testbed.experiment.profiles import LinkProfile
@@ -106,14 +106,15 @@ class Links:
         refused = emulator.refusal(profile, type(backend), pair_rates, paths)
         if refused is not None:
             raise ShapingError(f"{refused.field}: {refused.why}")
-        if paths and not emulator.impairs_paths:
-            raise ShapingError(
-                f"link.downlink_impairments, link.pair_impairments: the {emulator.name} "
-                "emulator impairs uplinks only"
-            )
         self.emulator = emulator(backend, profile, run_id)
         self.emulator.paths = paths
-        self.emulator.start()
+        self.emulator.attachments = self.emulator.start()
+
+    @property
+    def devices(self) -> list[Device]:
+        """The devices as the links reach them (at the emulator's addresses, if it gave any):
+        what the probe, the workers' peers and the counters use."""
+        return self.emulator.devices
 
     def shape(
         self,
@@ -129,7 +130,7 @@ class Links:
         if profile is not None or uplinks is not None:
             self.set_profile(profile or self.profile, uplinks)
         self.emulator.step = {}  # a trace's steps are the replay's, from its first
-        devices = self.backend.devices
+        devices = self.devices
         rates = self.overrides.resolve(rate_mbit, len(devices))
         began = time.monotonic()
         self.emulator.set_rates(rates, in_place=False)
@@ -154,7 +155,7 @@ class Links:
 
     def _probe(self, rates: LinkRates, probe_seconds: float, state: LinkState) -> None:
         """Each transfer of the probe plan in turn; each device told which are its own."""
-        devices, probes = self.backend.devices, probe_plan(rates)
+        devices, probes = self.devices, probe_plan(rates)
         for source, target in probes.transfers:
             key, target_mbit = f"{source}->{target}", rates.path_mbit(source, target)
             byte_count = probe_bytes(target_mbit, probe_seconds)
@@ -221,7 +222,7 @@ class Links:
     def gone(self) -> str | None:
         """Why a device or the emulator no longer runs, or None: the first device that
         stopped, named, else the emulator."""
-        for device in self.backend.devices:
+        for device in self.devices:
             why = self.backend.gone(device)
             if why is not None:
                 return f"device {device.rank} stopped: {why}"

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.netem import LinkImpairments
 from testbed.kernel.shaping import ShapingPlan, plan
 from testbed.link.emulator import Emulator, Refusal
 from testbed.link.paths import PathImpairments
@@ -44,6 +46,8 @@ class TokenBucket(Emulator):
         """Delay, jitter and loss need netem, whose uplink qdisc cannot sit beside per-pair
         classes and which this host's kernel may lack (probed where the devices share it, as
         root)."""
+        if (shared := super().refusal(profile, backend, pair_rates, paths)) is not None:
+            return shared
         paths = paths or PathImpairments()
         if not profile.needs_netem and not paths:
             return None
@@ -82,7 +86,7 @@ class TokenBucket(Emulator):
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
         apply: Callable[[Device, ShapingPlan], None]
         apply = self.backend.change_rate if in_place else self.backend.shape
-        devices = self.backend.devices
+        devices = self.devices
         paths = self.paths.within(rates.devices)
         plans: dict[int, ShapingPlan] = {}
         for device in devices:
@@ -99,7 +103,7 @@ class TokenBucket(Emulator):
             up, down = rates.uplink_mbit[rank], rates.downlink_mbit[rank]
             what = f"up {up:g}, down {down}, caps {caps} Mbit/s, pairs impaired {impaired}"
             log.debug("shaping %s/%s: %s", device.name, device.interface, what)
-            plans[rank] = plan(
+            plans[rank] = profile_plan(
                 self.uplink(rank),
                 up,
                 peer_caps_mbit=caps,
@@ -108,3 +112,21 @@ class TokenBucket(Emulator):
                 peer_impairments=impaired,
             )
         self.backend.for_each(devices, lambda device: apply(device, plans[device.rank]))
+
+
+def profile_plan(
+    profile: LinkProfile,
+    rate_mbit: float | None = None,
+    support: Mapping[str, bool] | None = None,
+    **hops: Any,
+) -> ShapingPlan:
+    """The kernel's plan (`testbed.kernel.shaping.plan`) for a link profile at a rate (the
+    profile's own when None), checked against `support` when given: the profile's impairments
+    handed over as netem's parameters, its queue's bounds as tbf's; `hops`: the plan's
+    per-peer and downlink arguments."""
+    rate = rate_mbit if rate_mbit is not None else profile.rate_mbit
+    if rate is None:
+        raise ShapingError(f"profile '{profile.name}' has no rate_mbit and no rate was given")
+    impairments = LinkImpairments(profile.name, profile.impairments())
+    bounds = {"queue_latency_ms": profile.queue_latency_ms, "burst_bytes": profile.burst_bytes}
+    return plan(impairments, rate, support, **bounds, **hops)

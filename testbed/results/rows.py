@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
-from testbed.kernel.tbf import BIT_PER_MBIT
 from testbed.link.links import LinkState
 from testbed.link.wire import tcp_frame_bytes, wire_time_s
 from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
+from testbed.units import BIT_PER_MBIT
 
 if TYPE_CHECKING:
     from testbed.experiment.level_accuracy import LevelAccuracy

@@ -19,7 +19,6 @@ files after every trial, so a crash loses at most the trial that was running.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from testbed.atomic import write_atomically
 from testbed.errors import StorageError, TestbedError
 from testbed.results import stats
 from testbed.results.columns import TRIAL_NAMES
@@ -36,16 +36,13 @@ LAYER_ROWS = "layers.parquet"
 
 
 def write_atomic(path: Path, write: Any) -> Path:
-    """Call `write(tmp_path)` then rename into place: readers never see half a file. A write
-    that fails (a full disk) removes its temporary file and raises StorageError naming the
-    file; what was written before stays whole, and `--resume` finishes the run."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """`write(tmp_path)`, renamed into place (`testbed.atomic`): readers never see half a file.
+    A write that fails (a full disk) raises StorageError naming the file; what was written
+    before stays whole, and `--resume` finishes the run."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
+        write_atomically(path, write)
     except OSError as error:
-        tmp.unlink(missing_ok=True)
         raise StorageError(
             f"cannot write {path}: {error.strerror or error}; what was written before is "
             "whole: free space and finish the run with `python -m testbed.run --resume "

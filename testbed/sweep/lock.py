@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 
+from testbed.atomic import write_atomically
 from testbed.errors import ConfigError, TestbedError
 from testbed.experiment.names import SLUG_RULE, is_slug
 from testbed.kernel.processes import boot_id, process_start_ticks
@@ -135,7 +136,7 @@ class RunLock:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.run_dir / RUN_DIR_LOCK, text)
+        write_atomically(self.run_dir / RUN_DIR_LOCK, lambda temporary: temporary.write_text(text))
         log.debug("run %s locked by pid %d (%s)", self.holder.run_id, self.holder.pid, path)
         return self
 
@@ -160,9 +161,3 @@ def _create_exclusively(path: Path, text: str) -> bool:
     finally:
         temporary.unlink()
     return True
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(text)
-    os.replace(temporary, path)

@@ -20,10 +20,10 @@ from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
 from testbed.experiment.method_grid import method_params
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
-from testbed.kernel.tbf import BIT_PER_MBIT  # tc's `mbit`, what the testbed shapes
 from testbed.link.paths import PathImpairments
 from testbed.link.traces import RateTrace, load_trace
 from testbed.results.facts import PlanRow
+from testbed.units import BIT_PER_MBIT
 from tracevq.codec import index_bits
 from tracevq.config import model_config
 from tracevq.payload import exchanges, payload_bits

@@ -1,7 +1,7 @@
-"""Checks of a loaded experiment against where it will run: the backend chosen, this host's
-CPUs and kernel, and the files it names. Made by `testbed.run` (dry runs included) and by
-`Runner` before anything is written or started; the schema has already checked what the file
-alone decides.
+"""Checks of a loaded experiment against where it will run: the backend chosen (its own rules,
+`Backend.refusal`), this host's CPUs and kernel, the emulator (`Emulator.refusal`), and the
+files it names. Made by `testbed.run` (dry runs included) and by `Runner` before anything is
+written or started; the schema has already checked what the file alone decides.
 
 Each problem is a one-line `ConfigError`: `FILE: field: what is wrong; what would be right`.
 Relative paths are taken from the working directory, as the run later reads them.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testbed.backends.base import Backend
-from testbed.backends.table import BACKENDS, backend_class
+from testbed.backends.table import backend_class
 from testbed.errors import ConfigError
 from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.level_accuracy import check_covered, load_level_accuracy
@@ -24,7 +24,7 @@ from testbed.experiment.method_grid import FITTED_BRANCHING, variant_spec
 from testbed.experiment.profiles import LinkProfile, load_profile
 from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
-from testbed.link.emulators import EMULATORS, emulator_class
+from testbed.link.emulators import emulator_class
 from testbed.link.paths import PathImpairments
 from testbed.sweep.plan import (
     Trial,
@@ -53,25 +53,16 @@ class Checked:
 def check_experiment(experiment: Experiment, backend_name: str, source: str) -> Checked:
     """Raises ConfigError naming `source` and the field; returns what it checked."""
     backend = _backend(backend_name, source)
-    _check_inventory(experiment, backend, source)
-    _check_provider(experiment, backend, source)
+    refused = backend.refusal(experiment)
+    if refused is not None:
+        raise ConfigError(f"{source}: {refused}")
     _check_files(experiment, source)
     bundle = _check_bundle(experiment, source)
     _check_level_accuracy(experiment, bundle, source)
     _check_cpus(experiment, backend, source)
     emulator = _emulator(experiment, backend, source)
-    _check_board_rates(experiment, backend, source)
     profile = _profile(experiment, source)
     paths = PathImpairments.of(experiment.link)
-    if paths and not emulator.impairs_paths:
-        field = (
-            "downlink_impairments" if experiment.link.downlink_impairments else "pair_impairments"
-        )
-        able = " or ".join(name for name, kind in EMULATORS.items() if kind.impairs_paths)
-        raise ConfigError(
-            f"{source}: link.{field}: the {emulator.name} emulator impairs uplinks only "
-            f"(link.uplink_impairments); downlink and per-pair impairments need {able}"
-        )
     for field, variant in _variants(experiment, profile, source):
         refused = emulator.refusal(variant, backend, bool(experiment.link.pair_mbit), paths)
         if refused is not None:
@@ -123,69 +114,6 @@ def _backend(name: str, source: str) -> type[Backend]:
         return backend_class(name)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
-
-
-def _check_inventory(experiment: Experiment, backend: type[Backend], source: str) -> None:
-    if not backend.needs_inventory:
-        return
-    inventory = experiment.inventory
-    if inventory is None:
-        raise ConfigError(
-            f"{source}: inventory: backend '{backend.name}' needs an inventory of boards (a "
-            "file's path or inline; see experiments/ssh-smoke.yaml)"
-        )
-    most = max(experiment.devices.count)
-    if most > len(inventory.boards):
-        raise ConfigError(
-            f"{source}: devices.count: {most} devices, but the inventory has "
-            f"{len(inventory.boards)} boards (one device per board)"
-        )
-    if not inventory.accept_new_host_keys and not Path(inventory.known_hosts).is_file():
-        raise ConfigError(
-            f"{source}: inventory.known_hosts: file not found: {inventory.known_hosts}; record "
-            "the boards' host keys (`ssh-keyscan -p PORT ADDRESS >> FILE`), or say "
-            "accept_new_host_keys: true for a first connection"
-        )
-    for index, board in enumerate(inventory.boards[:most]):
-        if board.key_file is not None and not Path(board.key_file).is_file():
-            raise ConfigError(
-                f"{source}: inventory.boards[{index}].key_file: file not found: "
-                f"{board.key_file} (leave key_file out to use ssh-agent and ~/.ssh/id_*)"
-            )
-
-
-def _check_provider(experiment: Experiment, backend: type[Backend], source: str) -> None:
-    """A provider's configuration as EnOSlib validates it, its static hosts against the
-    devices asked for, and the files it names (nothing is reserved here)."""
-    if not backend.needs_provider:
-        return
-    provider = experiment.provider
-    if provider is None:
-        raise ConfigError(
-            f"{source}: provider: backend '{backend.name}' needs an EnOSlib provider (see "
-            "experiments/enoslib-static.yaml)"
-        )
-    from testbed.backends.enoslib import providers
-
-    try:
-        providers.check(provider)
-    except ConfigError as error:
-        raise ConfigError(f"{source}: {error}") from None
-    most, listed = max(experiment.devices.count), providers.static_host_count(provider)
-    if listed is not None and most > listed:
-        raise ConfigError(
-            f"{source}: devices.count: {most} devices, but the static provider lists {listed} "
-            f"hosts in role {provider.role} (one device per host)"
-        )
-    if not provider.accept_new_host_keys and not Path(provider.known_hosts).is_file():
-        raise ConfigError(
-            f"{source}: provider.known_hosts: file not found: {provider.known_hosts}; record "
-            "the hosts' keys (`ssh-keyscan -p PORT ADDRESS >> FILE`), or say "
-            "accept_new_host_keys: true for a first connection"
-        )
-    key_file = provider.boards.key_file
-    if key_file is not None and not Path(key_file).is_file():
-        raise ConfigError(f"{source}: provider.boards.key_file: file not found: {key_file}")
 
 
 def _check_files(experiment: Experiment, source: str) -> None:
@@ -304,19 +232,6 @@ def _emulator(experiment: Experiment, backend: type[Backend], source: str) -> ty
         return emulator_class(experiment.link.emulator, backend)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
-
-
-def _check_board_rates(experiment: Experiment, backend: type[Backend], source: str) -> None:
-    """Boards over ssh shape their uplinks (tbf); downlinks and pair caps are not done there."""
-    if backend.shapes_downlinks:
-        return
-    able = " or ".join(name for name, kind in BACKENDS.items() if kind.shapes_downlinks)
-    for field in ("downlink_mbit", "pair_mbit"):
-        if getattr(experiment.link, field):
-            raise ConfigError(
-                f"{source}: link.{field}: the {backend.name} backend shapes uplinks only "
-                f"(link.uplink_mbit); downlink and per-pair rates need the {able} backend"
-            )
 
 
 def _profile(experiment: Experiment, source: str) -> LinkProfile:

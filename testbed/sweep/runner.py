@@ -20,7 +20,7 @@ import pandas as pd
 import yaml
 
 from testbed import voice
-from testbed.backends.base import Backend, DeviceSpec
+from testbed.backends.base import Backend, Device, DeviceSpec
 from testbed.errors import StorageError
 from testbed.experiment.level_accuracy import load_level_accuracy
 from testbed.experiment.schema import Experiment
@@ -184,7 +184,7 @@ class Runner:
             with Links(
                 backend, self.profile, self.emulator, self.run_id, overrides, paths
             ) as links:
-                self._write_environment(backend, count)
+                self._write_environment(backend, links.devices, count)
                 by_link = itertools.groupby(trials, key=lambda t: (t.bandwidth_mbit, t.impairment))
                 lost = ""  # a device or the emulator died: these devices run no more sessions
                 for (rate, impairment), grouped in by_link:
@@ -242,6 +242,7 @@ class Runner:
             links.counters,
             replay,
             links.gone,
+            links.devices,
         )
         if replay is not None:
             self._save_replay(replay, name)
@@ -293,8 +294,9 @@ class Runner:
             outcome.failures.append(f"{trial.trial_id}: {error}")
         combine(self.run_dir)
 
-    def _write_environment(self, backend: Backend, count: int) -> None:
-        """environment.json: the host's facts, and per device count its devices' facts."""
+    def _write_environment(self, backend: Backend, devices: list[Device], count: int) -> None:
+        """environment.json: the host's facts, and per device count its devices' facts (as the
+        links reach them)."""
         path = self.run_dir / "environment.json"
         facts = json.loads(path.read_text()) if path.is_file() else {}
         if not facts:
@@ -304,7 +306,7 @@ class Runner:
             "start_s": round(self.start_s.get(count, 0.0), 3),
             "cpusets": cpus.cpusets if cpus else None,
             "oversubscribed": backend.oversubscribed,
-            "devices": [d.__dict__ for d in backend.devices],
+            "devices": [d.__dict__ for d in devices],
         }
         write_text(path, json.dumps(facts, indent=2, default=str))
 

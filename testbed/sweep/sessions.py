@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,20 +117,20 @@ def device_spec(
 
 def run_workers(
     backend: Backend,
+    devices: Sequence[Device],
     argvs: list[list[str]],
     timeout_s: float,
     why: str = "timeout_s",
     gone: Callable[[], str | None] | None = None,
 ) -> tuple[list[ExecResult], int | None]:
-    """Start every worker, wait for all; returns their results and the rank of the first
-    that failed (None: none did). The rest are killed on the deadline (`why` explains it in
-    the error), on what `gone()` reports every WATCH_S (a device or the link emulator that
-    died: the workers would wait out their timeout on a link that no longer carries
-    anything), and PEER_GRACE_S after a worker failed (its peers normally fail at once
-    naming it; a peer slowed to a crawl, e.g. by a memory limit, would not)."""
-    processes = [
-        backend.spawn(device, argv) for device, argv in zip(backend.devices, argvs, strict=True)
-    ]
+    """Start every worker on `devices` (by rank, one argv each), wait for all; returns their
+    results and the rank of the first that failed (None: none did). The rest are killed on the
+    deadline (`why` explains it in the error), on what `gone()` reports every WATCH_S (a
+    device or the link emulator that died: the workers would wait out their timeout on a link
+    that no longer carries anything), and PEER_GRACE_S after a worker failed (its peers
+    normally fail at once naming it; a peer slowed to a crawl, e.g. by a memory limit, would
+    not)."""
+    processes = [backend.spawn(device, argv) for device, argv in zip(devices, argvs, strict=True)]
     deadline = time.monotonic() + timeout_s
     results: list[ExecResult | None] = [None] * len(processes)
     first: int | None = None
@@ -178,17 +178,21 @@ def run_session(
     link_counters: Callable[[], dict[int, LinkCounters]],
     replay: TraceReplay | None = None,
     gone: Callable[[], str | None] | None = None,
+    devices: Sequence[Device] | None = None,
 ) -> SessionOutcome:
     """Run `trials` in one session on the backend's devices, in `directory` (whose name is the
     session's id); `link_counters()` reads each device's link counters (Links.counters),
     before and after the session; `replay`, a trace to play on the links while the workers run
     (from their start to their end); `gone()` says why a device or the emulator died
     (Links.gone), watched while the workers run: the session then fails at once, naming
-    it, with the workers' last lines, and no trial of it counts as run on an emulated link."""
-    peers = [f"{d.address}:{port}" for d in backend.devices]
-    outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
+    it, with the workers' last lines, and no trial of it counts as run on an emulated link.
+    `devices`: as the links reach them (Links.devices: at the emulator's addresses); the
+    backend's own by default."""
+    devices = list(backend.devices if devices is None else devices)
+    peers = [f"{d.address}:{port}" for d in devices]
+    outs = {d.rank: directory / f"rank{d.rank}" for d in devices}
     argvs = []
-    for device in backend.devices:
+    for device in devices:
         outs[device.rank].mkdir(parents=True, exist_ok=True)
         spec = device_spec(
             backend, experiment, trials, device, peers, outs[device.rank], files, link
@@ -200,11 +204,11 @@ def run_session(
     deadline_s = experiment.timeout_s * len(trials)
     why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
     with replay or contextlib.nullcontext():
-        results, first = run_workers(backend, argvs, deadline_s, why, gone)
+        results, first = run_workers(backend, devices, argvs, deadline_s, why, gone)
     session_s = round(time.monotonic() - started, 3)
     lost = (gone() if gone is not None else None) or ""
     after = {} if lost else link_counters()
-    for device in backend.devices:
+    for device in devices:
         backend.collect(device, outs[device.rank])
     for rank, result in enumerate(results):
         write_text(
@@ -219,7 +223,9 @@ def run_session(
         events=_session_events(after, started_ns) if after else None,
         replay=replay,
     )
-    error = "" if first is None else _worker_error(backend, experiment, first, results[first])
+    error = (
+        "" if first is None else _worker_error(backend, devices[first], experiment, results[first])
+    )
     if lost:
         words = "; ".join(
             f"worker {rank}: "
@@ -245,11 +251,13 @@ def run_session(
     return outcome
 
 
-def _worker_error(backend: Backend, experiment: Experiment, rank: int, result: ExecResult) -> str:
+def _worker_error(
+    backend: Backend, device: Device, experiment: Experiment, result: ExecResult
+) -> str:
     """Why the first worker to fail failed: its last line, or its exit status, with the
     kernel's out-of-memory kill named where the backend can tell."""
-    said = result.tail(1) or f"worker {rank}: exit status {result.returncode}"
-    if result.returncode in (137, -9) and backend.out_of_memory(backend.devices[rank]):
+    said = result.tail(1) or f"worker {device.rank}: exit status {result.returncode}"
+    if result.returncode in (137, -9) and backend.out_of_memory(device):
         memory = experiment.devices.memory_mb
         return f"{said}: the kernel killed it for memory (the device has memory_mb {memory})"
     return said

@@ -20,7 +20,8 @@ import pytest
 
 import testbed.backends.docker.backend
 from testbed.clean import clean
-from testbed.kernel.netns import remove_leftovers, run_tag
+from testbed.kernel.names import run_tag
+from testbed.kernel.netns import remove_leftovers
 from testbed.sweep.lock import lock_path, read_locks
 
 pytestmark = pytest.mark.netns

@@ -197,13 +197,13 @@ from testbed.backends.base import DeviceSpec
 from testbed.backends.enoslib.backend import EnoslibBackend
 from testbed.experiment.profiles import load_profile
 from testbed.experiment.provider import Provider
-from testbed.kernel import shaping
+from testbed.link.token_bucket import profile_plan
 from testbed.sweep.lock import RunLock
 
 run_id, run_dir = sys.argv[2], Path(sys.argv[3])
 provider = Provider.model_validate(json.loads(sys.argv[1]))
 with RunLock(run_id, run_dir), EnoslibBackend(run_id, run_dir, provider) as backend:
-    plan = shaping.plan(load_profile("ideal"), 5.0)
+    plan = profile_plan(load_profile("ideal"), 5.0)
     for device in backend.start(DeviceSpec(count=2)):
         backend.shape(device, plan)
         backend.spawn(device, ["sleep", "300"])

@@ -23,7 +23,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from testbed.kernel.netns import run_tag
+from testbed.kernel.names import run_tag
 from testbed.results.store import load
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

@@ -85,7 +85,7 @@ def test_a_downlink_is_shaped_on_an_ifb(backend: LocalBackend, record_property):
         record_property("wire_mbit", {k: round(wire(state, k), 3) for k in state.transfers})
         assert wire(state, "0->1") == pytest.approx(3.0, rel=TOLERANCE)  # device 1's downlink
         assert wire(state, "1->0") == pytest.approx(10.0, rel=TOLERANCE)  # unshaped downlink
-        receiver = backend.devices[1]
+        receiver = links.devices[1]
         text = backend.qdisc_stats(receiver)
         assert "qdisc ingress ffff:" in text, text
         sent = re.search(r"Sent (\d+) bytes", text)
@@ -102,7 +102,7 @@ def test_a_pair_cap_and_a_trace_step_change_in_place(backend: LocalBackend, reco
         assert wire(state, "0->1") == pytest.approx(4.0, rel=TOLERANCE)
         assert wire(state, "1->0") == pytest.approx(10.0, rel=TOLERANCE)
         links.set_rate(5.0)  # every rate x 0.5: the pair's cap 2, device 1's uplink 5
-        sender, receiver = backend.devices
+        sender, receiver = links.devices
         capped = probe(backend, sender, receiver, probe_bytes(2.0, PROBE_S)) * WIRE_PER_PAYLOAD
         back = probe(backend, receiver, sender, probe_bytes(5.0, PROBE_S)) * WIRE_PER_PAYLOAD
         print(f"after the step: 0->1 {capped:.3f}, 1->0 {back:.3f}")
@@ -121,4 +121,4 @@ def test_a_serial_downlink_slows_what_its_device_receives(backend: LocalBackend)
         print(f"\nserial down: 0->1 {wire(state, '0->1'):.3f}, 1->0 {wire(state, '1->0'):.3f}")
         assert holds(state, "0->1", 3.0), state.emulator_stats
         assert holds(state, "1->0", 10.0), state.emulator_stats
-        assert "qdisc htb 1: root" in backend.qdisc_stats(backend.devices[0])
+        assert "qdisc htb 1: root" in backend.qdisc_stats(links.devices[0])

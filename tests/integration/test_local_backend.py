@@ -23,7 +23,8 @@ from pyroute2 import NetNS
 from testbed.backends.base import Device, DeviceSpec
 from testbed.backends.local import LocalBackend
 from testbed.errors import DeviceError
-from testbed.kernel.netns import NETNS_DIR, pids_in, remove_leftovers, run_tag
+from testbed.kernel.names import run_tag
+from testbed.kernel.netns import NETNS_DIR, pids_in, remove_leftovers
 
 pytestmark = pytest.mark.netns
 

@@ -41,7 +41,7 @@ def test_a_replayed_step_trace_is_followed_by_the_link(root, tmp_path: Path, emu
         profile, kind = load_profile("ideal"), EMULATORS[emulator]
         with Links(backend, profile, kind, run_id) as links:
             links.shape(10.0, 0.2)
-            sender, receiver = backend.devices
+            sender, receiver = links.devices
             measured, stalled = [], []
             with TraceReplay(links.set_rate, TRACE) as replay:
                 for phase, rate in enumerate(TRACE.rates_mbit):

@@ -201,7 +201,7 @@ def test_local_backend_runs_the_same_experiment(tmp_path):
     check_results(run_dir, trials_expected=2)
     check_voice_and_answer(done, run_dir)
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    from testbed.kernel.netns import run_tag
+    from testbed.kernel.names import run_tag
 
     assert run_tag(run_dir.name) not in names
 

@@ -34,8 +34,8 @@ import pytest
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import load_profile
 from testbed.kernel.netlink import apply, clear, qdisc_stats
-from testbed.kernel.shaping import plan
 from testbed.kernel.support import qdisc_support
+from testbed.link.token_bucket import profile_plan
 
 pytestmark = pytest.mark.netns
 
@@ -186,7 +186,7 @@ def transfer(link: Link, payload_bytes: int) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("rate_mbit", [5, 20])
 def test_tbf_holds_the_rate(link: Link, rate_mbit: float, record_property) -> None:
-    shaping = plan(load_profile("ideal"), rate_mbit=rate_mbit)
+    shaping = profile_plan(load_profile("ideal"), rate_mbit=rate_mbit)
     apply(link.netns_path(0), link.interfaces[0], shaping)
 
     result = transfer(link, payload_bytes=int(rate_mbit * 1e6 / 8 * SECONDS))
@@ -218,7 +218,7 @@ def test_tbf_holds_the_rate(link: Link, rate_mbit: float, record_property) -> No
 
 
 def test_offloads_off_and_one_segment_per_packet(link: Link) -> None:
-    apply(link.netns_path(0), link.interfaces[0], plan(load_profile("ideal"), rate_mbit=5))
+    apply(link.netns_path(0), link.interfaces[0], profile_plan(load_profile("ideal"), rate_mbit=5))
     features = subprocess.run(
         ["nsenter", f"--net={link.netns_path(0)}", "ethtool", "-k", link.interfaces[0]],
         capture_output=True,
@@ -240,8 +240,8 @@ def test_offloads_off_and_one_segment_per_packet(link: Link) -> None:
 
 def test_apply_replaces_and_clear_removes(link: Link) -> None:
     where = (link.netns_path(0), link.interfaces[0])
-    apply(*where, plan(load_profile("ideal"), rate_mbit=5))
-    apply(*where, plan(load_profile("ideal"), rate_mbit=20))
+    apply(*where, profile_plan(load_profile("ideal"), rate_mbit=5))
+    apply(*where, profile_plan(load_profile("ideal"), rate_mbit=20))
     stats = qdisc_stats(*where)
     assert stats.count("qdisc tbf") == 1 and "rate 20Mbit" in stats, stats
     clear(*where)
@@ -263,12 +263,12 @@ def test_netem_profile_fails_where_the_kernel_lacks_netem(link: Link) -> None:
         pytest.skip("this kernel has sch_netem: nothing to refuse")
     where = (link.netns_path(0), link.interfaces[0])
     with pytest.raises(ShapingError, match=r"profile 'wifi' needs .*sch_netem"):
-        apply(*where, plan(load_profile("wifi"), rate_mbit=10))
+        apply(*where, profile_plan(load_profile("wifi"), rate_mbit=10))
     assert "tbf" not in qdisc_stats(*where)  # refused before anything was applied
 
 
 def test_errors_name_the_namespace_and_interface(link: Link) -> None:
-    shaping = plan(load_profile("ideal"), rate_mbit=5)
+    shaping = profile_plan(load_profile("ideal"), rate_mbit=5)
     with pytest.raises(ShapingError, match=r"interface nope0 in netns .*-a: no such interface"):
         apply(link.netns_path(0), "nope0", shaping)
     missing = f"/var/run/netns/{link.names[0]}-missing"

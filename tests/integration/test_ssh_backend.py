@@ -134,8 +134,8 @@ def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends,
 def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     from testbed.errors import ShapingError
     from testbed.experiment.profiles import load_profile
-    from testbed.kernel import shaping
     from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
+    from testbed.link.token_bucket import profile_plan
 
     backend = backends(lab.inventory())
     devices = backend.start(DeviceSpec(count=2, cpus=1))
@@ -143,10 +143,10 @@ def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     assert support["tbf"] is True
     # an uplink's netem is a board's own to have or not: these kernels have none
     with pytest.raises(ShapingError, match="'wifi' needs netem's impairments"):
-        backend.shape(devices[0], shaping.plan(load_profile("wifi"), RATE_MBIT))
+        backend.shape(devices[0], profile_plan(load_profile("wifi"), RATE_MBIT))
     with pytest.raises(ShapingError, match="downlinks and pairs are not shaped on boards"):
-        backend.shape(devices[0], shaping.plan(load_profile("ideal"), RATE_MBIT, downlink_mbit=2))
-    plan = shaping.plan(load_profile("ideal"), RATE_MBIT, support=support)
+        backend.shape(devices[0], profile_plan(load_profile("ideal"), RATE_MBIT, downlink_mbit=2))
+    plan = profile_plan(load_profile("ideal"), RATE_MBIT, support=support)
     for device in devices:
         backend.shape(device, plan)
         text = backend.qdisc_stats(device)
@@ -357,12 +357,12 @@ from pathlib import Path
 from testbed.backends.base import DeviceSpec
 from testbed.backends.ssh.backend import SshBackend
 from testbed.experiment.inventory import Inventory
-from testbed.kernel import shaping
+from testbed.link.token_bucket import profile_plan
 from testbed.experiment.profiles import load_profile
 
 inventory = Inventory.model_validate(json.loads(sys.argv[1]))
 with SshBackend("interrupted", Path(sys.argv[2]), inventory) as backend:
-    plan = shaping.plan(load_profile("ideal"), 5.0)
+    plan = profile_plan(load_profile("ideal"), 5.0)
     for device in backend.start(DeviceSpec(count=2)):
         backend.shape(device, plan)
         backend.spawn(device, ["sleep", "300"])

@@ -17,11 +17,11 @@ import pytest
 
 from testbed.backends import local
 from testbed.backends.base import DeviceSpec
-from testbed.backends.local import MAX_DEVICES, LocalBackend, LocalProcess, RunNames, device_command
+from testbed.backends.local import LocalBackend, LocalProcess, device_command
 from testbed.errors import DeviceError
+from testbed.experiment.schema import MAX_DEVICES
 from testbed.kernel.addresses import choose_subnet
-from testbed.kernel.interfaces import IFNAME_MAX_CHARS
-from testbed.kernel.netns import LINK_PATTERN, NETNS_PATTERN, run_tag
+from testbed.kernel.names import IFNAME_MAX_CHARS, LINK_PATTERN, NETNS_PATTERN, RunNames, run_tag
 
 RUN_IDS = [uuid.uuid4().hex for _ in range(200)] + ["2024-05-01T12:00:00 sweep/α", "x", ""]
 ALL_CANDIDATES = ipaddress.IPv4Network("10.192.0.0/10")  # holds 10.200.0.0 ... 10.254.255.0
@@ -126,13 +126,12 @@ def test_no_free_subnet_is_a_device_error() -> None:
 
 def test_device_command_enters_the_namespace_pins_and_limits_memory() -> None:
     argv = ["python", "-c", "print(1)"]
-    assert device_command("tb-x-d0", argv) == ["ip", "netns", "exec", "tb-x-d0", *argv]
-    pinned = device_command("tb-x-d1", argv, cpuset="2,3", memory_mb=512)
+    netns = "/var/run/netns/tb-x-d0"
+    assert device_command(netns, argv) == ["nsenter", f"--net={netns}", *argv]
+    pinned = device_command("/var/run/netns/tb-x-d1", argv, cpuset="2,3", memory_mb=512)
     assert pinned == [
-        "ip",
-        "netns",
-        "exec",
-        "tb-x-d1",
+        "nsenter",
+        "--net=/var/run/netns/tb-x-d1",
         "taskset",
         "-c",
         "2,3",

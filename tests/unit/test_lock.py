@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.backends.base import Leftovers
+from testbed.backends.local import LocalBackend
 from testbed.clean import RunLeftovers, why_keep
 from testbed.errors import TestbedError
 from testbed.sweep.lock import RUN_DIR_LOCK, Holder, RunLock, lock_path, read_locks
@@ -78,7 +80,8 @@ def test_run_ids_are_slugs(state, tmp_path):
 
 def test_clean_keeps_live_and_unlocked_runs_and_removes_dead_ones(tmp_path):
     me = Holder.this_process("live", tmp_path)
-    live = RunLeftovers("aaaaaaaa", "live", local=["namespace tb-aaaaaaaa-sw"], holder=me)
+    namespace = Leftovers("aaaaaaaa", None, ("namespace tb-aaaaaaaa-sw",))
+    live = RunLeftovers("aaaaaaaa", "live", [(LocalBackend, namespace)], holder=me)
     dead = replace(live, holder=replace(me, pid=dead_pid()))
     unlocked = replace(live, run_id=None, holder=None)
     elsewhere = replace(live, holder=replace(me, host="board-7"))

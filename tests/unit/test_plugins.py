@@ -2,27 +2,36 @@
 registered here and nowhere else, carry an experiment through the schema, the preflight and
 a dry run; the toy emulator's own refusal is what the preflight says. A toy codebook method,
 registered the same way, runs through the simulation, the payload, the schema, a dry run, the
-accuracy study's settings and its differentiable forward."""
+accuracy study's settings and its differentiable forward. A toy lab, a backend with a section
+of its own in the experiment, registers, is validated, refuses what it cannot run and has its
+leftovers cleaned up, from this file alone."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from pydantic import Field
 from torch import Tensor
 
 import tracevq
 from accuracy.quantizer import CodebookRule, TrainingCodec
 from accuracy.settings import parse_settings
-from testbed.backends.base import Backend
+from testbed.backends.base import Backend, Leftovers
 from testbed.backends.table import BACKENDS, backend_class, backend_names
+from testbed.clean import clean
 from testbed.experiment.profiles import LinkProfile
 from testbed.experiment.schema import load_experiment
+from testbed.experiment.sections import SECTIONS, Section
+from testbed.kernel.names import run_tag
 from testbed.link.emulator import Emulator, Refusal
 from testbed.link.emulators import EMULATORS, emulator_class
 from testbed.link.rates import LinkRates
 from testbed.run import main
+from testbed.sweep.lock import RunLock
 from testbed.sweep.preflight import check_experiment
 from tracevq.bundle import fit_bundle
 from tracevq.distributed import ExactCodec, distributed_logits
@@ -58,6 +67,8 @@ class ToyLink(Emulator):
 
     @classmethod
     def refusal(cls, profile: LinkProfile, backend: type[Backend], pair_rates: bool, paths=None):
+        if (shared := super().refusal(profile, backend, pair_rates, paths)) is not None:
+            return shared  # later hops' impairments: the toy link impairs nothing
         if profile.needs_netem:
             return Refusal("link.profile", f"the toy link adds nothing to '{profile.name}'")
         return None

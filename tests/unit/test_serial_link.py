@@ -16,12 +16,13 @@ from devices.clock import SO_TIMESTAMPNS_NEW, SO_TIMESTAMPNS_OLD, kernel_timesta
 from testbed.errors import ShapingError
 from testbed.experiment.impairments import checked
 from testbed.kernel.interfaces import offload_argv
+from testbed.kernel.names import SERIAL_SUFFIX
 from testbed.kernel.netns import in_netns
 from testbed.link.serial.impairments import Impairments
 from testbed.link.serial.port import Port, PortCounters, wait_until
 from testbed.link.serial.program import Switch, parse_args
 from testbed.link.serial.protocol import Command, parse_command, parse_cpu_list, parse_port
-from testbed.link.serial.switch import SWITCH_SUFFIX, SerialSwitch
+from testbed.link.serial.switch import SerialSwitch
 from testbed.link.wire import (
     MIN_QUEUE_FRAMES,
     TRUESIZE_BYTES,
@@ -340,15 +341,15 @@ SUBNET = ipaddress.IPv4Network("10.214.3.0/24")
 
 def test_serial_switch_names_and_addresses() -> None:
     switch = SerialSwitch("0123abcd", ["/proc/1/ns/net", "/var/run/netns/x"], SUBNET, 2.5)
-    assert switch.netns == f"tb-0123abcd-{SWITCH_SUFFIX}" == "tb-0123abcd-sl"
+    assert switch.netns == f"tb-0123abcd-{SERIAL_SUFFIX}" == "tb-0123abcd-sl"
     assert switch.netns_path == "/var/run/netns/tb-0123abcd-sl"
     assert [switch.port(r) for r in (0, 1)] == ["tb0123abcds0", "tb0123abcds1"]
     assert [switch.address(r) for r in (0, 1)] == ["10.214.3.1", "10.214.3.2"]
     assert switch.interface == "sl0"
     argv = switch.emulator_argv()
-    assert argv[:5] == ["ip", "netns", "exec", "tb-0123abcd-sl", sys.executable]
+    assert argv[:3] == ["nsenter", "--net=/var/run/netns/tb-0123abcd-sl", sys.executable]
     ports = [f"tb0123abcds{rank}=2500000" for rank in (0, 1)]
-    assert argv[5:] == ["-m", "testbed.link.serial.program", "serve", *ports]
+    assert argv[3:] == ["-m", "testbed.link.serial.program", "serve", *ports]
     assert "--spin-us" in SerialSwitch("0123abcd", ["/x"], SUBNET, 1, spin_us=0).emulator_argv()
 
 

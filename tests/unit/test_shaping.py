@@ -8,17 +8,17 @@ import pytest
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.interfaces import offload_argv
-from testbed.kernel.netem import netem_params
+from testbed.kernel.netem import LinkImpairments, netem_params
 from testbed.kernel.shaping import (
     ShapingPlan,
     check_support,
     clear_argv,
     gso_argv,
     netlink_requests,
-    plan,
     tc_argv,
 )
 from testbed.kernel.tbf import TbfParams, tbf_params
+from testbed.link.token_bucket import profile_plan
 
 NO_NETEM = {"tbf": True, "htb": True, "netem": False, "ingress": True}
 WITH_NETEM = {**NO_NETEM, "netem": True}
@@ -54,14 +54,14 @@ def test_non_positive_rate_is_refused() -> None:
 
 
 def test_plan_without_impairments_has_no_netem() -> None:
-    shaping = plan(IDEAL, support=NO_NETEM)
+    shaping = profile_plan(IDEAL, support=NO_NETEM)
     assert shaping.netem is None and not shaping.needs_netem
     assert shaping.rate_mbit == 10.0  # the profile's own rate is the default
-    assert plan(IDEAL, rate_mbit=2).tbf.rate_bit_s == 2_000_000  # the sweep's rate wins
+    assert profile_plan(IDEAL, rate_mbit=2).tbf.rate_bit_s == 2_000_000  # the sweep's rate wins
 
 
 def test_plan_with_impairments_has_netem_child() -> None:
-    shaping = plan(WIFI, rate_mbit=5)
+    shaping = profile_plan(WIFI, rate_mbit=5)
     assert shaping.netem is not None
     assert (shaping.netem.delay_us, shaping.netem.jitter_us) == (4000, 2000)
     assert shaping.netem.impairments["loss_pct"] == 0.1
@@ -69,17 +69,18 @@ def test_plan_with_impairments_has_netem_child() -> None:
 
 def test_netem_limit_keeps_the_latency_bound() -> None:
     tbf = tbf_params(5, queue_latency_ms=50)  # 31,250 + 3,028 B
-    netem = netem_params(WIFI, tbf)
+    wifi = LinkImpairments(WIFI.name, WIFI.impairments())
+    netem = netem_params(wifi, tbf)
     assert netem is not None
     in_flight = 625_000 * 0.006  # 6 ms of delay + jitter at 5 Mbit/s
     assert netem.limit_packets == -(-(34_278 + in_flight) // 1514)
-    assert netem_params(WIFI).limit_packets == 1000  # without tbf: the kernel default
-    assert netem_params(IDEAL) is None
+    assert netem_params(wifi).limit_packets == 1000  # without tbf: the kernel default
+    assert netem_params(LinkImpairments(IDEAL.name, IDEAL.impairments())) is None
 
 
 def test_plan_without_any_rate_fails() -> None:
     with pytest.raises(ShapingError, match="no rate_mbit"):
-        plan(LinkProfile(name="bare"))
+        profile_plan(LinkProfile(name="bare"))
 
 
 def test_netem_needed_but_unsupported_fails_loudly() -> None:
@@ -88,19 +89,19 @@ def test_netem_needed_but_unsupported_fails_loudly() -> None:
         "have; the serial emulator draws them itself"
     )
     with pytest.raises(ShapingError) as raised:
-        plan(WIFI, rate_mbit=10, support=NO_NETEM)
+        profile_plan(WIFI, rate_mbit=10, support=NO_NETEM)
     assert str(raised.value) == expected
-    check_support(plan(WIFI, rate_mbit=10), WITH_NETEM)  # fine where netem exists
-    check_support(plan(IDEAL), NO_NETEM)  # rate-only needs tbf alone
+    check_support(profile_plan(WIFI, rate_mbit=10), WITH_NETEM)  # fine where netem exists
+    check_support(profile_plan(IDEAL), NO_NETEM)  # rate-only needs tbf alone
 
 
 def test_missing_tbf_fails() -> None:
     with pytest.raises(ShapingError, match="sch_tbf"):
-        check_support(plan(IDEAL), {**NO_NETEM, "tbf": False})
+        check_support(profile_plan(IDEAL), {**NO_NETEM, "tbf": False})
 
 
 def test_tc_argv_rate_only() -> None:
-    assert tc_argv("eth0", plan(IDEAL, rate_mbit=20)) == [
+    assert tc_argv("eth0", profile_plan(IDEAL, rate_mbit=20)) == [
         ["tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "tbf"]
         + ["rate", "20000000bit", "burst", "3028", "limit", "128028"]
     ]
@@ -108,7 +109,7 @@ def test_tc_argv_rate_only() -> None:
 
 def test_tc_argv_with_netem() -> None:
     profile = LinkProfile(name="lte", delay_ms=30, jitter_ms=7.5, loss_pct=0.5)
-    commands = tc_argv("veth0", plan(profile, rate_mbit=1))
+    commands = tc_argv("veth0", profile_plan(profile, rate_mbit=1))
     assert commands[0] == (
         ["tc", "qdisc", "replace", "dev", "veth0", "root", "handle", "1:", "tbf"]
         + ["rate", "1000000bit", "burst", "3028", "limit", "9278"]
@@ -121,7 +122,7 @@ def test_tc_argv_with_netem() -> None:
 
 
 def test_tc_argv_netem_loss_only() -> None:
-    commands = tc_argv("eth0", plan(LinkProfile(name="lossy", loss_pct=1), rate_mbit=1))
+    commands = tc_argv("eth0", profile_plan(LinkProfile(name="lossy", loss_pct=1), rate_mbit=1))
     assert commands[1][-5:] == ["limit", "7", "loss", "random", "1%"]
 
 
@@ -134,13 +135,13 @@ def test_clear_offload_and_gso_argv() -> None:
 def test_netlink_requests_match_the_plan() -> None:
     """A rate alone goes through pyroute2; a plan with netem goes as tc's argv (it may name a
     distribution table, which pyroute2 cannot load)."""
-    shaping = plan(IDEAL, rate_mbit=20)
+    shaping = profile_plan(IDEAL, rate_mbit=20)
     requests = netlink_requests("eth0", shaping)
     assert [kind for _, _, kind, _ in requests] == ["tbf"]
     _, argv, _, tbf = requests[0]
     assert argv == tc_argv("eth0", shaping)[0]
     assert tbf == {"handle": 0x10000, "rate": "20000000bit", "burst": 3028, "limit": 128_028}
-    assert shaping.is_tbf_only and not plan(WIFI, rate_mbit=20).is_tbf_only
+    assert shaping.is_tbf_only and not profile_plan(WIFI, rate_mbit=20).is_tbf_only
 
 
 def test_every_impairment_has_its_tc_words() -> None:
@@ -158,26 +159,26 @@ def test_every_impairment_has_its_tc_words() -> None:
         reorder_pct=5,
         reorder_gap=4,
     )
-    words = " ".join(tc_argv("eth0", plan(profile, rate_mbit=10))[1][10:])
+    words = " ".join(tc_argv("eth0", profile_plan(profile, rate_mbit=10))[1][10:])
     assert words == (
         "limit 62 delay 20ms 2500us 25% distribution normal loss gemodel 1% 30% 100% 0% "
         "duplicate 0.5% 10% reorder 5% gap 4"
     )
     state = LinkProfile(name="s", loss_state={"p13_pct": 2}, reorder_pct=0)
-    assert " ".join(tc_argv("eth0", plan(state, rate_mbit=1))[1][12:]) == (
+    assert " ".join(tc_argv("eth0", profile_plan(state, rate_mbit=1))[1][12:]) == (
         "loss state 2% 98% 0% 100% 0%"
     )
     random = LinkProfile(name="r", delay_ms=5, loss_pct=1, loss_correlation_pct=25, reorder_pct=1)
-    assert " ".join(tc_argv("eth0", plan(random, rate_mbit=1))[1][12:]) == (
+    assert " ".join(tc_argv("eth0", profile_plan(random, rate_mbit=1))[1][12:]) == (
         "delay 5ms loss random 1% 25% reorder 1% gap 1"
     )
 
 
 def test_plan_as_dict_is_plain_data() -> None:
-    data = plan(IDEAL, rate_mbit=5).as_dict()
+    data = profile_plan(IDEAL, rate_mbit=5).as_dict()
     assert data["tbf"] == {"rate_bit_s": 5_000_000, "burst_bytes": 3028, "limit_bytes": 34_278}
     assert data["netem"] is None
-    assert ShapingPlan("x", 5.0, TbfParams(**data["tbf"])).tbf == plan(IDEAL, 5).tbf
+    assert ShapingPlan("x", 5.0, TbfParams(**data["tbf"])).tbf == profile_plan(IDEAL, 5).tbf
 
 
 def test_importing_shaping_loads_neither_pyroute2_nor_torch() -> None:

@@ -29,6 +29,7 @@ from testbed.errors import ConfigError, DeviceError
 from testbed.experiment.inventory import parse_inventory
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel import shaping
+from testbed.link.token_bucket import profile_plan
 
 INVENTORY = {
     "known_hosts": "/keys/known_hosts",
@@ -42,7 +43,7 @@ def run_line(line: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def test_tc_commands_get_sudo_when_the_user_is_not_root():
-    plan = shaping.plan(LinkProfile(name="p", delay_ms=10), rate_mbit=5)
+    plan = profile_plan(LinkProfile(name="p", delay_ms=10), rate_mbit=5)
     commands = [with_sudo(argv, True) for argv in shaping.tc_argv("eth0", plan)]
     assert commands == [
         ["sudo", "-n", "tc", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "tbf"]

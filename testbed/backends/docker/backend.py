@@ -1,8 +1,8 @@
 """Devices as Docker containers on one internal bridge network per run.
 
 Every container and network is labelled `testbed.run=<run id>` so that `testbed.clean` can
-find what a crashed run left. Containers get a memory limit, and either pinned cores
-(`cpuset_cpus`) or a CPU quota (`nano_cpus`).
+find what a crashed run left (`testbed.backends.docker.labelled`). Containers get a memory
+limit, and either pinned cores (`cpuset_cpus`) or a CPU quota (`nano_cpus`).
 
 Least privilege, decided as follows:
 - No capabilities at all (`cap_drop: ALL`, `no-new-privileges`, never privileged). Links are
@@ -33,7 +33,7 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -43,15 +43,18 @@ from testbed.backends.base import (
     Device,
     DeviceSpec,
     ExecResult,
+    Leftovers,
     Process,
     plan_cpus,
     write_secret,
 )
+from testbed.backends.docker import labelled
+from testbed.backends.docker.labelled import LABEL
 from testbed.errors import DeviceError
+from testbed.kernel.names import run_tag
 
 log = logging.getLogger(__name__)
 
-LABEL = "testbed.run"
 NAME_PREFIX = "testbed-"
 # where a container's memory cgroup counts its OOM kills (cgroup v1; v2 with the systemd or
 # the cgroupfs driver)
@@ -132,6 +135,26 @@ class DockerBackend(Backend):
         from testbed.backends.docker.engine import server_version
 
         return {"docker": server_version()}
+
+    @classmethod
+    def leftovers(cls, run_dirs: Mapping[str, Path]) -> list[Leftovers]:
+        """Containers and networks labelled by a run, when an engine answers."""
+        if not engine_available():
+            return []
+        client = _client()
+        try:
+            found = labelled.by_run(client).items()
+        finally:
+            client.close()
+        return [Leftovers(run_tag(run_id), run_id, tuple(items)) for run_id, items in found]
+
+    @classmethod
+    def remove(cls, leftovers: Leftovers) -> list[str]:
+        client = _client()
+        try:
+            return labelled.remove(client, leftovers.run_id)
+        finally:
+            client.close()
 
     def __init__(self, run_id: str, run_dir: Path, image: str | None = None):
         super().__init__(run_id, run_dir)
@@ -359,32 +382,3 @@ def _gone(error: Exception) -> bool:
     """Whether a removal failed because the object is already gone (404), not because the
     engine did not answer."""
     return getattr(getattr(error, "response", None), "status_code", None) == 404
-
-
-def leftovers_by_run() -> dict[str, list[str]]:
-    """Containers and networks labelled by a run, by the run id of their label."""
-    client = _client()
-    found: dict[str, list[str]] = {}
-    for container in client.containers.list(all=True, filters={"label": LABEL}):
-        run_id = container.labels.get(LABEL, "")
-        found.setdefault(run_id, []).append(f"container {container.name}")
-    for network in client.networks.list(filters={"label": LABEL}):
-        run_id = (network.attrs.get("Labels") or {}).get(LABEL, "")
-        found.setdefault(run_id, []).append(f"network {network.name}")
-    client.close()
-    return found
-
-
-def remove_by_label(run_id: str | None = None) -> list[str]:
-    """Remove containers and networks a run (or every run) left; returns what was removed."""
-    client = _client()
-    selector = f"{LABEL}={run_id}" if run_id else LABEL
-    removed = []
-    for container in client.containers.list(all=True, filters={"label": selector}):
-        container.remove(force=True)
-        removed.append(f"container {container.name}")
-    for network in client.networks.list(filters={"label": selector}):
-        network.remove()
-        removed.append(f"network {network.name}")
-    client.close()
-    return removed

@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 from testbed.backends.base import Device, DeviceSpec
 from testbed.backends.enoslib import providers
+from testbed.backends.enoslib.refusal import provider_refusal
 from testbed.backends.ssh.backend import SshBackend
 from testbed.errors import ConfigError, DeviceError
+from testbed.experiment.provider import Provider
 
 if TYPE_CHECKING:
-    from testbed.experiment.provider import Provider
     from testbed.experiment.schema import Experiment
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,13 @@ log = logging.getLogger(__name__)
 
 class EnoslibBackend(SshBackend):
     name = "enoslib"
-    needs_inventory = False
-    needs_provider = True
+    settings = Provider.section  # its hosts become the ssh backend's inventory at start
 
     @classmethod
-    def create(cls, run_id: str, run_dir: Path, experiment: Experiment) -> EnoslibBackend:
-        return cls(run_id, run_dir, experiment.provider)
+    def section_refusal(cls, experiment: Experiment) -> str | None:
+        """Its provider's rules (`testbed.backends.enoslib.refusal`), not the ssh backend's
+        inventory's: the provider's hosts become its boards."""
+        return provider_refusal(experiment)
 
     @classmethod
     def versions(cls) -> dict[str, str]:

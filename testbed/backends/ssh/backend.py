@@ -46,15 +46,24 @@ import shlex
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from testbed.backends.base import SECRET_FILE_NAME, Backend, CpuPlan, Device, DeviceSpec, Process
+from testbed.backends.base import (
+    SECRET_FILE_NAME,
+    Backend,
+    CpuPlan,
+    Device,
+    DeviceSpec,
+    Leftovers,
+    Process,
+)
 from testbed.backends.ssh import leftovers
 from testbed.backends.ssh.checks import check_board
 from testbed.backends.ssh.files import code_is_current, source_archive, uploads_needed
+from testbed.backends.ssh.refusal import inventory_refusal
 from testbed.backends.ssh.scripts import CLOCK, HASHES, INSTALL, LAUNCHER, REMOVE_TREE, VERIFY
 from testbed.backends.ssh.session import (
     CHECK_TIMEOUT_S,
@@ -95,15 +104,32 @@ class SshBackend(Backend):
     on_this_host = False
     default_emulator = "tbf"  # the boards' own links, shaped on their uplinks
     shapes_downlinks = False
-    needs_inventory = True
+    settings = Inventory.section
 
     @classmethod
     def create(cls, run_id: str, run_dir: Path, experiment: Experiment) -> SshBackend:
-        return cls(run_id, run_dir, experiment.inventory)
+        return cls(run_id, run_dir, experiment.section(cls.settings))
+
+    @classmethod
+    def section_refusal(cls, experiment: Experiment) -> str | None:
+        """Its inventory's rules (`testbed.backends.ssh.refusal`)."""
+        return inventory_refusal(experiment)
+
+    @classmethod
+    def leftovers(cls, run_dirs: Mapping[str, Path]) -> list[Leftovers]:
+        """Runs whose boards may keep what they changed: those whose run directory holds the
+        record (`testbed.backends.ssh.leftovers`), one item each, the record's path."""
+        return leftovers.recorded(run_dirs)
+
+    @classmethod
+    def remove(cls, found: Leftovers) -> list[str]:
+        """Connects to the record's boards and undoes what it says (TestbedError naming the
+        boards not reached, whose record then stays)."""
+        return leftovers.undo(Path(found.items[0]))
 
     def __init__(self, run_id: str, run_dir: Path, inventory: Inventory | None):
         super().__init__(run_id, run_dir)
-        if inventory is None and self.needs_inventory:  # a subclass may fill it in at start
+        if inventory is None and self.settings == Inventory.section:  # a subclass fills it
             raise ConfigError(
                 "the ssh backend needs an inventory of boards: add `inventory: boards.yaml` "
                 "(or an inline mapping) to the experiment"

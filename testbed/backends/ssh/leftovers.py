@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from testbed.atomic import write_atomically
+from testbed.backends.base import Leftovers
 from testbed.backends.ssh.scripts import REMOVE_TREE
 from testbed.backends.ssh.session import BoardSession, connect
 from testbed.backends.ssh.shaping import unshape
 from testbed.errors import TestbedError
 from testbed.experiment.inventory import Board, Inventory
+from testbed.kernel.names import run_tag
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,18 @@ def write(run_dir: Path, inventory: Inventory, sessions: Sequence[BoardSession])
             for session in sessions
         ],
     }
-    path = run_dir / RECORD
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(record, indent=2))
-    temporary.replace(path)
+    text = json.dumps(record, indent=2)
+    write_atomically(run_dir / RECORD, lambda temporary: temporary.write_text(text))
+
+
+def recorded(run_dirs: Mapping[str, Path]) -> list[Leftovers]:
+    """The runs among `run_dirs` (by run id) that kept a record: one item each, its path."""
+    found = []
+    for run_id, run_dir in run_dirs.items():
+        record = Path(run_dir) / RECORD
+        if record.is_file():
+            found.append(Leftovers(run_tag(run_id), run_id, (str(record),)))
+    return found
 
 
 def forget(run_dir: Path) -> None:

@@ -16,9 +16,9 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
+from testbed.atomic import write_atomically
 from testbed.link.serial.impairments import Copy, Impairments
 from testbed.source import CACHE_DIR
 
@@ -100,21 +100,12 @@ def build() -> Path:
     if gcc is None:
         raise OSError("no C compiler (gcc) on this host")
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(handle)
-    try:
-        subprocess.run(
-            [gcc, *GCC_FLAGS, "-o", temporary, *map(str, SOURCES)],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-    return path
+
+    def compile_into(temporary: Path) -> None:
+        argv = [gcc, *GCC_FLAGS, "-o", str(temporary), *map(str, SOURCES)]
+        subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
+
+    return write_atomically(path, compile_into)
 
 
 def load() -> ctypes.CDLL | None:

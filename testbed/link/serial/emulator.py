@@ -6,9 +6,10 @@ kernel; it needs the devices on this host and root.
 This is the emulator as the table sees it; the link itself is `testbed.link.serial.switch`
 (and its program). It joins the devices through a switch namespace of its own, so it needs
 their network namespaces on this host (a backend whose devices are `on_this_host`). Each
-device gets a second interface, `sl0`, on a /24 of its own, and the devices' addresses become
-those, so that the workers' and the probe's traffic crosses the emulator. It clocks every
-frame out at the least of its sender's uplink, its receiver's downlink and its pair's rate.
+device gets a second interface, `sl0`, on a /24 of its own, and is reached at its address
+there (`start` gives them), so that the workers' and the probe's traffic crosses the emulator.
+It clocks every frame out at the least of its sender's uplink, its receiver's downlink and its
+pair's rate.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-from dataclasses import replace
 from ipaddress import ip_network
 
 from testbed.backends.base import Backend
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.addresses import choose_subnet, host_networks
-from testbed.kernel.netns import run_tag
-from testbed.link.emulator import Emulator, LinkCounters, Refusal
+from testbed.kernel.names import run_tag
+from testbed.link.emulator import Attachment, Emulator, LinkCounters, Refusal
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
 from testbed.link.serial.switch import SerialSwitch
@@ -57,6 +57,8 @@ class SerialEmulator(Emulator):
         pair_rates: bool,
         paths: PathImpairments | None = None,
     ) -> Refusal | None:
+        if (shared := super().refusal(profile, backend, pair_rates, paths)) is not None:
+            return shared
         if not backend.on_this_host:
             from testbed.backends.table import BACKENDS
 
@@ -68,7 +70,8 @@ class SerialEmulator(Emulator):
             )
         return None
 
-    def start(self) -> None:
+    def start(self) -> dict[int, Attachment]:
+        """The switch (`testbed.link.serial.switch`); each device is reached on its `sl0`."""
         backend = self.backend
         missing = [d.name for d in backend.devices if d.netns_path is None]
         if missing or os.geteuid() != 0:
@@ -96,10 +99,9 @@ class SerialEmulator(Emulator):
             core=core,
         )
         self.switch = switch.start()  # a switch that fails to start removes what it made
-        backend.devices = [
-            replace(d, address=switch.address(d.rank), interface=switch.interface)
-            for d in backend.devices
-        ]
+        return {
+            d.rank: Attachment(switch.address(d.rank), switch.interface) for d in backend.devices
+        }
 
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
         """The ports' rates, changed in place whatever `in_place` says (the emulator has no

@@ -15,7 +15,7 @@ from typing import Any
 
 from testbed.errors import ShapingError
 from testbed.experiment.impairments import checked
-from testbed.kernel.interfaces import IFNAME_MAX_CHARS
+from testbed.kernel.names import IFNAME_MAX_CHARS
 
 
 def parse_port(text: str) -> tuple[str, float]:

@@ -1,9 +1,10 @@
 """A run's serial switch: the namespace, the veth pairs and the emulator that joins devices.
 
 `SerialSwitch` builds what `testbed.link.serial.program` (the emulator program) needs and owns it
-until `stop()`: a network namespace `tb-<tag>-sl` (under /var/run/netns), and per device a
+until `stop()`: a network namespace `tb-<tag>-sl` (`testbed.kernel.names`), and per device a
 veth pair whose switch end `tb<tag>s<rank>` lives there and whose device end `sl0` is created
-directly inside the device's namespace, addressed `subnet[rank + 1]`. Each device thus gets a
+directly inside the device's namespace (`testbed.kernel.interfaces.veth_into`), addressed
+`subnet[rank + 1]`. Each device thus gets a
 second interface, next to whatever network its backend gave it, on which every frame it sends
 is clocked out at its rate. Devices' namespaces are given as paths (`/proc/<pid>/ns/net` of a
 container, `/var/run/netns/<name>` of the local backend); the veth's peer is created in an fd
@@ -28,10 +29,11 @@ congestion, as on a device whose own uplink is the slow link: no retransmissions
 every frame (the frame tbf keeps ahead waits one frame time in the emulator's queue); isolated
 messages take the same time with and without it.
 
-The emulator runs as `ip netns exec tb-<tag>-sl <python> -m testbed.link.serial.program serve ...`
-in its own session; `set_rate` and `stats` talk to it over its stdin and stdout. `stop()` closes its
-stdin (it exits at EOF), kills it if it lingers, deletes the veths (which takes the devices' `sl0`
-with them) and the namespace; it is idempotent.
+The emulator runs as `nsenter --net=/var/run/netns/tb-<tag>-sl <python> -m
+testbed.link.serial.program serve ...` in a process group of its own; `set_rate` and `stats`
+talk to it over its stdin and stdout. `stop()` closes its stdin (it exits at EOF), kills it if
+it lingers, deletes the veths (which takes the devices' `sl0` with them) and the namespace; it
+is idempotent.
 """
 
 from __future__ import annotations
@@ -40,11 +42,8 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import queue
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -54,28 +53,20 @@ from types import TracebackType
 from typing import IO, Any
 
 from testbed.errors import ShapingError
-from testbed.kernel.interfaces import check_ifname, link_up, offload_argv
-from testbed.kernel.netns import (
-    create_netns,
-    in_netns,
-    iproute,
-    netlink_step,
-    netns_path,
-    open_netns,
-)
-from testbed.kernel.processes import run_checked
-from testbed.kernel.tbf import BIT_PER_MBIT
+from testbed.kernel.interfaces import offload_argv, veth_into
+from testbed.kernel.names import TAG_PATTERN, RunNames
+from testbed.kernel.netns import create_netns, in_netns, iproute, netlink_step, netns_path
+from testbed.kernel.processes import kill_group, run_checked, start_group
 from testbed.source import python_env
+from testbed.units import BIT_PER_MBIT
 
 log = logging.getLogger(__name__)
 
-SWITCH_SUFFIX = "sl"  # the namespace tb-<tag>-sl, next to the local backend's -sw and -d<N>
 DEVICE_INTERFACE = "sl0"
 WHO = "serial switch"
 READY_TIMEOUT_S = 15.0
 ANSWER_TIMEOUT_S = 5.0
 EXIT_WAIT_S = 3.0
-TAG_PATTERN = re.compile(r"^[0-9a-f]{8}$")
 
 
 class SerialSwitch:
@@ -97,7 +88,7 @@ class SerialSwitch:
     ):
         """
         Args:
-            tag: the run's 8 hex digits (`testbed.backends.local.run_tag`).
+            tag: the run's 8 hex digits (`testbed.kernel.names.run_tag`).
             device_netns: each device's network namespace path, in rank order.
             subnet: the /24 (or larger) that numbers the devices: rank r gets host r + 1.
             rate_mbit: every port's initial rate (10^6 bit/s of Ethernet frames).
@@ -124,7 +115,8 @@ class SerialSwitch:
         self.downlinks_mbit: list[float | None] = [None] * len(device_netns)
         self.pairs_mbit: dict[tuple[int, int], float] = {}
         self._backpressured: dict[int, tuple[int, ...]] = {}  # rank: its sl0's capped peers
-        self.netns = f"tb-{tag}-{SWITCH_SUFFIX}"
+        self.names = RunNames(tag)
+        self.netns = self.names.serial_netns
         self.process: subprocess.Popen[str] | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._stderr: list[str] = []
@@ -136,7 +128,7 @@ class SerialSwitch:
 
     def port(self, rank: int) -> str:
         """The switch's end of device `rank`'s veth pair."""
-        return check_ifname(f"tb{self.tag}s{rank}", f"serial switch: rank {rank}", ShapingError)
+        return self.names.serial_port(rank)
 
     def address(self, rank: int) -> str:
         """Device `rank`'s IPv4 address on `sl0`."""
@@ -167,53 +159,29 @@ class SerialSwitch:
     def _create_namespace(self) -> None:
         create_netns(self.netns, WHO, ShapingError)
         self._created_netns = True
-        with (
-            iproute(self.netns_path, WHO, ShapingError) as ipr,
-            netlink_step(f"{self.netns}: set lo up", WHO, ShapingError),
-        ):
-            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
 
     def _connect(self, rank: int) -> None:
         """One veth pair: the port here, `sl0` created inside the device's namespace."""
         port, device = self.port(rank), self.device_netns[rank]
+        address = ipaddress.IPv4Interface((self.address(rank), self.subnet.prefixlen))
+        veth_into(
+            self.netns_path,
+            port,
+            device,
+            DEVICE_INTERFACE,
+            address,
+            WHO,
+            ShapingError,
+            gso_max_segs=1,
+        )
         where = f"{self.netns}: veth {port} <-> {device}:{DEVICE_INTERFACE}"
-        device_fd = open_netns(device, where, ShapingError)
-        try:
-            with (
-                iproute(self.netns_path, WHO, ShapingError) as ipr,
-                netlink_step(f"add {where}", WHO, ShapingError),
-            ):
-                peer = {"ifname": DEVICE_INTERFACE, "net_ns_fd": device_fd}
-                ipr.link("add", ifname=port, kind="veth", peer=peer)
-        finally:
-            os.close(device_fd)
-        with iproute(self.netns_path, WHO, ShapingError) as ipr:
-            link_up(ipr, self.netns, port, WHO, ShapingError)
-        with iproute(device, WHO, ShapingError) as ipr:
-            index = ipr.link_lookup(ifname=DEVICE_INTERFACE)[0]
-            address, prefix = self.address(rank), self.subnet.prefixlen
-            with netlink_step(
-                f"{device}: {DEVICE_INTERFACE}: address {address}/{prefix}", WHO, ShapingError
-            ):
-                ipr.addr("add", index=index, address=address, prefixlen=prefix)
-            with netlink_step(f"{device}: {DEVICE_INTERFACE}: gso_max_segs 1", WHO, ShapingError):
-                ipr.link("set", index=index, gso_max_segs=1)
-            link_up(ipr, device, DEVICE_INTERFACE, WHO, ShapingError)
         for netns, interface in ((self.netns_path, port), (device, DEVICE_INTERFACE)):
             argv = in_netns(netns, offload_argv(interface, checksums=True))
             run_checked(argv, where, "offloads off")
 
     def emulator_argv(self) -> list[str]:
         """The command that runs the emulator in the switch namespace."""
-        argv = [
-            "ip",
-            "netns",
-            "exec",
-            self.netns,
-            sys.executable,
-            "-m",
-            "testbed.link.serial.program",
-        ]
+        argv = [sys.executable, "-m", "testbed.link.serial.program"]
         argv += ["serve"] + [f"{self.port(r)}={self._bit_s(r)}" for r in self.ranks]
         if self.spin_us is not None:
             argv += ["--spin-us", str(self.spin_us)]
@@ -224,20 +192,18 @@ class SerialSwitch:
         for rank, cpuset in zip(self.ranks, self.cpusets, strict=True):
             if cpuset:
                 argv += ["--cpus", f"{self.port(rank)}={cpuset}"]
-        return argv
+        return in_netns(self.netns_path, argv)
 
     def _start_emulator(self) -> None:
-        argv = self.emulator_argv()
-        log.debug("start the serial link: %s", argv)
-        self.process = subprocess.Popen(
-            argv,
+        self.process = start_group(
+            self.emulator_argv(),
+            "the serial link",
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
             env=python_env(),
-            start_new_session=True,
         )
         assert self.process.stdout is not None and self.process.stderr is not None
         _pump(self.process.stdout, self._lines.put, end=lambda: self._lines.put(None))
@@ -419,8 +385,7 @@ class SerialSwitch:
             process.wait(EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
             log.warning("serial link (pid %d) ignored EOF; killing it", process.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            kill_group(process.pid, "the serial link")
             process.wait(EXIT_WAIT_S)
 
     def _delete_ports(self) -> None:

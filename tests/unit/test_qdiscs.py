@@ -1,8 +1,7 @@
-"""The per-peer and downlink builders are pure: htb classes, pfifo leaves, u32 filters, the
-ingress qdisc and the ifb, and netem for a pair's and a downlink's impairments, as exact
-`tc`/`ip` argument lists (this machine has no netem: its path is tested by its commands
-only); and the rates they are built from (`testbed.link.rates`): how per-device and per-pair
-rates combine and what the probe checks."""
+"""The kernel's per-peer and downlink builders are pure (`testbed.kernel`): htb classes, pfifo
+leaves, u32 filters, the ingress qdisc and the ifb, and netem for a pair's and a downlink's
+impairments, as exact `tc`/`ip` argument lists (this machine has no netem: its path is tested
+by its commands only). The rates they are built from: test_link_rates.py."""
 
 from __future__ import annotations
 
@@ -14,9 +13,9 @@ from testbed.kernel.fifo import pfifo_argv
 from testbed.kernel.htb import HtbClass, htb_argv, htb_class_argv, htb_params, htb_root_argv
 from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
 from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
-from testbed.kernel.shaping import change_argvs, check_support, downlink_clear_argv, plan, tc_argv
+from testbed.kernel.shaping import change_argvs, check_support, downlink_clear_argv, tc_argv
 from testbed.kernel.u32 import u32_destination_argv, u32_redirect_argv
-from testbed.link.rates import LinkRates, RateOverrides, probe_plan
+from testbed.link.token_bucket import profile_plan
 
 IDEAL = LinkProfile(name="ideal", rate_mbit=10)
 WIFI = LinkProfile(name="wifi", rate_mbit=20, delay_ms=4)
@@ -94,7 +93,7 @@ def test_downlink_argv_redirects_ingress_to_an_ifb() -> None:
 
 
 def test_a_plan_with_a_downlink_keeps_the_uplink_tbf_and_adds_the_ifb() -> None:
-    shaping = plan(IDEAL, 10.0, downlink_mbit=3.0)
+    shaping = profile_plan(IDEAL, 10.0, downlink_mbit=3.0)
     assert not shaping.is_tbf_only and shaping.htb is None
     commands = tc_argv("eth0", shaping)
     assert " ".join(commands[0][:9]) == "tc qdisc replace dev eth0 root handle 1: tbf"
@@ -128,7 +127,7 @@ def test_a_plan_with_a_downlink_keeps_the_uplink_tbf_and_adds_the_ifb() -> None:
 
 
 def test_a_plan_with_peer_caps_has_an_htb_root_changed_class_by_class() -> None:
-    shaping = plan(IDEAL, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+    shaping = profile_plan(IDEAL, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
     assert shaping.htb == htb_params(10.0, {1: ("10.0.0.2", 4.0)})
     assert tc_argv("eth0", shaping) == htb_argv("eth0", shaping.htb)
     changes = change_argvs("eth0", shaping)
@@ -136,21 +135,21 @@ def test_a_plan_with_peer_caps_has_an_htb_root_changed_class_by_class() -> None:
         ["class", "change"],
         ["qdisc", "change"],
     ] * 2
-    assert plan(IDEAL, 10.0).is_tbf_only  # the simple case is what it always was
+    assert profile_plan(IDEAL, 10.0).is_tbf_only  # the simple case is what it always was
 
 
 def test_support_and_netem_are_checked_for_the_new_kinds() -> None:
     with pytest.raises(ShapingError, match="no htb qdisc"):
-        plan(IDEAL, 10.0, {**ALL, "htb": False}, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+        profile_plan(IDEAL, 10.0, {**ALL, "htb": False}, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
     with pytest.raises(ShapingError, match="no ingress qdisc"):
-        plan(IDEAL, 10.0, {**ALL, "ingress": False}, downlink_mbit=3.0)
-    check_support(plan(IDEAL, 10.0, downlink_mbit=3.0), ALL)
+        profile_plan(IDEAL, 10.0, {**ALL, "ingress": False}, downlink_mbit=3.0)
+    check_support(profile_plan(IDEAL, 10.0, downlink_mbit=3.0), ALL)
     with pytest.raises(ShapingError, match=r"per-pair classes \(link.pair_mbit\)"):
-        plan(WIFI, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+        profile_plan(WIFI, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
     with pytest.raises(ShapingError, match=r"per-pair classes \(link.pair_impairments\)"):
-        plan(WIFI, 10.0, peer_impairments={1: ("10.0.0.2", {"loss_pct": 1})})
+        profile_plan(WIFI, 10.0, peer_impairments={1: ("10.0.0.2", {"loss_pct": 1})})
     with pytest.raises(ShapingError, match="a downlink or a pair needs netem's impairments"):
-        plan(IDEAL, 10.0, ALL, downlink_impairments={"delay_ms": 5})
+        profile_plan(IDEAL, 10.0, ALL, downlink_impairments={"delay_ms": 5})
 
 
 def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
@@ -158,7 +157,7 @@ def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
     device 2 keeps its cap and its pfifo."""
     caps = {2: ("10.0.0.3", 4.0)}
     hops = {1: ("10.0.0.2", {"delay_ms": 20, "jitter_ms": 2, "loss_pct": 1}), 2: ("x", {})}
-    shaping = plan(IDEAL, 10.0, peer_caps_mbit=caps, peer_impairments=hops)
+    shaping = profile_plan(IDEAL, 10.0, peer_caps_mbit=caps, peer_impairments=hops)
     assert shaping.needs_netem and shaping.netem is None and not shaping.uplink_only
     assert shaping.htb == htb_params(10.0, {1: ("10.0.0.2", 10.0), 2: ("10.0.0.3", 4.0)})
     assert list(shaping.peer_netem) == [0x11]  # an empty hop impairs nothing
@@ -175,7 +174,7 @@ def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
 def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     """Under the downlink's tbf where it has a rate, else the ifb's root."""
     hop = {"delay_ms": 5, "loss_gemodel": {"p_pct": 1, "r_pct": 25}}
-    shaping = plan(IDEAL, 10.0, downlink_mbit=3.0, downlink_impairments=hop)
+    shaping = profile_plan(IDEAL, 10.0, downlink_mbit=3.0, downlink_impairments=hop)
     assert shaping.htb is None and shaping.has_downlink and shaping.needs_netem
     commands = [" ".join(argv) for argv in tc_argv("eth0", shaping)]
     # tbf's 21,778 bytes plus 5 ms at 3 Mbit/s (1,875 B), in full frames: 16
@@ -185,7 +184,7 @@ def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     assert [" ".join(argv) for argv in change_argvs("eth0", shaping)][-1] == (
         f"tc qdisc change dev ifb-eth0 parent 1:1 {netem}"
     )
-    alone = plan(IDEAL, 10.0, downlink_impairments={"delay_ms": 5})
+    alone = profile_plan(IDEAL, 10.0, downlink_impairments={"delay_ms": 5})
     commands = [" ".join(argv) for argv in tc_argv("eth0", alone)]
     assert commands[1:5] == [
         " ".join(argv)
@@ -198,113 +197,4 @@ def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     ]
     assert commands[5:] == ["tc qdisc add dev ifb-eth0 root handle 1: netem limit 1000 delay 5ms"]
     assert len(change_argvs("eth0", alone)) == 1  # the uplink's tbf; the ifb has no rate
-    assert plan(IDEAL, 10.0, downlink_impairments={"loss_pct": 0}).uplink_only
-
-
-# rates -----------------------------------------------------------------------------------------
-
-
-def test_per_device_rates_replace_the_swept_one_and_pairs_take_the_least() -> None:
-    overrides = RateOverrides({0: 2.0}, {2: 3.0}, {(1, 0): 1.0, (0, 5): 1.0})
-    rates = overrides.resolve(10.0, 3)
-    assert rates.uplink_mbit == (2.0, 10.0, 10.0)
-    assert rates.downlink_mbit == (None, None, 3.0)
-    assert rates.pair_mbit == {(1, 0): 1.0}  # device 5 is not in a 3-device trial
-    assert rates.path_mbit(0, 1) == 2.0  # the sender's uplink
-    assert rates.path_mbit(1, 2) == 3.0  # the receiver's downlink
-    assert rates.path_mbit(1, 0) == 1.0  # the pair's cap
-    assert rates.peer_caps_mbit(1) == {0: 1.0}
-    assert RateOverrides(pair_mbit={(0, 1): 20.0}).resolve(10.0, 2).peer_caps_mbit(0) == {}
-
-
-def test_a_trace_step_scales_every_rate() -> None:
-    rates = RateOverrides({0: 2.0}, {1: 4.0}, {(1, 0): 1.0}).resolve(10.0, 2).scaled(5.0)
-    assert rates.swept_mbit == 5.0
-    assert rates.uplink_mbit == (1.0, 5.0)
-    assert rates.downlink_mbit == (None, 2.0)
-    assert rates.pair_mbit == {(1, 0): 0.5}
-
-
-def test_the_probe_is_a_ring_when_every_device_has_the_same_rates() -> None:
-    probes = probe_plan(LinkRates.uniform(10.0, 3))
-    assert probes.transfers == ((0, 1), (1, 2), (2, 0))
-    assert probes.uplink == {0: (0, 1), 1: (1, 2), 2: (2, 0)}
-    assert probes.downlink == {0: (2, 0), 1: (0, 1), 2: (1, 2)}
-    assert probe_plan(LinkRates.uniform(10.0, 1)).transfers == ()
-
-
-def test_a_downlink_is_probed_from_its_fastest_sender_and_every_pair_on_its_own() -> None:
-    # device 0 is slow (2), so device 1's downlink (5) is checked from device 2 (10)
-    rates = RateOverrides({0: 2.0}, {1: 5.0}, {(2, 0): 1.0}).resolve(10.0, 3)
-    probes = probe_plan(rates)
-    assert probes.downlink[1] == (2, 1)
-    assert probes.downlink[0] == (1, 0)  # device 2 -> 0 is capped at 1: device 1 is faster
-    assert probes.transfers == ((0, 1), (1, 2), (2, 0), (1, 0), (2, 1))
-
-
-# Links, with a backend that records instead of shaping ------------------------------------------
-
-
-class RecordingBackend:
-    name, python = "fake", "python"
-
-    def __init__(self, count: int):
-        from testbed.backends.base import Device
-
-        self.devices = [Device(r, f"d{r}", f"10.0.0.{r + 1}", "eth0", 1.0, 1) for r in range(count)]
-        self.calls: list[tuple[str, int, object]] = []
-
-    def for_each(self, devices, action) -> None:
-        for device in devices:
-            action(device)
-
-    def shape(self, device, shaping) -> None:
-        self.calls.append(("shape", device.rank, shaping))
-
-    def change_rate(self, device, shaping) -> None:
-        self.calls.append(("change", device.rank, shaping))
-
-    def qdisc_stats(self, device) -> str:
-        return "qdisc tbf 1: root\n Sent 0 bytes 0 pkt"
-
-
-def test_links_shape_each_device_probe_each_direction_and_scale_in_place(monkeypatch) -> None:
-    from testbed.link import links as links_module
-    from testbed.link.links import Links
-    from testbed.link.probe import WIRE_PER_PAYLOAD
-    from testbed.link.token_bucket import TokenBucket
-
-    backend = RecordingBackend(3)
-    achieved = {(0, 1): 2.0, (1, 2): 10.0, (2, 0): 10.0, (1, 0): 1.3, (2, 1): 3.0}
-    monkeypatch.setattr(
-        links_module,
-        "probe",
-        lambda _, sender, receiver, __: achieved[(sender.rank, receiver.rank)] / WIRE_PER_PAYLOAD,
-    )
-    overrides = RateOverrides({0: 2.0}, {1: 3.0}, {(1, 0): 1.0})
-    links = Links(backend, IDEAL, TokenBucket, "run", overrides)  # type: ignore[arg-type]
-    state = links.shape(10.0, 0.5)
-
-    plans = {rank: shaping for _, rank, shaping in backend.calls}
-    assert [kind for kind, _, _ in backend.calls] == ["shape"] * 3
-    assert plans[0].rate_mbit == 2.0 and plans[0].is_tbf_only
-    assert plans[1].htb is not None and plans[1].htb.peers[0].address == "10.0.0.1"
-    assert plans[1].downlink is not None and plans[1].downlink.rate_bit_s == 3_000_000
-    assert state.uplink_mbit == {0: 2.0, 1: 10.0, 2: 10.0}
-    assert state.downlink_mbit == {0: None, 1: 3.0, 2: None}
-    assert state.pair_mbit == {"1->0": 1.0}
-    assert state.uplink_probe == {0: "0->1", 1: "1->2", 2: "2->0"}
-    assert state.downlink_probe == {0: "2->0", 1: "2->1", 2: "1->2"}
-    assert state.transfers["1->0"]["target_mbit"] == 1.0
-    assert state.wire_mbit(0) == pytest.approx(2.0)
-    assert state.downlink_wire_mbit(1) == pytest.approx(3.0)
-    assert not state.flagged(0) and not state.flagged(1) and not state.flagged(2)
-    assert state.transfer_flagged("1->0")  # 1.3 against a cap of 1: recorded and flagged
-
-    backend.calls.clear()
-    links.set_rate(5.0)  # a trace step: every rate halved, in place
-    changed = {rank: shaping for kind, rank, shaping in backend.calls if kind == "change"}
-    assert len(changed) == 3 and len(backend.calls) == 3
-    assert [changed[r].rate_mbit for r in range(3)] == [1.0, 5.0, 5.0]
-    assert changed[1].downlink is not None and changed[1].downlink.rate_bit_s == 1_500_000
-    assert changed[1].htb is not None and changed[1].htb.peers[0].ceil_bit_s == 500_000
+    assert profile_plan(IDEAL, 10.0, downlink_impairments={"loss_pct": 0}).uplink_only
