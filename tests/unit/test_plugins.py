@@ -245,3 +245,116 @@ def test_without_its_entry_the_method_is_unknown():
         method_spec("toy-vq", K=16)
     with pytest.raises(ConfigError, match=r"codebooks\.families: 'toy-vq' is not a codebook"):
         parse_settings({"name": "x", "codebooks": {"families": ["toy-vq"]}}, "study.yaml")
+
+
+# A backend with a section of its own -----------------------------------------------------
+
+
+class ToyLab(ToyBackend):
+    """Racks of boards in a toy lab, described by the experiment's `toy_lab:` section; a run
+    leaves its racks switched on, which the lab lists until they are switched off."""
+
+    name = "toy-lab"
+    settings = "toy_lab"
+    switched_on: ClassVar[list[Leftovers]] = []  # what dead runs left, as the lab finds it
+
+    @classmethod
+    def section_refusal(cls, experiment):
+        most, racks = max(experiment.devices.count), experiment.section(cls.settings).racks
+        if most > racks:
+            return f"devices.count: {most} devices, but the toy lab has {racks} racks"
+        return None
+
+    @classmethod
+    def leftovers(cls, run_dirs):
+        return list(cls.switched_on)
+
+    @classmethod
+    def remove(cls, leftovers):
+        cls.switched_on.remove(leftovers)
+        return [f"toy lab: {item} switched off" for item in leftovers.items]
+
+
+def toy_lab_section() -> type[Section]:
+    """The toy lab's section. Defining it registers it (`toy_lab` keeps that to one test)."""
+
+    class ToyLabSection(Section):
+        """The toy lab: how many racks it has."""
+
+        section = "toy_lab"
+        about = "the toy lab's racks (backend toy-lab)"
+        needed = "its racks (toy_lab: {racks: N})"
+        racks: int = Field(ge=1, description="one device per rack")
+
+    return ToyLabSection
+
+
+@pytest.fixture
+def toy_lab(toys, monkeypatch):
+    """The toy lab in the backend table and its section registered, for this test only."""
+    registered = dict(SECTIONS)
+    monkeypatch.setitem(BACKENDS, ToyLab.name, ToyLab)
+    monkeypatch.setattr(ToyLab, "switched_on", [])
+    toy_lab_section()
+    yield ToyLab
+    SECTIONS.clear()
+    SECTIONS.update(registered)
+
+
+def write_lab(tmp_path, lab: str, count: int = 2) -> str:
+    path = tmp_path / "lab.yaml"
+    path.write_text(
+        f"name: lab\nmodel: {{name: vit-tiny}}\nbackend: toy-lab\n{lab}"
+        f"devices: {{count: {count}}}\nlink: {{bandwidth_mbit: 5}}\nmethods: [{{name: voltage}}]\n"
+    )
+    return str(path)
+
+
+def refused_line(capsys, path: str, out) -> str:
+    """The one line `testbed.run PATH --dry-run` refuses it with (exit 2, nothing written)."""
+    assert main([path, "--dry-run", "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert not out.exists()
+    return line
+
+
+def test_a_backends_own_section_is_the_schemas_when_it_is_registered(toy_lab, tmp_path, capsys):
+    path = write_lab(tmp_path, "toy_lab: {racks: 3}\n")
+    experiment = load_experiment(path)
+    assert experiment.section("toy_lab").racks == 3  # typed by its own model
+    checked = check_experiment(experiment, experiment.backend, path)
+    assert checked.backend is ToyLab and checked.emulator is ToyLink
+    assert main([path, "--dry-run", "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    path = write_lab(tmp_path, "toy_lab: {racks: 3, rakcs: 1}\n")
+    line = refused_line(capsys, path, tmp_path / "refused")
+    assert line.endswith(": toy_lab.rakcs: unknown key (did you mean 'racks'?)")
+
+
+def test_a_backends_refusal_is_the_preflights(toy_lab, tmp_path, capsys):
+    path = write_lab(tmp_path, "toy_lab: {racks: 2}\n", count=3)
+    line = refused_line(capsys, path, tmp_path / "out")
+    assert line == f"testbed.run: {path}: devices.count: 3 devices, but the toy lab has 2 racks"
+    path = write_lab(tmp_path, "")
+    line = refused_line(capsys, path, tmp_path / "out")
+    assert line == (
+        f"testbed.run: {path}: toy_lab: backend 'toy-lab' needs its racks (toy_lab: {{racks: N}})"
+    )
+
+
+def test_a_backends_leftovers_are_found_and_removed_by_clean(toy_lab, tmp_path, monkeypatch):
+    monkeypatch.setenv("TESTBED_STATE_DIR", str(tmp_path / "state"))
+    left = Leftovers(run_tag("toy-run"), "toy-run", ("rack 0", "rack 1"))
+    ToyLab.switched_on.append(left)
+    with RunLock("toy-run", tmp_path / "toy-run"):  # its orchestrator runs: kept
+        report = clean(run_id="toy-run")
+        assert report.removed == [] and "its orchestrator is running" in report.kept[0]
+    report = clean(run_id="toy-run")
+    assert report.removed == ["toy lab: rack 0 switched off", "toy lab: rack 1 switched off"]
+    assert ToyLab.switched_on == []
+
+
+def test_without_its_entries_a_backends_section_is_an_unknown_key(tmp_path, capsys):
+    path = write_lab(tmp_path, "toy_lab: {racks: 3}\n")
+    line = refused_line(capsys, path, tmp_path / "out")
+    assert line == f"testbed.run: {path}: toy_lab: unknown key"
