@@ -27,6 +27,7 @@ from devices.records import ArrivalRecord, BlockRecord, InferenceRecord
 from devices.transport import Incoming, Outgoing, total_retransmits
 from tracevq.engine import DeviceRun
 from tracevq.methods import Method
+from tracevq.partition import partition_sizes
 
 LOSS_GRACE_S = 0.3
 
@@ -47,15 +48,16 @@ class Session:
         mesh: Mesh,
         batch: int,
         recv_timeout_s: float,
-        sizes: list[int],
+        sizes: list[int] | None = None,
         pace: Pace | None = None,
     ):
-        """`sizes`: every device's tokens; `pace`: the device's speed (full speed without)."""
+        """`sizes`: every device's tokens (even without); `pace`: the device's speed (full
+        speed without)."""
         self.method, self.rank, self.mesh = method, rank, mesh
         self.batch, self.recv_timeout_s = batch, recv_timeout_s
         self.clock: Clock = mesh.clock
         self.devices = len(mesh.addresses)
-        self.sizes = sizes
+        self.sizes = sizes or partition_sizes(method.model.config.tokens, self.devices)
         self.pace = pace or Pace()
         self.depth = method.model.config.depth
         self.peer_names = {peer: mesh.name(peer) for peer in range(self.devices)}
