@@ -14,10 +14,10 @@ buffers' gain 1 - with / without from the ratios paired by round, and the paper'
 (testbed.report.paper.PAPER_TABLE_V) beside them.
 
 Device 0 is the one timed. It holds CLS: ViViT-B's N = 3137 tokens are 3136 patches and CLS,
-so at every P here device 0 holds ceil(N / P) tokens, the largest share and at most one token
-more than any other device (less than 0.4% of its tokens at P = 10). The devices of an even
-split compute alike, and device 0 is the one an inference waits for, so its compute is the
-paper's per-device figure.
+so at every P here device 0 holds ceil(N / P) tokens, the largest share, at most one token more
+than any other device (1 in 314 at P = 10), and runs the head on CLS alone. So it is the
+device an inference waits for, and the others of the even split compute as much to within a
+token: its compute is the paper's per-device figure.
 
 Usage: python -m bench.bench_buffers [--quick] [--rounds N] [--devices 2 3 4 6 8 10]
 `--quick` uses ViViT-tiny with K = 64 at P = 2 and 3 over two rounds (a check that it runs).

@@ -18,6 +18,10 @@ Every figure is a median over repetitions with its distribution-free 95% interva
    The beam search's accuracy cost (part `search`, bench.bench_search): Trace-b at K = 1024 on
    Fashion-MNIST's test split, beam against exact search, mean difference over the study's
    seeds and P = 2, 3 (goal >= -0.3 points; needs `make accuracy-fashion`'s results).
+   The paper's Table V (part `buffers`, bench.bench_buffers): ViViT-B's device-0 compute,
+   Trace-b K = 1024, without buffers (no dedup, the paper's full chain) and with (the
+   default), at P = 2, 3, 4, 6, 8 and 10 in process, one thread, and the buffers' gain
+   1 - with / without beside the paper's (no goal: the paper's figures are the reference).
 2. On the testbed at 10 Mbit/s (per repetition the slowest device's times: an inference
    ends when its slowest device does): Trace-b effective / compute (goal <= 1.02:
    communication hidden); Trace-b's effective speedup over Astra (goal >= 1.2, the paper
@@ -34,7 +38,7 @@ Every figure is a median over repetitions with its distribution-free 95% interva
    once (bench.serial_link_check.many_ports): every port's rate within 1% (root needed).
 
 Usage: python -m bench.bench_trace [--quick] [--backend auto|docker|local] [--out DIR]
-    [--only in-process search latency links ports]
+    [--only in-process buffers search latency links ports]
 `--quick` swaps in tiny models and few repetitions (a check that the bench runs).
 """
 
@@ -49,6 +53,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from bench import bench_buffers
 from bench.bench_dedup import unique_fraction
 from bench.bench_search import BEAM, sender_match_rate
 from bench.bench_search import accuracy as search_accuracy_of
@@ -65,7 +70,7 @@ PATH_COST_MS = 0.3  # per message: what a real path adds to the wire time at mos
 EMULATOR_COST_MS = 0.08  # per message: the goal for the serial emulator's own cost
 PORTS, PORT_RATE_MBIT = 8, 20.0  # the ports that send bulk at once, each at this rate
 PORT_DELAY = {"delay_ms": 5.0}  # and once more through a delay (jitter would idle the line)
-PARTS = ("in-process", "search", "latency", "links", "ports")
+PARTS = ("in-process", "buffers", "search", "latency", "links", "ports")
 RESULTS: list[str] = []
 
 
@@ -143,6 +148,15 @@ def in_process(quick: bool) -> None:
         fraction = unique_fraction(vivit, bundle, K, level_k)
         name = f"buffers off / (buffers + dedup), level {level_k} ({vivit.config.name})"
         report(name, gain, f">= {goal}; unique-key fraction {fraction:.4f}", gain.median >= goal)
+
+
+def buffers(quick: bool) -> None:
+    """Table V at every device count of the paper (bench.bench_buffers); each gain a line."""
+    setup, rows = bench_buffers.run(quick)
+    for row in rows:
+        paper_gain = bench_buffers.paper_row(row.devices)[2]
+        name = f"buffers' gain 1 - with / without, P = {row.devices} ({setup.model})"
+        report(name, row.gain, f"(paper {paper_gain / 100:.3f})", None)
 
 
 def search_accuracy() -> None:
@@ -333,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "in-process" in args.only:
         in_process(args.quick)
+    if "buffers" in args.only:
+        buffers(args.quick)
     if "search" in args.only and not args.quick:
         search_accuracy()
     if "latency" in args.only:
