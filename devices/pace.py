@@ -9,12 +9,14 @@ time, and the core is free for others while the device sleeps, as it would be wh
 core worked. A CPU quota gives the same mean but not the same blocks (docs/devices.md, Speed:
 at Docker's 100 ms period most blocks run at full speed and some wait 50 ms).
 
-CPU time, not wall time, measures the stretch: when devices that share the host's cores
-compute at once (sequence parallelism makes them), each one's stretch takes longer in wall
-time than its CPU time, and the sleep shrinks by as much, so the device still takes what its
-speed says as long as the contention leaves it at least its speed of a core. The clock is the
-compute thread's own (`time.thread_time`) when torch computes on that one thread, else the
-process's (`time.process_time`, which adds the sender's and receivers' little CPU).
+With one compute thread (torch's intra-op threads = 1, a device of one CPU), CPU time, not
+wall time, measures the stretch: when devices that share the host's cores compute at once
+(sequence parallelism makes them), each one's stretch takes longer in wall time than its CPU
+time, and the sleep shrinks by as much, so the device still takes what its speed says as long
+as the contention leaves it at least its speed of a core. The clock is the compute thread's
+own (`time.thread_time`: the senders' and receivers' threads do not count). With several
+threads the stretch's wall time is the measure (their CPU time would count a GEMM's parallel
+threads, and its serial parts once): the device sleeps (1/speed - 1) times it.
 
 The speed can change while the worker runs: the orchestrator writes it into the device's
 control file (`Control`), which the worker maps and reads at every stretch (no system call).
@@ -123,7 +125,7 @@ class Pace:
 
     def __init__(self, speed: float = 1.0, control: Control | None = None, threads: int = 1):
         self.fixed, self.control = speed, control
-        clock = time.thread_time if threads == 1 else time.process_time
+        clock = time.thread_time if threads == 1 else time.perf_counter
         self.cpu_clock: Callable[[], float] = clock
         self.slept_s = 0.0  # in all, for the session's facts
 

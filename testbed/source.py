@@ -1,6 +1,7 @@
 """This checkout's folders, for whatever must find them from code: the source root (which holds
-`testbed/`, `devices/` and `tracevq/`), the shipped link profiles and traces, the caches, and
-the environment under which a child Python imports this checkout. Standard library only.
+`testbed/`, `devices/` and `tracevq/`), the shipped link and device profiles and traces, the
+caches, and the environment under which a child Python imports this checkout. Standard library
+only.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 PROFILES_DIR = SOURCE_ROOT / "netem_profiles"
+DEVICE_PROFILES_DIR = SOURCE_ROOT / "device_profiles"
 EXPERIMENTS_DIR = SOURCE_ROOT / "experiments"
 CACHE_DIR = SOURCE_ROOT / ".cache"
 

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment
     from testbed.kernel.shaping import ShapingPlan
 
+from testbed.errors import DeviceError
+
 log = logging.getLogger(__name__)
 
 RUN_SECRET_BYTES = 32
@@ -55,11 +57,22 @@ def write_secret(path: Path, secret: bytes, owner: tuple[int, int] | None = None
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """What a run asks of each device."""
+    """What a run asks of its devices: how many, and each one's CPUs and memory (one value
+    for all, or one per rank)."""
 
     count: int
-    cpus: float = 1.0
-    memory_mb: int = 2048
+    cpus: float | tuple[float, ...] = 1.0
+    memory_mb: int | tuple[int, ...] = 2048
+
+    def cpus_of(self, rank: int) -> float:
+        return float(self.cpus[rank] if isinstance(self.cpus, tuple) else self.cpus)
+
+    def memory_of(self, rank: int) -> int:
+        return int(self.memory_mb[rank] if isinstance(self.memory_mb, tuple) else self.memory_mb)
+
+    @property
+    def all_cpus(self) -> list[float]:
+        return [self.cpus_of(rank) for rank in range(self.count)]
 
 
 @dataclass(frozen=True)
@@ -127,32 +140,40 @@ class Process(abc.ABC):
     @abc.abstractmethod
     def kill(self) -> None: ...
 
+    def terminate(self) -> None:
+        """Ask the command to end (SIGTERM: a worker unwinds and keeps what it measured);
+        where a backend cannot ask, it kills."""
+        self.kill()
+
 
 @dataclass
 class CpuPlan:
-    """How P devices of `cpus` each fit on the host's cores."""
+    """How P devices, each with its CPUs, fit on the host's cores."""
 
-    cpusets: list[str | None]
+    cpusets: list[str | None]  # by rank: pinned cores, or None (a quota)
     oversubscribed: bool
     host_cores: int
-    threads: int = field(default=1)
+    threads: list[int] = field(default_factory=list)  # by rank: the worker's torch threads
 
 
-def plan_cpus(count: int, cpus: float, host_cores: int | None = None) -> CpuPlan:
-    """Pin whole cores (of those this process may use) when there are enough of them;
-    otherwise share by quota.
+def plan_cpus(count: int, cpus: float | Sequence[float], host_cores: int | None = None) -> CpuPlan:
+    """Pin whole cores (of those this process may use) when every device asks for whole
+    cores and there are enough of them; otherwise share by quota. `cpus`: one value for every
+    device, or one per rank.
 
     Oversubscribed means the devices' allotments add up to more cores than the host has: the
     devices then compete for cores and their compute times are inflated.
     """
     cores = sorted(os.sched_getaffinity(0)) if host_cores is None else list(range(host_cores))
-    threads = max(1, int(cpus))
-    whole = float(cpus).is_integer()
-    if whole and count * int(cpus) <= len(cores):
-        per = int(cpus)
-        sets = [",".join(str(c) for c in cores[r * per : (r + 1) * per]) for r in range(count)]
-        return CpuPlan(sets, False, len(cores), threads)
-    return CpuPlan([None] * count, count * cpus > len(cores), len(cores), threads)
+    each = [float(c) for c in cpus] if isinstance(cpus, Sequence) else [float(cpus)] * count
+    threads = [max(1, int(c)) for c in each]
+    if all(c.is_integer() for c in each) and sum(each) <= len(cores):
+        sets, first = [], 0
+        for c in each:
+            sets.append(",".join(str(core) for core in cores[first : first + int(c)]))
+            first += int(c)
+        return CpuPlan(list(sets), False, len(cores), threads)
+    return CpuPlan([None] * count, sum(each) > len(cores), len(cores), threads)
 
 
 class Backend(abc.ABC):
@@ -179,12 +200,13 @@ class Backend(abc.ABC):
         """Why this backend cannot run `experiment`, in one line naming the field (`field:
         what is wrong; what would be right`), or None: asked by the preflight before anything
         starts, which adds the file. Here: its section missing, then what the section must
-        hold (`section_refusal`), then downlink and per-pair rates on a backend that shapes
+        hold (`section_refusal`), then what only devices on this host can have (a timeline,
+        speeds given as rates), then downlink and per-pair rates on a backend that shapes
         uplinks only."""
         if cls.settings is not None and experiment.section(cls.settings) is None:
             needed = SECTIONS[cls.settings].needed if cls.settings in SECTIONS else "it"
             return f"{cls.settings}: backend '{cls.name}' needs {needed}"
-        refused = cls.section_refusal(experiment)
+        refused = cls.section_refusal(experiment) or cls._fleet_refusal(experiment)
         if refused is not None or cls.shapes_downlinks:
             return refused
         able = " or ".join(name for name, kind in BACKENDS.items() if kind.shapes_downlinks)
@@ -194,6 +216,27 @@ class Backend(abc.ABC):
                     f"link.{field_name}: the {cls.name} backend shapes uplinks only "
                     f"(link.uplink_mbit); downlink and per-pair rates need the {able} backend"
                 )
+        return None
+
+    @classmethod
+    def _fleet_refusal(cls, experiment: Experiment) -> str | None:
+        """Devices elsewhere (boards) are real: their speed is theirs (a fraction of it may
+        still be asked, `devices.speed`), and the timeline needs their files live on this host."""
+        if cls.on_this_host:
+            return None
+        if experiment.timeline:
+            return (
+                f"timeline: the {cls.name} backend's boards cannot be paused, slowed or left "
+                "while they run (a timeline needs devices on this host: docker or local)"
+            )
+        for variant in [experiment.devices, *(experiment.devices.variants or [])]:
+            for field_name in ("gflops", "profile"):
+                if getattr(variant, field_name) is not None:
+                    return (
+                        f"devices.{field_name}: the {cls.name} backend's boards compute at "
+                        "their own rate (measured when they start); a fraction of it is "
+                        "devices.speed"
+                    )
         return None
 
     @classmethod
@@ -270,6 +313,19 @@ class Backend(abc.ABC):
         if path is not None and not os.path.exists(path):
             return f"its network namespace {path} is gone"
         return None
+
+    def pause(self, device: Device) -> None:
+        """Freezes every process of the device (a timeline's pause) until `resume`."""
+        raise DeviceError(f"the {self.name} backend cannot pause a device")
+
+    def resume(self, device: Device) -> None:
+        raise DeviceError(f"the {self.name} backend cannot resume a device")
+
+    def live_output(self, device: Device, host_path: Path) -> Path | None:
+        """Where the host can read, while the worker runs, what the device writes for the
+        run-directory folder `host_path` (its `output_path`); None where it cannot (boards:
+        their files come back only with `collect`)."""
+        return Path(host_path) if self.on_this_host else None
 
     def out_of_memory(self, device: Device) -> bool:
         """Whether the kernel has killed a process of `device` for memory (its memory

@@ -11,12 +11,11 @@ Names derive from the run's tag (`testbed.kernel.names`): namespaces `tb-<tag>-s
 `tb-<tag>-d<rank>`, the bridge `tb<tag>` and its ports `tb<tag>h<rank>`.
 
 Commands run through `nsenter --net` (`testbed.kernel.netns.in_netns`), in a process group of
-their own, pinned with `taskset` when the CPU plan pins cores, and with a memory limit set by
-`prlimit --data` when prlimit is available. RLIMIT_DATA bounds private writable memory (heap,
-anonymous maps, thread stacks); unlike RLIMIT_AS it does not count shared libraries or address
-space reserved and never used, which for a torch worker is hundreds of MB. Going over it makes
-allocations fail (MemoryError) instead of waking an OOM killer. Fractional CPU allotments are
-not enforced (no cgroups here).
+their own, inside the device's control groups (`testbed.kernel.cgroups`, named like its
+namespace): its pinned cores (cpuset) when the CPU plan pins cores, else a CPU quota of its
+allotment (cpu), its memory limit (memory: the kernel's OOM killer ends a worker that goes
+over, as in a container), and a freezer for a timeline's pauses. A process joins the groups
+between fork and exec, so nothing it allocates is charged elsewhere.
 
 The run secret (`testbed.backends.base`) is one file, `run.key` of mode 0600, in a folder of
 mode 0700 that `start()` makes outside the run directory (`tempfile.mkdtemp`, `testbed-<tag>-*`)
@@ -30,6 +29,7 @@ import ipaddress
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,10 +48,11 @@ from testbed.backends.base import (
     write_secret,
 )
 from testbed.errors import DeviceError
-from testbed.experiment.schema import MAX_DEVICES
+from testbed.experiment.devices_section import MAX_DEVICES
+from testbed.kernel import cgroups
 from testbed.kernel.addresses import choose_subnet, host_networks
 from testbed.kernel.interfaces import link_up, veth_into
-from testbed.kernel.names import RunNames
+from testbed.kernel.names import RunNames, netns_tag
 from testbed.kernel.netns import (
     NETNS_DIR,
     create_netns,
@@ -73,24 +74,12 @@ KILL_WAIT_S = 5.0
 WHO = "local backend"
 
 
-def device_command(
-    netns: str, argv: Sequence[str], cpuset: str | None = None, memory_mb: int | None = None
-) -> list[str]:
-    """The argument list that runs `argv` in a device's namespace (its path), pinned and
-    memory-limited."""
-    command = []
-    if cpuset:
-        command += ["taskset", "-c", cpuset]
-    if memory_mb:
-        limit_bytes = memory_mb * 2**20
-        command += ["prlimit", f"--data={limit_bytes}:{limit_bytes}", "--"]
-    return in_netns(netns, command + list(argv))
-
-
 def root_problem() -> str | None:
     """Why this host cannot run the local backend, or None."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, veth pairs and a bridge)"
+    if (why := cgroups.available()) is not None:
+        return f"needs control groups ({why})"
     if shutil.which("ip") is None:
         return "needs iproute2's `ip` (apt-get install iproute2)"
     if shutil.which("nsenter") is None:
@@ -119,6 +108,9 @@ class LocalProcess(Process):
         """SIGKILL to the whole group, also when its leader has already ended."""
         kill_group(self.popen.pid, self.label)
 
+    def terminate(self) -> None:
+        kill_group(self.popen.pid, self.label, signal.SIGTERM)
+
 
 class LocalBackend(Backend):
     name = "local"
@@ -131,29 +123,32 @@ class LocalBackend(Backend):
         link's too), by the tag their names carry."""
         if os.geteuid() != 0:
             return []
-        return [Leftovers(tag, None, tuple(items)) for tag, items in leftovers_by_tag().items()]
+        found = leftovers_by_tag()
+        for name in cgroups.group_names():
+            tag = netns_tag(name)  # a device's groups are named like its namespace
+            if tag is not None:
+                found.setdefault(tag, []).append(f"cgroup {name}")
+        return [Leftovers(tag, None, tuple(items)) for tag, items in found.items()]
 
     @classmethod
     def remove(cls, leftovers: Leftovers) -> list[str]:
-        return remove_leftovers(tag=leftovers.tag)
+        groups = [i.removeprefix("cgroup ") for i in leftovers.items if i.startswith("cgroup ")]
+        for name in groups:
+            cgroups.DeviceGroups(name).remove()
+        return remove_leftovers(tag=leftovers.tag) + [f"cgroup {name}" for name in groups]
 
     def __init__(self, run_id: str, run_dir: Path):
         super().__init__(run_id, run_dir)
         self.names = RunNames.for_run(run_id)
         self.subnet: ipaddress.IPv4Network | None = None
-        self.memory_mb: int | None = None
+        self.groups: dict[int, cgroups.DeviceGroups] = {}  # by rank
         self.processes: list[LocalProcess] = []
         self.namespaces: list[str] = []  # created by this backend, switch first
         self.private_dir: Path | None = None  # the run secret's folder, outside the run dir
 
     def start(self, spec: DeviceSpec) -> list[Device]:
-        self.cpu_plan = plan_cpus(spec.count, spec.cpus)
+        self.cpu_plan = plan_cpus(spec.count, spec.all_cpus)
         self._check_host(spec)
-        self.memory_mb = spec.memory_mb if shutil.which("prlimit") else None
-        if self.memory_mb is None:
-            log.warning("no `prlimit`: devices of run %s get no memory limit", self.run_id)
-        if not float(spec.cpus).is_integer():
-            log.warning("local backend: %s CPUs per device are not enforced", spec.cpus)
         if self.cpu_plan.oversubscribed:
             log.warning(
                 "run %s oversubscribes the host's %d cores", self.run_id, self.cpu_plan.host_cores
@@ -179,9 +174,6 @@ class LocalBackend(Backend):
             raise DeviceError(
                 f"the local backend runs 1 to {MAX_DEVICES} devices, not {spec.count}"
             )
-        assert self.cpu_plan is not None
-        if any(self.cpu_plan.cpusets) and shutil.which("taskset") is None:
-            raise DeviceError("the local backend needs util-linux's `taskset` to pin cores")
         names = [self.names.switch_netns] + [self.names.device_netns(r) for r in range(spec.count)]
         existing = [name for name in names if (NETNS_DIR / name).exists()]
         if existing:
@@ -216,32 +208,46 @@ class LocalBackend(Backend):
         switch, device = netns_path(self.names.switch_netns), netns_path(name)
         port, bridge = self.names.port(rank), self.names.bridge
         veth_into(switch, port, device, DEVICE_INTERFACE, address, WHO, DeviceError, bridge)
+        cpuset, cpus = self.cpu_plan.cpusets[rank], spec.cpus_of(rank)
+        quota = None if cpuset else min(cpus, self.cpu_plan.host_cores)
+        self.groups[rank] = cgroups.DeviceGroups(name)  # kept for stop() from here on
+        self.groups[rank].create(cpuset, quota, spec.memory_of(rank))
         return Device(
             rank=rank,
             name=name,
             address=str(address.ip),
             interface=DEVICE_INTERFACE,
-            cpus=spec.cpus,
-            threads=self.cpu_plan.threads,
-            cpuset=self.cpu_plan.cpusets[rank],
+            cpus=cpus,
+            threads=self.cpu_plan.threads[rank],
+            cpuset=cpuset,
             netns_path=device,
         )
 
     def spawn(self, device: Device, argv: Sequence[str]) -> Process:
         if device.name not in self.namespaces:
             raise DeviceError(f"{device.name} is not a running device of run {self.run_id}")
-        command = device_command(netns_path(device.name), argv, device.cpuset, self.memory_mb)
         popen = start_group(
-            command,
+            in_netns(netns_path(device.name), argv),
             device.name,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=python_env(OMP_NUM_THREADS=str(device.threads)),
+            preexec_fn=self.groups[device.rank].join,
         )
         process = LocalProcess(popen, device.name)
         self.processes.append(process)
         return process
+
+    def pause(self, device: Device) -> None:
+        self.groups[device.rank].freeze()
+
+    def resume(self, device: Device) -> None:
+        self.groups[device.rank].thaw()
+
+    def out_of_memory(self, device: Device) -> bool:
+        groups = self.groups.get(device.rank)
+        return groups is not None and groups.oom_kills() > 0
 
     def stop(self) -> None:
         for process in self.processes:
@@ -252,6 +258,9 @@ class LocalBackend(Backend):
             except TimeoutError:
                 log.warning("%s (pid %d) survived SIGKILL", process.label, process.pid)
         self.processes = []
+        for groups in self.groups.values():
+            groups.remove()
+        self.groups = {}
         remove_namespaces(self.namespaces)
         self.namespaces = []
         if self.private_dir is not None:

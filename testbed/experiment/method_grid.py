@@ -48,6 +48,8 @@ def grid_size(data: Any) -> int:
         return 0
     devices, link, methods = data.get("devices"), data.get("link"), data.get("methods")
     counts = _length(devices.get("count")) if isinstance(devices, dict) else 1
+    if isinstance(devices, dict) and isinstance(devices.get("variants"), list):
+        counts *= max(1, len(devices["variants"]))
     rates = _length(link.get("bandwidth_mbit")) if isinstance(link, dict) else 1
     entries = methods if isinstance(methods, list) else []
     variants = sum(

@@ -11,7 +11,6 @@ mean" hint, and every error is a `ConfigError` naming the file and the field.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,11 @@ from testbed.errors import ConfigError
 from testbed.experiment.impairments import NAMES as IMPAIRMENTS
 from testbed.experiment.impairments import ImpairmentError, checked, impaired
 from testbed.experiment.strict import Strict, describe
-from testbed.experiment.yamlfile import load_yaml
+from testbed.experiment.yamlfile import load_yaml, named_file, names_in
 from testbed.source import PROFILES_DIR
 
 log = logging.getLogger(__name__)
 
-PROFILE_SUFFIX = ".yaml"
 LOSS_MODELS = {"loss_pct", "loss_gemodel", "loss_state"}  # a variant naming one replaces them
 
 
@@ -128,7 +126,7 @@ class LinkProfile(Strict):
 
 def available_profiles(directory: Path = PROFILES_DIR) -> list[str]:
     """Names of the profiles in `directory` (file names without `.yaml`), sorted."""
-    return sorted(path.stem for path in Path(directory).glob(f"*{PROFILE_SUFFIX}"))
+    return names_in(directory)
 
 
 def load_profile(name_or_path: str | Path, directory: Path = PROFILES_DIR) -> LinkProfile:
@@ -138,7 +136,7 @@ def load_profile(name_or_path: str | Path, directory: Path = PROFILES_DIR) -> Li
         ConfigError: unknown name (the message lists the available ones), unreadable or
             invalid YAML, or a field that fails validation (the message names file and field).
     """
-    path = _resolve(name_or_path, Path(directory))
+    path = named_file(name_or_path, Path(directory), "link profile")
     data = load_yaml(path, "link profile")
     if data is None:
         data = {}
@@ -157,27 +155,3 @@ def parse_profile(data: dict[str, Any], source: str = "<link profile>") -> LinkP
     except ValidationError as error:
         problems = describe(error, LinkProfile)
         raise ConfigError(f"{source}: invalid link profile: {problems}") from None
-
-
-def _resolve(name_or_path: str | Path, directory: Path) -> Path:
-    text = str(name_or_path)
-    looks_like_path = (
-        isinstance(name_or_path, Path) or "/" in text or text.endswith((".yaml", ".yml"))
-    )
-    if looks_like_path:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: link profile file not found")
-        return path
-    path = directory / f"{text}{PROFILE_SUFFIX}"
-    if path.is_file():
-        return path
-    names = available_profiles(directory)
-    hint = _did_you_mean(text, names)
-    listed = ", ".join(names) or "none"
-    raise ConfigError(f"unknown link profile '{text}'{hint}; available in {directory}: {listed}")
-
-
-def _did_you_mean(word: str, candidates: list[str]) -> str:
-    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f" (did you mean '{matches[0]}'?)" if matches else ""

@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from testbed.errors import ConfigError
+from testbed.experiment.devices_section import DevicesSection
 from testbed.experiment.link_section import LinkSection
 from testbed.experiment.method_grid import (
     MAX_TRIALS,
@@ -44,11 +45,11 @@ from testbed.experiment.method_grid import (
 )
 from testbed.experiment.names import check_slug
 from testbed.experiment.sections import SECTIONS, Section
-from testbed.experiment.strict import Strict, as_list, describe, distinct
+from testbed.experiment.strict import Strict, describe
+from testbed.experiment.timeline import Event, check_timeline
 from testbed.experiment.yamlfile import load_yaml
 from tracevq.config import known_model_name, model_config
 
-MAX_DEVICES = 254  # hosts of one /24: the local backend's network, whose bridge takes none
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -75,38 +76,6 @@ class ModelSection(Strict):
     seed: int = Field(0, ge=0, description="the seed of the random weights")
 
     _known = field_validator("name")(known_model_name)
-
-
-class DevicesSection(Strict):
-    """The devices: how many, and each one's share of the host."""
-
-    count: list[int] = Field(
-        default_factory=lambda: [2],
-        description="P, the device counts swept (a number or a list); devices start once per count",
-    )
-    cpus: float = Field(
-        1.0,
-        gt=0,
-        le=1024,
-        description="CPUs per device (pinned whole cores where the host has enough, else a "
-        "quota); at most the host's own",
-    )
-    memory_mb: int = Field(2048, ge=128, le=1_048_576, description="memory per device")
-    oversubscribe: bool = Field(
-        False,
-        description="let one device ask for more CPUs than the host has (then they share its "
-        "cores); devices that together ask for more are allowed anyway, and recorded as "
-        "oversubscribed",
-    )
-
-    _list = field_validator("count", mode="before")(as_list)
-
-    @field_validator("count")
-    @classmethod
-    def _in_range(cls, counts: list[int]) -> list[int]:
-        if not counts or any(not 1 <= c <= MAX_DEVICES for c in counts):
-            raise ValueError(f"every device count must be in 1..{MAX_DEVICES}, got {counts}")
-        return distinct(counts, "device count")
 
 
 class BundleSection(Strict):
@@ -208,6 +177,12 @@ class Experiment(Strict):
         le=MAX_TIMEOUT_S,
         description="per trial: a session gets this times its trials before its workers are killed",
     )
+    timeline: list[Event] = Field(
+        default_factory=list,
+        description="what happens to a device during every session: each event at_s (seconds "
+        "from the session's first measured inference) or at_inference, on a device, one of "
+        "speed, pause_s, leave, link (see Event below; docs/devices.md)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -251,7 +226,12 @@ class Experiment(Strict):
                 if self.bundle.path is None:  # a given bundle's tree is checked when loaded
                     check_level(variant, index)
         _check_devices_fit(self.devices.count, self.model.name)
-        _check_ranks(self.link, max(self.devices.count))
+        most = max(self.devices.count)
+        _check_ranks({f"link.{f}": r for f, r in self.link.ranks_named().items()}, most)
+        _check_ranks(self.devices.ranks_named(), most)
+        _check_partitions(self.devices, self.model.name)
+        inferences = self.repeats if self.evaluation is None else None  # batches: not known
+        check_timeline(self.timeline, most, inferences, self.timeout_s)
         return self
 
     def method_variants(self) -> list[dict[str, Any]]:
@@ -291,14 +271,32 @@ def _check_devices_fit(counts: list[int], model: str) -> None:
         )
 
 
-def _check_ranks(link: LinkSection, most_devices: int) -> None:
-    """Every device a per-device rate names is in the largest trial."""
-    for field, ranks in link.ranks_named().items():
+def _check_ranks(named: dict[str, list[int]], most_devices: int) -> None:
+    """Every device a per-device field names (field -> ranks) is in the largest trial."""
+    for field, ranks in named.items():
         missing = [rank for rank in ranks if rank >= most_devices]
         if missing:
             raise ValueError(
-                f"link.{field}: device {missing[0]} does not exist: devices.count is at most "
+                f"{field}: device {missing[0]} does not exist: devices.count is at most "
                 f"{most_devices} (ranks 0..{most_devices - 1})"
+            )
+
+
+def _check_partitions(devices: DevicesSection, model: str) -> None:
+    """A partition given as token counts fits the one device count and the model's tokens."""
+    tokens = model_config(model).tokens
+    for variant in [devices, *(devices.variants or [])]:
+        sizes = variant.partition
+        if not isinstance(sizes, list):
+            continue
+        if devices.count != [len(sizes)]:
+            raise ValueError(
+                f"devices.partition: {len(sizes)} token counts, but devices.count is "
+                f"{devices.count}: a partition given by rank is for one device count"
+            )
+        if sum(sizes) != tokens:
+            raise ValueError(
+                f"devices.partition: {sizes} holds {sum(sizes)} tokens, {model} has {tokens}"
             )
 
 

@@ -102,25 +102,33 @@ class Event(Strict):
         return next(kind for kind in KINDS if getattr(self, kind) is not None)
 
     @property
+    def kind_name(self) -> str:
+        """speed, pause, leave or link."""
+        return self.kind.removesuffix("_s")
+
+    @property
     def when(self) -> str:
         return f"{self.at_s:g} s" if self.at_s is not None else f"inference {self.at_inference}"
 
     def label(self) -> str:
         """E.g. `speed d1=0.5 at 2 s`, `pause d0 0.3 s at inference 4`."""
-        what = {
-            "speed": f"speed d{self.device}={self.speed:g}",
-            "pause_s": f"pause d{self.device} {self.pause_s:g} s",
-            "leave": f"leave d{self.device}",
-            "link": f"link d{self.device} "
-            + ",".join(f"{k}={v}" for k, v in sorted((self.link or {}).items())),
-        }[self.kind]
+        d = f"d{self.device}"
+        if self.kind == "speed":
+            what = f"speed {d}={self.speed:g}"
+        elif self.kind == "pause_s":
+            what = f"pause {d} {self.pause_s:g} s"
+        elif self.kind == "leave":
+            what = f"leave {d}"
+        else:
+            what = f"link {d} " + ",".join(f"{k}={v}" for k, v in sorted(self.link.items()))
         return f"{what} at {self.when}"
 
 
 def check_timeline(
-    events: list[Event], most_devices: int, inferences: int, timeout_s: float
+    events: list[Event], most_devices: int, inferences: int | None, timeout_s: float
 ) -> None:
-    """What depends on the rest of the experiment; ValueError names the event's index."""
+    """What depends on the rest of the experiment (`inferences`: per trial, None where the
+    evaluation's batches decide); ValueError names the event's index."""
     for index, event in enumerate(events):
         where = f"timeline[{index}]"
         if event.device >= most_devices:
@@ -128,7 +136,8 @@ def check_timeline(
                 f"{where}.device: device {event.device} does not exist: devices.count is at most "
                 f"{most_devices} (ranks 0..{most_devices - 1})"
             )
-        if event.at_inference is not None and event.at_inference >= inferences:
+        late = inferences is not None and event.at_inference is not None
+        if late and event.at_inference >= inferences:
             raise ValueError(
                 f"{where}.at_inference: {event.at_inference} is past the session: each trial "
                 f"measures {inferences} inferences (0..{inferences - 1})"

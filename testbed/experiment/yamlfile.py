@@ -9,6 +9,7 @@ the line and column when known, and what is wrong. Aliases are kept as shared re
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,28 @@ def load_yaml(path: str | Path, what: str) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {describe_yaml_error(error)}") from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply (over Python's recursion limit)") from None
+
+
+def names_in(directory: Path) -> list[str]:
+    """The names of the YAML files in `directory` (without `.yaml`), sorted."""
+    return sorted(path.stem for path in Path(directory).glob("*.yaml"))
+
+
+def named_file(name_or_path: str | Path, directory: Path, what: str) -> Path:
+    """A file given by name (`directory/<name>.yaml`) or by path (a `/` or a `.yaml` or
+    `.yml` suffix says which). Raises ConfigError naming `what`: a missing file, or an unknown
+    name with the nearest one and every available name."""
+    text = str(name_or_path)
+    if isinstance(name_or_path, Path) or "/" in text or text.endswith((".yaml", ".yml")):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: {what} file not found")
+        return path
+    path = directory / f"{text}.yaml"
+    if path.is_file():
+        return path
+    names = names_in(directory)
+    matches = difflib.get_close_matches(text, names, n=1, cutoff=0.6)
+    hint = f" (did you mean '{matches[0]}'?)" if matches else ""
+    listed = ", ".join(names) or "none"
+    raise ConfigError(f"unknown {what} '{text}'{hint}; available in {directory}: {listed}")

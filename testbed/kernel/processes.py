@@ -82,8 +82,8 @@ def start_group(argv: Sequence[str], label: str, **popen: Any) -> subprocess.Pop
     return subprocess.Popen(list(argv), start_new_session=True, **popen)
 
 
-def kill_group(pid: int, label: str) -> None:
-    """SIGKILL to the process group led by `pid`, also when its leader has already ended."""
-    log.debug("kill -KILL -%d (%s)", pid, label)
+def kill_group(pid: int, label: str, sig: int = signal.SIGKILL) -> None:
+    """`sig` (SIGKILL) to the process group led by `pid`, also when its leader has ended."""
+    log.debug("kill -%d -%d (%s)", sig, pid, label)
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pid, sig)

@@ -15,6 +15,7 @@ off its target is flagged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -208,6 +209,25 @@ class Links:
         if changed:
             self.emulator.impair(rates, step)
         return {rank: self._words(rank)[0] for rank in range(rates.devices)}
+
+    def set_device(self, rank: int, change: dict[str, object]) -> str:
+        """One device's uplink from now on (a timeline's link event): `rate_mbit`, changed in
+        place like a trace's step, and netem's parameters laid over its uplink. Returns the
+        uplink's impairments as netem's words. The links must have been `shape`d."""
+        if self.rates is None:
+            raise ShapingError("links: set_device before shape (a link is shaped once first)")
+        impairments = {k: v for k, v in change.items() if k != "rate_mbit"}
+        rate = change.get("rate_mbit")
+        if isinstance(rate, int | float):
+            uplinks = list(self.rates.uplink_mbit)
+            uplinks[rank] = float(rate)
+            self.rates = dataclasses.replace(self.rates, uplink_mbit=tuple(uplinks))
+            self.emulator.set_rates(self.rates, in_place=True)
+        if impairments:
+            laid = self.emulator.uplinks.get(rank, self.profile).with_impairments(impairments)
+            self.emulator.uplinks[rank] = laid
+            self.emulator.impair(self.rates, step=1 + len(self.emulator.seeds))
+        return self._words(rank)[0]
 
     def _words(self, rank: int) -> tuple[str, float]:
         """The rank's uplink impairments as netem's words, and its one-way delay."""

@@ -183,14 +183,32 @@ CONTEXT = _table(
                                                   seeds (testbed.experiment.level_accuracy);
                                                   empty for other methods
     batch                        Int64    -       inputs per inference
-    cpus                         float64  -       CPU allotment per device
+    cpus                         float64  -       this device's CPU allotment
+    memory_mb                    Int64    MB      this device's memory limit
     threads                      Int64    -       the worker's torch threads
+    fleet                        string   -       the fleet variant of the session
+                                                  (devices.variants, e.g. speed1=0.5,by_speed);
+                                                  empty without variants
+    partition                    string   -       every device's tokens in rank order (131-66):
+                                                  the partition in force
+    tokens                       Int64    -       this device's tokens (CLS on device 0)
+    device_speed                 float64  -       this device's speed when the inference started,
+                                                  a fraction of its cores' own (1: full speed;
+                                                  docs/devices.md)
+    device_gflops                float64  GFLOP/s this device's GEMM rate in force: its rate
+                                                  measured when the devices started (the model's
+                                                  products, all its cores) x device_speed
+    events                       string   -       the timeline's events that acted on the
+                                                  session while this inference ran, or before
+                                                  and still in force (speed, link), each as
+                                                  `leave d1 at 2 s`, joined by '; '
     oversubscribed               boolean  -       devices x cpus exceed the host's cores
     session_s                    float64  s       wall time of the session's workers (start to last
                                                   exit: loading, handshake, warm-ups and every trial
                                                   of the session)
     status                       string   -       ok, or failed
-    error                        string   -       the first line of the failing worker's error
+    error                        string   -       the first line of the failing worker's error,
+                                                  or the timeline event a failed inference follows
 """
 )
 

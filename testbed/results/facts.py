@@ -38,6 +38,12 @@ class PlanRow:
     analytic_comm_ms: float
     analytic_comm_ms_paper: float
     analytic_delay_ms: float
+    fleet: str = ""  # the fleet variant's label (devices.variants); empty without variants
+    partition: str = ""  # every device's tokens, "131-66"
+    tokens: int = 0  # this device's
+    cpus: float = 1.0
+    memory_mb: int = 0
+    device_speed: float = 1.0  # at the session's start (a measured row: when its inference began)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,13 +55,14 @@ class RunFacts:
     backend: str
     emulator: str
     batch: int
-    cpus: float
-    threads: int
+    threads: dict[int, int]  # the workers' torch threads, by rank
     oversubscribed: bool
     trace: str = ""  # the replayed trace's name, or empty
     # the devices read one kernel's clock (containers, namespaces): no offset to apply, and
     # the handshake's estimate would be off by half of any asymmetry in the delays
     shared_clock: bool = False
+    # each device's GEMM rate at full speed when the devices started (GFLOP/s), by rank
+    gflops: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,33 @@ class HostSessionFacts:
     # reordered) sorted; None where the emulator does not draw them itself
     events: list[tuple[int, str]] | None = None
     replay: TraceReplay | None = None  # the trace played on the links during the session
+    timeline: list[AppliedEvent] | None = None  # the experiment's timeline as it was applied
+
+
+@dataclass
+class AppliedEvent:
+    """An event of the timeline as a session applied it (testbed.sweep.timeline); times are
+    CLOCK_REALTIME ns, the clock of the workers' records on this host."""
+
+    index: int  # its place in the experiment's timeline
+    kind: str  # speed, pause, leave or link
+    device: int
+    label: str  # e.g. "pause d1 0.5 s at 2 s"
+    asked_ns: int | None = None  # when it was due
+    applied_ns: int | None = None  # when it was in force; None: the session ended before
+    ended_ns: int | None = None  # a pause thawed, a speed or link changed again; None: in force
+    due_end_ns: int = 0  # a pause's planned end
+    detail: str = ""  # a link event's uplink as netem's words
+
+    @property
+    def delay_ms(self) -> float:
+        """How long after its time it was in force."""
+        if self.applied_ns is None or self.asked_ns is None:
+            return float("nan")
+        return (self.applied_ns - self.asked_ns) / 1e6
+
+    def overlaps(self, start_ns: int, end_ns: int) -> bool:
+        """Whether it acted during [start_ns, end_ns] (or before it and is still in force)."""
+        if self.applied_ns is None or self.applied_ns > end_ns:
+            return False
+        return self.ended_ns is None or self.ended_ns >= start_ns

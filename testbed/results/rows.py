@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ import pandas as pd
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
 from testbed.link.links import LinkState
 from testbed.link.wire import tcp_frame_bytes, wire_time_s
-from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
+from testbed.results.facts import AppliedEvent, HostSessionFacts, PlanRow, RunFacts
 from testbed.units import BIT_PER_MBIT
 
 if TYPE_CHECKING:
@@ -109,10 +110,16 @@ class RowFacts:
 
 
 def assemble(
-    facts: RowFacts, records: dict[int, DeviceRecords] | None, error: str = ""
+    facts: RowFacts,
+    records: dict[int, DeviceRecords] | None,
+    error: str = "",
+    unfinished: Sequence[int] = (),
+    unfinished_error: str = "",
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """A trial's rows (trials, layers): from `records`, each rank's records of this trial's run
     only, or, where the trial failed (`records` None), one failed row per rank saying `error`.
+    `unfinished`: inferences the session did not finish (a device left on the timeline), a
+    failed row per rank each, saying `unfinished_error`.
 
     Over a replayed trace (`facts.session.replay`) an inference's `link_rate_mbit` is the step
     applied by its start: the devices' clocks are the host's, except on ssh boards, whose
@@ -124,7 +131,12 @@ def assemble(
             for columns in known.values()
         ]
         return frame(_with_accuracy(rows, facts), TRIAL_COLUMNS), frame([], LAYER_COLUMNS)
-    trials, layers = _measured_rows(known, records, facts.session, facts.run.shared_clock)
+    trials, layers = _measured_rows(known, records, facts)
+    for index in unfinished:
+        trials += [
+            {**columns, "repeat": index, "status": "failed", "error": unfinished_error}
+            for columns in known.values()
+        ]
     return frame(_with_accuracy(trials, facts), TRIAL_COLUMNS), frame(layers, LAYER_COLUMNS)
 
 
@@ -138,8 +150,8 @@ def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
         "backend": run.backend,
         "emulator": run.emulator,
         "batch": run.batch,
-        "cpus": run.cpus,
-        "threads": run.threads,
+        "threads": run.threads.get(rank),
+        "device_gflops": _gflops(run, rank, plan.device_speed),
         "oversubscribed": run.oversubscribed,
         "trace": run.trace,
         "uplink_mbit": link.uplink_mbit.get(rank, link.rate_mbit),
@@ -156,6 +168,12 @@ def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
     }
 
 
+def _gflops(run: RunFacts, rank: int, speed: float) -> float | None:
+    """The device's GEMM rate at `speed`: its rate measured at the start, scaled."""
+    raw = run.gflops.get(rank)
+    return None if raw is None else raw * speed
+
+
 def _with_accuracy(rows: list[dict[str, Any]], facts: RowFacts) -> list[dict[str, Any]]:
     """Each row with the study's top-1 at the level it used (`level_accuracy_pct`)."""
     table = facts.level_accuracy
@@ -169,20 +187,18 @@ def _with_accuracy(rows: list[dict[str, Any]], facts: RowFacts) -> list[dict[str
 
 
 def _measured_rows(
-    known: dict[int, dict[str, Any]],
-    records: dict[int, DeviceRecords],
-    session: HostSessionFacts,
-    shared_clock: bool,
+    known: dict[int, dict[str, Any]], records: dict[int, DeviceRecords], facts: RowFacts
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    timeline = Timeline(records, shared_clock)
+    session, run = facts.session, facts.run
+    timeline = Timeline(records, run.shared_clock)
     ranks = sorted(records)
     replay = session.replay
     trials, layers = [], []
     for rank in ranks:
-        device, facts = records[rank], known[rank]
+        device, columns = records[rank], known[rank]
         peers = [p for p in ranks if p != rank]
         context = {
-            **facts,
+            **columns,
             "rank": rank,
             "clock_offset_ms": timeline.offset_ns[rank] / 1e6,
             "clock_uncertainty_ms": (
@@ -203,7 +219,7 @@ def _measured_rows(
             layers.append(row)
         for record in device.inferences:
             if replay is None:
-                link = {"link_rate_mbit": facts["bandwidth_mbit"]}
+                link = {"link_rate_mbit": columns["bandwidth_mbit"]}
             else:
                 link = {
                     "link_rate_mbit": replay.rate_at_ns(record.start_ns),
@@ -230,11 +246,19 @@ def _measured_rows(
                     "compute_ms": record.compute_ms,
                     "wait_ms": record.wait_ms,
                     "correct": record.correct,
+                    "device_speed": record.speed,
+                    "device_gflops": _gflops(run, rank, record.speed),
+                    "events": events_in_force(session.timeline, record.start_ns, record.end_ns),
                     "status": "ok",
                     "error": "",
                 }
             )
     return trials, layers
+
+
+def events_in_force(applied: list[AppliedEvent] | None, start_ns: int, end_ns: int) -> str:
+    """The timeline's events that acted during [start_ns, end_ns] or were still in force."""
+    return "; ".join(a.label for a in applied or [] if a.overlaps(start_ns, end_ns))
 
 
 IMPAIRMENT_COLUMNS = {

@@ -2,8 +2,13 @@
 
 Order: device count (devices start once per count), then bandwidth (the link is reshaped
 between bandwidths, not restarted), then impairment variant (`link.impairments`, laid over
-the profile), then method. A trial is one method at one device count, bandwidth and
-impairment variant; the trials that share the first three run in one worker session.
+the profile), then fleet variant (`devices.variants`: speeds and partition), then method. A
+trial is one method at one device count, bandwidth, impairment and fleet variant; the trials
+that share the first four run in one worker session.
+
+A trial's partition follows its fleet (testbed.experiment.fleet); `by_speed` here weighs the
+devices by their speeds alone, and the runner again with the devices' measured rates, whose
+rows then say the partition in force.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.errors import ConfigError
+from testbed.experiment.devices_section import FleetVariant
+from testbed.experiment.fleet import Fleet, fleet_variant_keys, resolve_fleet
 from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.level_accuracy import load_level_accuracy, resolve_accuracy_floor
 from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
@@ -40,6 +47,7 @@ class Trial:
     method: str
     params: tuple[tuple[str, Any], ...] = field(default=())
     impairment: str = ""  # a variant of link.impairments as canonical JSON; empty: the profile's
+    fleet: str = ""  # a variant of devices.variants as canonical JSON; empty: none
 
     @property
     def method_params(self) -> dict[str, Any]:
@@ -57,12 +65,20 @@ class Trial:
         parts.append(f"{_short(self.bandwidth_mbit)}mbit")
         if self.impairment:
             parts.append(impairment_label(self.impairments))
+        if self.fleet:
+            parts.append(fleet_label(self.fleet))
         return "-".join(parts).replace("_", "")
 
     @property
     def impairments(self) -> dict[str, Any]:
         """The impairment variant laid over the profile (empty: none)."""
         return json.loads(self.impairment) if self.impairment else {}
+
+
+def fleet_label(key: str) -> str:
+    """A fleet variant in a trial's name: {"speed": {"1": 0.5}} -> "speed1=0.5"."""
+    label = FleetVariant.model_validate(json.loads(key)).label() if key else ""
+    return label.replace("=", "").replace(",", "-").replace("_", "") or "fleet"
 
 
 def impairment_label(variant: dict[str, Any]) -> str:
@@ -146,14 +162,18 @@ def plan_trials(experiment: Experiment) -> list[Trial]:
     variants = experiment.method_variants()
     floors = any("level_min_accuracy" in variant for variant in variants)
     table = load_level_accuracy(experiment) if floors else None
+    fleets = fleet_variant_keys(experiment.devices)
     for count in experiment.devices.count:
         resolved = [resolve_accuracy_floor(variant, count, table) for variant in variants]
         for rate in link_rates(experiment.link):
             for impairment in impairment_variants(experiment.link):
-                for variant in resolved:
-                    params = tuple((k, v) for k, v in variant.items() if k != "name")
-                    name = variant["name"]
-                    trials.append(Trial(experiment.name, count, rate, name, params, impairment))
+                for fleet in fleets:
+                    for variant in resolved:
+                        params = tuple((k, v) for k, v in variant.items() if k != "name")
+                        trial = Trial(
+                            experiment.name, count, rate, variant["name"], params, impairment, fleet
+                        )
+                        trials.append(trial)
     return trials
 
 
@@ -177,16 +197,30 @@ def analytic_comm_ms(
     return 1000.0 * bits_per_layer * messages * copies / (rate_mbit * megabit)
 
 
-def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
-    """One row per trial and rank: the identifying columns and the analytic payload."""
+def trial_fleet(experiment: Experiment, trial: Trial, host_gflops: float | None) -> Fleet:
+    """The trial's devices: their CPUs, memory, speeds and the partition asked for."""
+    return resolve_fleet(experiment.devices, trial.devices, trial.fleet, host_gflops)
+
+
+def plan_rows(
+    experiment: Experiment,
+    trials: list[Trial],
+    host_gflops: float | None = None,
+    gflops: dict[int, float] | None = None,
+) -> list[PlanRow]:
+    """One row per trial and rank: the identifying columns, the device and its share of the
+    tokens, and the analytic payload. `host_gflops`: this host's core rate (for speeds given
+    as rates); `gflops`: the devices' measured rates (by_speed weighs them; equal without)."""
     config = model_config(experiment.model.name)
     rows = []
     paths = PathImpairments.of(experiment.link)
     for trial in trials:
         delays = {r: p.delay_ms for r, p in device_profiles(experiment, trial).items()}
         spec = trial.spec
+        fleet = trial_fleet(experiment, trial, host_gflops)
+        sizes = fleet.sizes(config.tokens, gflops)
         bits = payload_bits(
-            config, trial.method, trial.devices, experiment.batch, **trial.method_params
+            config, trial.method, trial.devices, experiment.batch, sizes, **trial.method_params
         )
         messages = exchanges(spec, config.depth)  # Trace's "A" placements: no block-0 message
         for rank, rank_bits in enumerate(bits):
@@ -216,6 +250,12 @@ def plan_rows(experiment: Experiment, trials: list[Trial]) -> list[PlanRow]:
                     analytic_comm_ms=comm_ms(),
                     analytic_comm_ms_paper=comm_ms(PAPER_MEGABIT),
                     analytic_delay_ms=messages * delay_ms,
+                    fleet=fleet.label,
+                    partition="-".join(map(str, sizes)),
+                    tokens=sizes[rank],
+                    cpus=fleet.shares[rank].cpus,
+                    memory_mb=fleet.shares[rank].memory_mb,
+                    device_speed=fleet.shares[rank].speed,
                 )
             )
     return rows

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from testbed.backends.base import Backend
 from testbed.backends.table import backend_class
 from testbed.errors import ConfigError
+from testbed.experiment.fleet import resources
 from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.level_accuracy import check_covered, load_level_accuracy
 from testbed.experiment.method_grid import FITTED_BRANCHING, variant_spec
@@ -26,6 +27,7 @@ from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
 from testbed.link.emulators import emulator_class
 from testbed.link.paths import PathImpairments
+from testbed.sweep.fleets import check_fleets
 from testbed.sweep.plan import (
     Trial,
     device_profiles,
@@ -48,6 +50,7 @@ class Checked:
     profile: LinkProfile
     backend: type[Backend]
     emulator: type[Emulator]
+    host_gflops: float | None = None  # this host's core rate, where a device's speed needs it
 
 
 def check_experiment(experiment: Experiment, backend_name: str, source: str) -> Checked:
@@ -60,6 +63,7 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
     bundle = _check_bundle(experiment, source)
     _check_level_accuracy(experiment, bundle, source)
     _check_cpus(experiment, backend, source)
+    host_gflops = check_fleets(experiment, source)
     emulator = _emulator(experiment, backend, source)
     profile = _profile(experiment, source)
     paths = PathImpairments.of(experiment.link)
@@ -68,7 +72,7 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
         if refused is not None:
             field = field if refused.field == "link.profile" else refused.field
             raise ConfigError(f"{source}: {field}: {refused.why}")
-    return Checked(profile, backend, emulator)
+    return Checked(profile, backend, emulator, host_gflops)
 
 
 def _variants(
@@ -219,12 +223,20 @@ def _check_cpus(experiment: Experiment, backend: type[Backend], source: str) -> 
     that together ask for more are allowed and recorded as `oversubscribed`, as before. Boards
     (ssh) have cores of their own."""
     devices = experiment.devices
-    if not backend.on_this_host or devices.oversubscribe or devices.cpus <= host_cpus():
+    if not backend.on_this_host or devices.oversubscribe:
         return
-    raise ConfigError(
-        f"{source}: devices.cpus: {devices.cpus:g} CPUs per device, but this host has "
-        f"{host_cpus()}; at most {host_cpus()}, or say devices: {{oversubscribe: true}}"
-    )
+    for rank in range(max(devices.count)):
+        try:
+            cpus, _ = resources(devices, rank)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {error}") from None
+        if cpus <= host_cpus():
+            continue
+        whose = "per device" if not isinstance(devices.cpus, dict) else f"for device {rank}"
+        raise ConfigError(
+            f"{source}: devices.cpus: {cpus:g} CPUs {whose}, but this host has "
+            f"{host_cpus()}; at most {host_cpus()}, or say devices: {{oversubscribe: true}}"
+        )
 
 
 def _emulator(experiment: Experiment, backend: type[Backend], source: str) -> type[Emulator]:

@@ -9,6 +9,7 @@ removes what it created (containers, networks, namespaces, qdiscs) on the way ou
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import secrets
@@ -20,7 +21,7 @@ import pandas as pd
 import yaml
 
 from testbed import voice
-from testbed.backends.base import Backend, Device, DeviceSpec
+from testbed.backends.base import Backend, Device
 from testbed.errors import StorageError
 from testbed.experiment.level_accuracy import load_level_accuracy
 from testbed.experiment.schema import Experiment
@@ -29,7 +30,7 @@ from testbed.link.links import Links, LinkState
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
-from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
+from testbed.results.facts import AppliedEvent, HostSessionFacts, PlanRow, RunFacts
 from testbed.results.rows import RowFacts, assemble
 from testbed.results.store import (
     combine,
@@ -39,12 +40,13 @@ from testbed.results.store import (
     write_frame,
     write_text,
 )
-from testbed.sweep import environment, interrupts
+from testbed.sweep import environment, fleets, interrupts
 from testbed.sweep.bundles import RunFiles, prepare_run_files
 from testbed.sweep.lock import RunLock
 from testbed.sweep.plan import (
     Trial,
     device_profiles,
+    fleet_label,
     impairment_label,
     link_profile,
     link_trace,
@@ -87,9 +89,10 @@ def prepare_run_dir(
     run_dir: Path,
     trials: list[Trial],
     rows: list[PlanRow] | None = None,
+    host_gflops: float | None = None,
 ) -> PlanRows:
     """Write the resolved experiment and the plan; the plan's rows by (trial id, rank)."""
-    rows = plan_rows(experiment, trials) if rows is None else rows
+    rows = plan_rows(experiment, trials, host_gflops) if rows is None else rows
     run_dir.mkdir(parents=True, exist_ok=True)
     config = experiment.model_dump(mode="json")
     write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
@@ -105,12 +108,13 @@ class Runner:
         # everything is checked before any device starts (testbed.run did it already)
         checked = check_experiment(experiment, backend_name, f"experiment {experiment.name}")
         self.profile, self.backend = checked.profile, checked.backend
-        self.emulator = checked.emulator
+        self.emulator, self.host_gflops = checked.emulator, checked.host_gflops
         link = experiment.link
         self.trace = None if link.trace is None else link_trace(link)
         self.level_accuracy = load_level_accuracy(experiment)  # None without report.level_accuracy
         self.sessions = 0  # sessions started: each gets its own worker port
         self.start_s: dict[int, float] = {}  # by device count: how long starting them took
+        self.gflops: dict[int, float] = {}  # the started devices' GEMM rates, by rank
 
     def run(self, resume: bool = False) -> RunOutcome:
         """Runs every trial (those without results, when resuming) holding the run's lock."""
@@ -118,7 +122,9 @@ class Runner:
             return self._run(resume)
 
     def _run(self, resume: bool) -> RunOutcome:
-        plan = prepare_run_dir(self.experiment, self.run_dir, self.trials)
+        plan = prepare_run_dir(
+            self.experiment, self.run_dir, self.trials, host_gflops=self.host_gflops
+        )
         if self.level_accuracy is not None:
             write_frame(self.level_accuracy.frame(), self.run_dir / "level_accuracy.csv")
         done = finished_trials(self.run_dir) if resume else set()
@@ -146,13 +152,13 @@ class Runner:
 
     def _link_times(
         self, trials: list[Trial], plan: PlanRows, files: RunFiles
-    ) -> dict[tuple[int, float, str], tuple[int, float]]:
+    ) -> dict[tuple[int, float, str, str], tuple[int, float]]:
         """Per session (device count, rate, impairment): its trials and its analytic link time
         (s: serialisation and delay)."""
         inferences = self.experiment.warmup + (files.batches or self.experiment.repeats)
-        sessions: dict[tuple[int, float, str], tuple[int, float]] = {}
+        sessions: dict[tuple[int, float, str, str], tuple[int, float]] = {}
         for trial in trials:
-            key = (trial.devices, trial.bandwidth_mbit, trial.impairment)
+            key = (trial.devices, trial.bandwidth_mbit, trial.impairment, trial.fleet)
             rows = [plan[(trial.trial_id, rank)] for rank in range(trial.devices)]
             slowest = max(row.analytic_comm_ms + row.analytic_delay_ms for row in rows)
             count, link_s = sessions.get(key, (0, 0.0))
@@ -168,37 +174,40 @@ class Runner:
         outcome: RunOutcome,
         progress: TrialProgress,
     ) -> None:
-        devices = self.experiment.devices
+        spec = fleets.device_spec(self.experiment, count)
         with self.backend.create(self.run_id, self.run_dir, self.experiment) as backend:
-            doing = (
-                f"starting {count} {backend.name} devices "
-                f"({devices.cpus:g} CPU, {devices.memory_mb} MB each)"
-            )
+            doing = f"starting {count} {backend.name} devices ({fleets.describe(spec)})"
             backend.prepare()
             began = time.monotonic()
             with voice.phase(f"devices P={count}", doing):
-                backend.start(DeviceSpec(count, devices.cpus, devices.memory_mb))
+                backend.start(spec)
             self.start_s[count] = time.monotonic() - began
+            model = self.experiment.model.name
+            self.gflops = fleets.measure_devices(backend, backend.devices, model)
             overrides = rate_overrides(self.experiment.link)
             paths = PathImpairments.of(self.experiment.link)
             with Links(
                 backend, self.profile, self.emulator, self.run_id, overrides, paths
             ) as links:
                 self._write_environment(backend, links.devices, count)
-                by_link = itertools.groupby(trials, key=lambda t: (t.bandwidth_mbit, t.impairment))
+                by_link = itertools.groupby(
+                    trials, key=lambda t: (t.bandwidth_mbit, t.impairment, t.fleet)
+                )
                 lost = ""  # a device or the emulator died: these devices run no more sessions
-                for (rate, impairment), grouped in by_link:
+                for (rate, impairment, fleet), grouped in by_link:
                     group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
                     if self.trace is not None:
                         what = f"P={count} trace {self.trace.name} (mean {rate:g} Mbit/s)"
                     if impairment:
                         what += f" {impairment_label(group[0].impairments)}"
+                    if fleet:
+                        what += f" {fleet_label(fleet)}"
                     interrupts.check()
                     if lost:
                         self._record_unrun(backend, group, plan, rate, f"not run: {lost}", outcome)
-                        progress.skip((count, rate, impairment), what, "NOT RUN")
+                        progress.skip((count, rate, impairment, fleet), what, "NOT RUN")
                         continue
-                    progress.start((count, rate, impairment), what)
+                    progress.start((count, rate, impairment, fleet), what)
                     # a trace's link is shaped and probed at its first step
                     shaped = rate if self.trace is None else self.trace.rates_mbit[0]
                     profile = link_profile(self.experiment, group[0])
@@ -207,9 +216,8 @@ class Runner:
                     self._save_link(link, count, group[0])
                     voice.say(f"{what}: {self.emulator.name} link, {_probed(link, count)}")
                     result = self._run_session(links, group, plan, files, link, outcome)
-                    progress.finish(
-                        (count, rate, impairment), what, "ok" if result.ok else "FAILED"
-                    )
+                    said = "ok" if result.ok else ("ENDED EARLY" if result.left else "FAILED")
+                    progress.finish((count, rate, impairment, fleet), what, said)
                     lost = result.lost
                     interrupts.check()
 
@@ -231,6 +239,15 @@ class Runner:
         port = WORKER_PORT + self.sessions % 1000
         self.sessions += 1
         replay = None if self.trace is None else TraceReplay(links.set_rate, self.trace)
+        outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
+        live = {rank: backend.live_output(backend.devices[rank], out) for rank, out in outs.items()}
+        fleet, session = fleets.session_fleet(
+            self.experiment, trials, directory, self.host_gflops, self.gflops, live
+        )
+        session.set_link = links.set_device
+        if fleet.partition == "by_speed":  # the measured rates may move a token or two
+            rows = plan_rows(self.experiment, trials, self.host_gflops, self.gflops)
+            plan = {**plan, **{(row.trial_id, row.rank): row for row in rows}}
         result = run_session(
             backend,
             self.experiment,
@@ -243,6 +260,7 @@ class Runner:
             replay,
             links.gone,
             links.devices,
+            session,
         )
         if replay is not None:
             self._save_replay(replay, name)
@@ -251,14 +269,20 @@ class Runner:
             ranks = {rank: plan[(trial.trial_id, rank)] for rank in range(trial.devices)}
             facts = RowFacts(ranks, run, link, result.facts, self.level_accuracy)
             records, error = result.records(trial.trial_id)
-            save_trial(self.run_dir, trial.trial_id, *assemble(facts, records, error))
+            unfinished = result.unfinished.get(trial.trial_id, [])
+            rows = assemble(facts, records, error, unfinished, result.left)
+            save_trial(self.run_dir, trial.trial_id, *rows)
             if error:
                 outcome.failed += 1
                 outcome.failures.append(f"{trial.trial_id}: {error}")
             else:
                 outcome.ok += 1
-        if not result.ok:
+        if result.left:
+            voice.say(f"session {name} ended early: {result.left}")
+        elif not result.ok:
             voice.say(f"session {name} failed: {result.error}")
+        if result.facts.timeline:
+            self._save_timeline(result.facts.timeline, name)
         combine(self.run_dir)
         return result
 
@@ -268,11 +292,11 @@ class Runner:
             backend=backend.name,
             emulator=self.emulator.name,
             batch=self.experiment.batch,
-            cpus=self.experiment.devices.cpus,
-            threads=backend.devices[0].threads,
+            threads={d.rank: d.threads for d in backend.devices},
             oversubscribed=backend.oversubscribed,
             trace="" if self.trace is None else self.trace.name,
             shared_clock=type(backend).on_this_host,
+            gflops=dict(self.gflops),
         )
 
     def _record_unrun(
@@ -307,7 +331,10 @@ class Runner:
             "cpusets": cpus.cpusets if cpus else None,
             "oversubscribed": backend.oversubscribed,
             "devices": [d.__dict__ for d in devices],
+            "gflops": self.gflops,
         }
+        if self.host_gflops is not None:
+            facts["host_core_gflops"] = self.host_gflops
         write_text(path, json.dumps(facts, indent=2, default=str))
 
     def _save_replay(self, replay: TraceReplay, session: str) -> None:
@@ -322,6 +349,12 @@ class Runner:
             "applied_words": replay.applied_words,
         }
         write_text(self.run_dir / "sessions" / session / "replay.json", json.dumps(steps))
+
+    def _save_timeline(self, applied: list[AppliedEvent], session: str) -> None:
+        """When each event of the timeline was due and in force (CLOCK_REALTIME ns)."""
+        events = [dataclasses.asdict(event) for event in applied]
+        path = self.run_dir / "sessions" / session / "timeline.json"
+        write_text(path, json.dumps(events, indent=1))
 
     def _save_link(self, link: LinkState, count: int, trial: Trial) -> None:
         path = self.run_dir / "links" / f"{session_id(trial)}.json"

@@ -6,7 +6,9 @@ runs; the spec names the backend's run secret file, never the secret: see
 back what each wrote (`devices.records`). Within the session the workers run one inference of
 each trial in turn, so a slow minute of the shared host falls on every method alike and the
 model is loaded once. A worker that fails fails every trial of its session (their rows say
-why and the workers' logs are kept); the sweep goes on with the next session.
+why and the workers' logs are kept); the sweep goes on with the next session. A device that
+leaves on the timeline (testbed.sweep.timeline) ends the session too, but the inferences
+every device finished before are kept, and only the rest fail, naming the event.
 
     <run dir>/sessions/<session id>/rank<r>/   spec.json, session.json, records.jsonl, logits/
     <run dir>/sessions/<session id>/rank<r>.log
@@ -23,16 +25,17 @@ from pathlib import Path
 
 from devices.records import DeviceRecords, read_records
 from devices.spec import MethodRun, RunSpec
-from testbed.backends.base import Backend, Device, ExecResult
+from testbed.backends.base import Backend, Device, ExecResult, Process
 from testbed.errors import TestbedError
 from testbed.experiment.schema import Experiment
 from testbed.link.emulator import LinkCounters
 from testbed.link.links import LinkState
 from testbed.link.replay import TraceReplay
-from testbed.results.facts import HostSessionFacts
+from testbed.results.facts import AppliedEvent, HostSessionFacts
 from testbed.results.store import write_text
 from testbed.sweep.bundles import RunFiles
-from testbed.sweep.plan import Trial, impairment_label
+from testbed.sweep.plan import Trial, fleet_label, impairment_label
+from testbed.sweep.timeline import Hands, SessionTimeline
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +56,13 @@ class SessionOutcome:
     runs: dict[str, dict[int, DeviceRecords]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     lost: str = ""  # a device or the emulator died: no later session of these devices can run
+    # a device left on the timeline: per trial, the inferences not every device finished
+    unfinished: dict[str, list[int]] = field(default_factory=dict)
+    left: str = ""  # what the departure's failed rows say
 
     @property
     def ok(self) -> bool:
-        return not self.error
+        return not self.error and not self.left
 
     def records(self, trial_id: str) -> tuple[dict[int, DeviceRecords] | None, str]:
         """A trial's records (None where it failed) and its error (empty when it did not)."""
@@ -64,10 +70,23 @@ class SessionOutcome:
         return (None if error else self.runs[trial_id]), error
 
 
+@dataclass
+class SessionFleet:
+    """What the session's devices are: each one's tokens and speed at the start, and the
+    timeline played on them (None: no event in this session)."""
+
+    sizes: list[int]
+    speeds: list[float]
+    timeline: SessionTimeline | None = None
+    set_link: Callable[[int, dict[str, object]], str] | None = None  # Links.set_device
+
+
 def session_id(trial: Trial) -> str:
-    """The session a trial runs in: its device count, rate and impairment variant."""
+    """The session a trial runs in: its device count, rate, impairment and fleet variant."""
     name = f"p{trial.devices}-{trial.bandwidth_mbit:g}mbit"
-    return f"{name}-{impairment_label(trial.impairments)}" if trial.impairment else name
+    if trial.impairment:
+        name += f"-{impairment_label(trial.impairments)}"
+    return f"{name}-{fleet_label(trial.fleet)}" if trial.fleet else name
 
 
 def device_spec(
@@ -79,11 +98,14 @@ def device_spec(
     out: Path,
     files: RunFiles,
     link: LinkState,
+    fleet: SessionFleet | None = None,
 ) -> RunSpec:
     """What `device` runs: every trial of the session, paths as the device sees them."""
 
     def seen(path: Path | None) -> Path | None:
         return None if path is None else Path(backend.device_path(path))
+
+    timeline = None if fleet is None else fleet.timeline
 
     runs = [
         MethodRun(
@@ -112,6 +134,10 @@ def device_spec(
         rate_mbit=link.measured_mbit.get(device.rank, link.rate_mbit),
         clock_skew_s=backend.clock_skews_s.get(device.rank, 0.0),
         secret_file=backend.secret_files.get(device.rank),
+        partition=None if fleet is None else fleet.sizes,
+        speed=1.0 if fleet is None else fleet.speeds[device.rank],
+        control_file=None if timeline is None else seen(timeline.controls[device.rank]),
+        holds=[] if timeline is None else timeline.holds(device.rank),
     )
 
 
@@ -122,6 +148,7 @@ def run_workers(
     timeout_s: float,
     why: str = "timeout_s",
     gone: Callable[[], str | None] | None = None,
+    started: Callable[[list[Process]], None] | None = None,
 ) -> tuple[list[ExecResult], int | None]:
     """Start every worker on `devices` (by rank, one argv each), wait for all; returns their
     results and the rank of the first that failed (None: none did). The rest are killed on the
@@ -129,8 +156,10 @@ def run_workers(
     device or the link emulator that died: the workers would wait out their timeout on a link
     that no longer carries anything), and PEER_GRACE_S after a worker failed (its peers
     normally fail at once naming it; a peer slowed to a crawl, e.g. by a memory limit, would
-    not)."""
+    not). `started(processes)` is called once every worker is spawned."""
     processes = [backend.spawn(device, argv) for device, argv in zip(devices, argvs, strict=True)]
+    if started is not None:
+        started(processes)
     deadline = time.monotonic() + timeout_s
     results: list[ExecResult | None] = [None] * len(processes)
     first: int | None = None
@@ -179,6 +208,7 @@ def run_session(
     replay: TraceReplay | None = None,
     gone: Callable[[], str | None] | None = None,
     devices: Sequence[Device] | None = None,
+    fleet: SessionFleet | None = None,
 ) -> SessionOutcome:
     """Run `trials` in one session on the backend's devices, in `directory` (whose name is the
     session's id); `link_counters()` reads each device's link counters (Links.counters),
@@ -187,15 +217,19 @@ def run_session(
     (Links.gone), watched while the workers run: the session then fails at once, naming
     it, with the workers' last lines, and no trial of it counts as run on an emulated link.
     `devices`: as the links reach them (Links.devices: at the emulator's addresses); the
-    backend's own by default."""
+    backend's own by default. `fleet`: the devices' partition and speeds, and the timeline
+    played while the workers run."""
     devices = list(backend.devices if devices is None else devices)
     peers = [f"{d.address}:{port}" for d in devices]
     outs = {d.rank: directory / f"rank{d.rank}" for d in devices}
+    timeline = None if fleet is None else fleet.timeline
+    if timeline is not None:
+        timeline.write_controls()
     argvs = []
     for device in devices:
         outs[device.rank].mkdir(parents=True, exist_ok=True)
         spec = device_spec(
-            backend, experiment, trials, device, peers, outs[device.rank], files, link
+            backend, experiment, trials, device, peers, outs[device.rank], files, link, fleet
         )
         path = spec.write(outs[device.rank] / "spec.json")
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
@@ -203,8 +237,18 @@ def run_session(
     started, started_ns = time.monotonic(), time.time_ns()
     deadline_s = experiment.timeout_s * len(trials)
     why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
-    with replay or contextlib.nullcontext():
-        results, first = run_workers(backend, devices, argvs, deadline_s, why, gone)
+
+    def play(processes: list[Process]) -> None:
+        if timeline is not None:
+            assert fleet is not None and fleet.set_link is not None
+            timeline.start(Hands(backend, devices, fleet.set_link, processes))
+
+    try:
+        with replay or contextlib.nullcontext():
+            results, first = run_workers(backend, devices, argvs, deadline_s, why, gone, play)
+    finally:
+        if timeline is not None:
+            timeline.stop()
     session_s = round(time.monotonic() - started, 3)
     lost = (gone() if gone is not None else None) or ""
     after = {} if lost else link_counters()
@@ -222,7 +266,11 @@ def run_session(
         stalls=_session_stalls(after, started_ns) if after else None,
         events=_session_events(after, started_ns) if after else None,
         replay=replay,
+        timeline=None if timeline is None else timeline.applied,
     )
+    left = None if timeline is None or lost else timeline.left
+    if left is not None:
+        return _after_leave(trials, outs, facts, left, files.batches or experiment.repeats)
     error = (
         "" if first is None else _worker_error(backend, devices[first], experiment, results[first])
     )
@@ -249,6 +297,55 @@ def run_session(
         except TestbedError as problem:
             outcome.failures[trial.trial_id] = str(problem)
     return outcome
+
+
+def _after_leave(
+    trials: list[Trial],
+    outs: dict[int, Path],
+    facts: HostSessionFacts,
+    left: AppliedEvent,
+    inferences: int,
+) -> SessionOutcome:
+    """A session a device left: per trial, the inferences every device finished (the workers
+    keep them when they end), and the rest unfinished, naming the departure."""
+    since = (left.applied_ns or 0) - (left.asked_ns or 0)
+    words = f"device {left.device} left the session (timeline[{left.index}]: {left.label}"
+    outcome = SessionOutcome(facts, left=f"{words}, {since / 1e6:.1f} ms after its time)")
+    records: dict[int, DeviceRecords] = {}
+    for rank, out in outs.items():
+        try:
+            records[rank] = read_records(out)
+        except (OSError, ValueError, TypeError, KeyError):  # it left before writing any
+            continue
+    for trial in trials:
+        runs = {rank: _run_or_none(r, trial.trial_id) for rank, r in records.items()}
+        done = set(range(inferences))
+        for rank in outs:
+            run = runs.get(rank)
+            done &= {r.inference for r in run.inferences} if run is not None else set()
+        outcome.unfinished[trial.trial_id] = sorted(set(range(inferences)) - done)
+        outcome.runs[trial.trial_id] = {
+            rank: _only_inferences(run, done) for rank, run in runs.items() if run is not None
+        }
+        if not done:
+            outcome.failures[trial.trial_id] = outcome.left
+    return outcome
+
+
+def _run_or_none(records: DeviceRecords, run: str) -> DeviceRecords | None:
+    try:
+        return only_run(records, run)
+    except TestbedError:
+        return None
+
+
+def _only_inferences(records: DeviceRecords, keep: set[int]) -> DeviceRecords:
+    return DeviceRecords(
+        records.session,
+        [r for r in records.inferences if r.inference in keep],
+        [r for r in records.blocks if r.inference in keep],
+        [r for r in records.arrivals if r.inference in keep],
+    )
 
 
 def _worker_error(

@@ -113,10 +113,16 @@ class DockerProcess(Process):
             self.result = ExecResult(-1, "", f"docker exec failed: {error}")
 
     def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, sig: int) -> None:
         try:
             pid = self.api.exec_inspect(self.exec_id).get("Pid", 0)
             if pid and self.thread.is_alive():
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
         except (ProcessLookupError, Exception):  # noqa: BLE001 - already gone
             pass
 
@@ -190,7 +196,7 @@ class DockerBackend(Backend):
         self.network = self.client.networks.create(
             name, driver="bridge", internal=True, labels=self.labels
         )
-        self.cpu_plan = plan_cpus(spec.count, spec.cpus)
+        self.cpu_plan = plan_cpus(spec.count, spec.all_cpus)
         try:
             self._make_private_dir(spec.count)
             self.devices = [self._start_device(rank, spec) for rank in range(spec.count)]
@@ -221,7 +227,7 @@ class DockerBackend(Backend):
         cpuset = self.cpu_plan.cpusets[rank]
         # a device asking for more CPUs than the host has (`oversubscribe: true`) gets all of
         # them: Docker refuses a quota above the host's cores
-        quota_cpus = min(spec.cpus, self.cpu_plan.host_cores)
+        quota_cpus = min(spec.cpus_of(rank), self.cpu_plan.host_cores)
         limits: dict[str, Any] = (
             {"cpuset_cpus": cpuset} if cpuset else {"nano_cpus": int(quota_cpus * 1e9)}
         )
@@ -238,7 +244,7 @@ class DockerBackend(Backend):
             name,
             self.image,
             user,
-            spec.memory_mb,
+            spec.memory_of(rank),
             PIDS_LIMIT,
             limits,
             volumes,
@@ -255,9 +261,9 @@ class DockerBackend(Backend):
             security_opt=["no-new-privileges"],
             pids_limit=PIDS_LIMIT,
             labels=self.labels,
-            mem_limit=f"{spec.memory_mb}m",
+            mem_limit=f"{spec.memory_of(rank)}m",
             volumes=volumes,
-            environment={"OMP_NUM_THREADS": str(self.cpu_plan.threads)},
+            environment={"OMP_NUM_THREADS": str(self.cpu_plan.threads[rank])},
             **limits,
         )
         self.containers.append(container)
@@ -269,8 +275,8 @@ class DockerBackend(Backend):
             name=name,
             address=network["IPAddress"],
             interface="eth0",
-            cpus=spec.cpus,
-            threads=self.cpu_plan.threads,
+            cpus=spec.cpus_of(rank),
+            threads=self.cpu_plan.threads[rank],
             cpuset=cpuset,
             netns_path=f"/proc/{pid}/ns/net",
         )
@@ -283,6 +289,20 @@ class DockerBackend(Backend):
         """The run-directory folder's place in the device's own output folder."""
         relative = Path(host_path).resolve().relative_to(self.run_dir)
         return str(PurePosixPath(DEVICE_OUT_DIR) / relative)
+
+    def live_output(self, device: Device, host_path: Path) -> Path | None:
+        """The device's own output folder on the host (the private folder's), read while
+        the worker runs."""
+        relative = Path(host_path).resolve().relative_to(self.run_dir)
+        return self._host_out(device.rank) / relative
+
+    def pause(self, device: Device) -> None:
+        log.debug("docker pause %s", device.name)
+        self.client.api.pause(device.name)
+
+    def resume(self, device: Device) -> None:
+        log.debug("docker unpause %s", device.name)
+        self.client.api.unpause(device.name)
 
     def collect(self, device: Device, host_path: Path) -> None:
         """Copies what the device wrote for `host_path` there (files owned by us), then

@@ -150,7 +150,9 @@ class SshBackend(Backend):
                 f"{len(boards)} boards ({', '.join(b.name for b in boards)})"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        log.info("ssh backend: boards keep their own memory (%d MB not enforced)", spec.memory_mb)
+        log.info(
+            "ssh backend: boards keep their own memory (%d MB not enforced)", spec.memory_of(0)
+        )
         self.sessions = [BoardSession(rank, boards[rank]) for rank in range(spec.count)]
         try:
             self._each(lambda session: connect(session, self.inventory))
@@ -195,7 +197,7 @@ class SshBackend(Backend):
 
     def _device(self, session: BoardSession, spec: DeviceSpec) -> Device:
         board, cores = session.board, session.facts["cores"]
-        cpus = board.cpus or spec.cpus
+        cpus = board.cpus or spec.cpus_of(session.rank)
         threads = max(1, int(cpus))
         if threads > cores:
             log.warning("%s: %d threads on %d cores", board.label, threads, cores)
@@ -203,7 +205,7 @@ class SshBackend(Backend):
             [s.board.cpuset for s in self.sessions],
             oversubscribed=bool(self.cpu_plan and self.cpu_plan.oversubscribed) or threads > cores,
             host_cores=min(s.facts["cores"] for s in self.sessions),
-            threads=threads,
+            threads=[max(1, int(s.board.cpus or spec.cpus_of(s.rank))) for s in self.sessions],
         )
         return Device(
             rank=session.rank,
