@@ -61,6 +61,12 @@ def type_name(annotation: Any) -> str:
     return names.get(annotation, "any")
 
 
+def shown_type(field: Any) -> str:
+    """A field's `shown_as` (a type its own validator checks) or its annotation's name."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    return str(extra.get("shown_as") or type_name(field.annotation))
+
+
 def default_text(field: Any) -> str:
     if field.is_required():
         return "required"
@@ -103,7 +109,7 @@ def fields_table(fields: Mapping[str, FieldInfo], prefix: str) -> list[str]:
     lines = ["| field | type | default | bounds | meaning |", "|---|---|---|---|---|"]
     for name, field in fields.items():
         lines.append(
-            f"| `{prefix}{name}` | {type_name(field.annotation)} | {default_text(field)} | "
+            f"| `{prefix}{name}` | {shown_type(field)} | {default_text(field)} | "
             f"{bounds_text(field)} | {cell(field.description or '')} |"
         )
     return lines

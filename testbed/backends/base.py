@@ -61,14 +61,14 @@ class DeviceSpec:
     for all, or one per rank)."""
 
     count: int
-    cpus: float | tuple[float, ...] = 1.0
-    memory_mb: int | tuple[int, ...] = 2048
+    cpus: float | Sequence[float] = 1.0
+    memory_mb: int | Sequence[int] = 2048
 
     def cpus_of(self, rank: int) -> float:
-        return float(self.cpus[rank] if isinstance(self.cpus, tuple) else self.cpus)
+        return float(self.cpus[rank] if isinstance(self.cpus, Sequence) else self.cpus)
 
     def memory_of(self, rank: int) -> int:
-        return int(self.memory_mb[rank] if isinstance(self.memory_mb, tuple) else self.memory_mb)
+        return int(self.memory_mb[rank] if isinstance(self.memory_mb, Sequence) else self.memory_mb)
 
     @property
     def all_cpus(self) -> list[float]:

@@ -28,7 +28,10 @@ MAX_DEVICES = 254  # hosts of one /24 (the local backend's network)
 DEFAULT_CPUS, DEFAULT_MEMORY_MB, DEFAULT_SPEED = 1.0, 2048, 1.0
 PARTITIONS = ("even", "by_speed")
 SPEED_SOURCES = {"speed", "gflops", "profile"}  # where a device's speed comes from: one of them
-PER_DEVICE = "one value for every device, a mapping rank -> value ({1: 0.5}), or a list by rank"
+PER_DEVICE = "one value for every device, a mapping rank -> value, or a list by rank"
+PER_NUMBER = {"shown_as": "number, or by rank: mapping or list of numbers"}
+PER_WHOLE = {"shown_as": "whole number, or by rank: mapping or list of whole numbers"}
+PER_TEXT = {"shown_as": "text, or by rank: mapping or list of texts"}
 
 Partition = Literal["even", "by_speed"] | list[int]
 
@@ -47,7 +50,7 @@ def _number(value: Any, where: str, low: float, high: float, whole: bool = False
     if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
         raise ValueError(f"{where}: a {'whole ' if whole else ''}number, got {value!r}")
     if not low <= value <= high:
-        raise ValueError(f"{where}: {value!r} is not in {low:g}..{high:g}")
+        raise ValueError(f"{where}: {value!r} is not in {low:,.10g}..{high:,.10g}")
 
 
 def _each(value: Any, where: str, check: Any) -> Any:
@@ -147,28 +150,35 @@ class DevicesSection(FleetVariant):
     )
     cpus: Any = Field(
         DEFAULT_CPUS,
+        json_schema_extra=PER_NUMBER,
         description="CPUs per device (pinned whole cores where the host has enough, else a "
         "quota; with the local backend a cgroup of its own): " + PER_DEVICE + "; at most the "
         "host's own",
     )
     memory_mb: Any = Field(
-        DEFAULT_MEMORY_MB, description="memory per device (a cgroup limit): " + PER_DEVICE
+        DEFAULT_MEMORY_MB,
+        json_schema_extra=PER_WHOLE,
+        description="memory per device (a cgroup limit): " + PER_DEVICE,
     )
     speed: Any = Field(
         None,
-        description="each core's speed, a fraction of one host core in (0, 1] (default 1): "
+        json_schema_extra=PER_NUMBER,
+        description="each device's speed, a fraction of one host core in (0, 1] (default 1), "
+        "e.g. {1: 0.5}: "
         + PER_DEVICE
         + "; a slower device's every stretch of compute takes 1/speed times as long "
         "(dilation in the worker: docs/devices.md)",
     )
     gflops: Any = Field(
         None,
+        json_schema_extra=PER_NUMBER,
         description="a device's compute rate instead of a speed (fp32 GFLOP/s of the model's "
         "own products, all its cores), turned into a speed with this host's measured rate: "
         + PER_DEVICE,
     )
     profile: Any = Field(
         None,
+        json_schema_extra=PER_TEXT,
         description="a device profile (a name in device_profiles/ or a YAML path) giving a "
         "device its cpus, memory and speed or rate: " + PER_DEVICE,
     )

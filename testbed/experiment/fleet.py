@@ -152,8 +152,8 @@ def _speed_of(gflops: float, cpus: float, rank: int, host_gflops: float | None) 
     speed = gflops / (cpus * host_gflops)
     if speed > 1:
         raise ConfigError(
-            f"devices.gflops: device {rank} asks for {gflops:g} GFLOP/s on {cpus:g} CPUs; this "
-            f"host's core gives {host_gflops:.1f} GFLOP/s ({cpus * host_gflops:.1f} on "
-            f"{cpus:g}): a device faster than the host cannot be emulated"
+            f"devices.gflops: device {rank} asks for {gflops:g} GFLOP/s on {cpus:g} CPUs, where "
+            f"this host gives {cpus * host_gflops:.1f} GFLOP/s ({host_gflops:.1f} per core): a "
+            "device faster than the host cannot be emulated"
         )
     return speed

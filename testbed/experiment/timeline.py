@@ -37,9 +37,17 @@ MAX_PAUSE_S = 3600.0
 class Event(Strict):
     """One event of a session's timeline."""
 
-    at_s: float | None = Field(None, ge=0, description="seconds from the session's start")
+    at_s: float | None = Field(
+        None,
+        ge=0,
+        description="seconds from the start of the session's first measured "
+        "inference on device 0 (after the warm-ups); refused at or past timeout_s",
+    )
     at_inference: int | None = Field(
-        None, ge=0, description="before the measured round with this index (0-based)"
+        None,
+        ge=0,
+        description="before every trial's measured inference with this index (0-based; "
+        "the trials of a session interleave, so all of them see it at the same round)",
     )
     device: int = Field(ge=0, description="the device's rank")
     speed: float | None = Field(None, description="the device's new speed, in (0, 1]")

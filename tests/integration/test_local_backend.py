@@ -169,11 +169,64 @@ def test_run_returns_exit_code_stdout_and_stderr(three: LocalBackend) -> None:
     assert three.run(three.devices[1], ["true"]).ok
 
 
-@pytest.mark.skipif(shutil.which("prlimit") is None, reason="no prlimit: no memory limit")
-def test_memory_limit_is_the_data_rlimit(three: LocalBackend) -> None:
-    code = "import resource; print(*resource.getrlimit(resource.RLIMIT_DATA))"
-    result = three.run(three.devices[0], [three.python, "-c", code], TIMEOUT_S)
-    assert result.stdout.split() == [str(512 * 2**20)] * 2
+GROUPS = """
+import sys
+groups = dict(line.strip().split(":")[1:] for line in open("/proc/self/cgroup"))
+print(groups["memory"], groups["cpuset"], groups["cpu"], groups["freezer"])
+"""
+
+
+def test_every_process_of_a_device_is_in_its_control_groups(three: LocalBackend) -> None:
+    device = three.devices[0]
+    result = three.run(device, [three.python, "-c", GROUPS], TIMEOUT_S)
+    assert result.stdout.split() == [f"/testbed/{device.name}"] * 4, result.tail()
+    memory = Path(f"/sys/fs/cgroup/memory/testbed/{device.name}/memory.limit_in_bytes")
+    assert int(memory.read_text()) == 512 * 2**20
+
+
+def test_a_device_over_its_memory_is_killed_by_the_kernel(
+    make_backend: Callable[..., LocalBackend],
+) -> None:
+    backend = make_backend()
+    (device,) = backend.start(DeviceSpec(count=1, cpus=1, memory_mb=64))
+    grow = "b = []\nwhile True: b.append(bytearray(2**20))"
+    result = backend.run(device, [backend.python, "-c", grow], TIMEOUT_S)
+    assert result.returncode == -9 and backend.out_of_memory(device)
+
+
+def test_a_fractional_device_gets_a_cpu_quota(make_backend: Callable[..., LocalBackend]) -> None:
+    backend = make_backend()
+    devices = backend.start(DeviceSpec(count=2, cpus=[0.5, 1], memory_mb=512))
+    cpu = Path(f"/sys/fs/cgroup/cpu/testbed/{devices[0].name}")
+    assert int((cpu / "cpu.cfs_quota_us").read_text()) == 50_000
+    assert int((cpu / "cpu.cfs_period_us").read_text()) == 100_000
+
+
+COUNTER = """
+import sys, time
+for n in range(100000):
+    open(sys.argv[1], "w").write(str(n))
+    time.sleep(0.01)
+"""
+
+
+def test_pause_freezes_a_device_and_resume_thaws_it(three: LocalBackend, tmp_path: Path) -> None:
+    device, counter = three.devices[2], tmp_path / "counter"
+    process = three.spawn(device, [three.python, "-c", COUNTER, str(counter)])
+    state = Path(f"/sys/fs/cgroup/freezer/testbed/{device.name}/freezer.state")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not counter.exists() or not counter.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    three.pause(device)
+    assert state.read_text().strip() == "FROZEN"
+    frozen = counter.read_text()
+    time.sleep(0.3)
+    assert counter.read_text() == frozen
+    three.resume(device)
+    time.sleep(0.3)
+    assert state.read_text().strip() == "THAWED" and int(counter.read_text()) > int(frozen) + 5
+    process.kill()
 
 
 def test_kill_ends_a_long_sleep_and_run_kills_on_timeout(three: LocalBackend) -> None:

@@ -47,6 +47,78 @@ def report(table: str, extra: str = "") -> str:
 
 # (case id, experiment text (`{tmp}` is the test's directory), text the one line must hold)
 CASES: list[tuple[str, str, str]] = [
+    # a fleet: per-device resources, speeds, rates, profiles and partitions (docs/devices.md)
+    ("cpus-rank-out", exp("devices: {cpus: [1, 0.5, 1]}\n"), "devices.cpus: device 2 does not"),
+    ("cpus-zero-one", exp("devices: {cpus: {1: 0}}\n"), "devices.cpus: device 1: 0 is not in"),
+    ("cpus-word", exp("devices: {cpus: fast}\n"), "devices.cpus: cpus: a number, got 'fast'"),
+    ("memory-small-one", exp("devices: {memory_mb: {0: 64}}\n"), "64 is not in 128..1,048,576"),
+    ("speed-zero", exp("devices: {speed: {1: 0}}\n"), "devices.speed: device 1: a speed is"),
+    ("speed-fast", exp("devices: {speed: [1, 1.5]}\n"), "device 1: 1.5 is faster than the host"),
+    ("speed-rank-out", exp("devices: {speed: {2: 0.5}}\n"), "devices.speed: device 2 does not"),
+    ("gflops-negative", exp("devices: {gflops: -3}\n"), "devices.gflops: gflops: -3 is not in"),
+    (
+        "speed-and-gflops",
+        exp("devices: {speed: {1: 0.5}, gflops: {1: 20}}\n"),
+        "devices: device 1 has both gflops and speed; give one",
+    ),
+    (
+        "device-profile-unknown",
+        exp("devices: {profile: {1: potato}}\n"),
+        "unknown device profile 'pot",
+    ),
+    ("partition-sum", exp("devices: {partition: [100, 50]}\n"), "holds 150 tokens, vit-b16 has"),
+    (
+        "partition-count",
+        exp("devices: {count: [2, 3], partition: [100, 97]}\n"),
+        "devices.partition: 2 token counts, but devices.count is [2, 3]",
+    ),
+    ("partition-word", exp("devices: {partition: by_rate}\n"), "'by_rate' is none of even, by_"),
+    ("partition-zero", exp("devices: {partition: [197, 0]}\n"), "partition[1]: 0 is not in 1.."),
+    ("variant-typo", exp("devices: {variants: [{sped: {1: 0.5}}]}\n"), "variants[0].sped: unkn"),
+    # a timeline of events: the event's index and field named
+    (
+        "event-unknown-device",
+        exp("timeline: [{at_s: 1, device: 5, speed: 0.5}]\n"),
+        "timeline[0].device: device 5 does not exist: devices.count is at most 2",
+    ),
+    (
+        "event-past-repeats",
+        exp("repeats: 4\ntimeline: [{at_inference: 4, device: 1, speed: 0.5}]\n"),
+        "timeline[0].at_inference: 4 is past the session: each trial measures 4 inferences",
+    ),
+    (
+        "event-past-timeout",
+        exp("timeout_s: 30\ntimeline: [{at_s: 40, device: 1, speed: 0.5}]\n"),
+        "timeline[0].at_s: 40 s is past the session",
+    ),
+    ("event-fast", exp("timeline: [{at_s: 1, device: 1, speed: 2}]\n"), "timeline[0].speed: 2 is"),
+    (
+        "event-two-kinds",
+        exp("timeline: [{at_s: 1, device: 1, speed: 0.5, leave: true}]\n"),
+        "timeline[0]: an event is one of speed, pause_s, leave, link; this one has speed and leave",
+    ),
+    ("event-no-time", exp("timeline: [{device: 1, leave: true}]\n"), "timeline[0]: give at_s"),
+    (
+        "pause-over-leave",
+        exp("timeline: [{at_s: 1, device: 1, pause_s: 2}, {at_s: 2, device: 1, leave: true}]\n"),
+        "timeline[0]: device 1's pause (2 s from 1 s) overlaps its leave at 2 s (timeline[1])",
+    ),
+    (
+        "event-after-leave",
+        exp("timeline: [{at_s: 1, device: 1, leave: true}, {at_s: 2, device: 1, speed: 0.5}]\n"),
+        "timeline[1]: device 1 left at 1 s (timeline[0])",
+    ),
+    (
+        "event-link-rate",
+        exp("timeline: [{at_s: 1, device: 1, link: {rate_mbit: 0}}]\n"),
+        "timeline[0].link: rate_mbit: a number of Mbit/s in 0.01..10,000, got 0",
+    ),
+    (
+        "event-link-typo",
+        exp("timeline: [{at_s: 1, device: 1, link: {delay: 5}}]\n"),
+        "timeline[0].link: delay: not an impairment (did you mean 'delay_ms'?)",
+    ),
+    ("leave-false", exp("timeline: [{at_s: 1, device: 1, leave: false}]\n"), "leave: true, or"),
     # numbers: finite, in range, no booleans or strings as numbers
     ("rate-nan", exp("link: {bandwidth_mbit: .nan}\n"), "link.bandwidth_mbit[0]: "),
     ("rate-inf", exp("link: {bandwidth_mbit: [1, .inf]}\n"), "link.bandwidth_mbit[1]: "),
@@ -657,3 +729,14 @@ def test_a_level_table_beside_a_given_bundle(capsys, tmp_path, small_bundle, bod
         text, expected = text.replace(place, value), expected.replace(place, value)
     path.write_text(text)
     assert expected in refused(capsys, tmp_path, [str(path)])
+
+
+def test_a_device_faster_than_the_host_is_refused_naming_both_rates(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TESTBED_HOST_GFLOPS", "80")
+    path = tmp_path / "fast.yaml"
+    path.write_text(exp("devices: {gflops: {1: 5000}}\n"))
+    line = refused(capsys, tmp_path, [str(path)])
+    assert "device 1 asks for 5000 GFLOP/s on 1 CPUs, where this host gives 80.0 GFLOP/s" in line
+    path.write_text(exp("devices: {profile: {0: paper-device}}\n"))
+    line = refused(capsys, tmp_path, [str(path)])
+    assert "device 0 asks for 182 GFLOP/s on 2 CPUs, where this host gives 160.0 GFLOP/s" in line

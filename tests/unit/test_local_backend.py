@@ -17,9 +17,9 @@ import pytest
 
 from testbed.backends import local
 from testbed.backends.base import DeviceSpec
-from testbed.backends.local import LocalBackend, LocalProcess, device_command
+from testbed.backends.local import LocalBackend, LocalProcess
 from testbed.errors import DeviceError
-from testbed.experiment.schema import MAX_DEVICES
+from testbed.experiment.devices_section import MAX_DEVICES
 from testbed.kernel.addresses import choose_subnet
 from testbed.kernel.names import IFNAME_MAX_CHARS, LINK_PATTERN, NETNS_PATTERN, RunNames, run_tag
 
@@ -122,24 +122,6 @@ def test_subnet_choice_wraps_around_to_the_last_free_network() -> None:
 def test_no_free_subnet_is_a_device_error() -> None:
     with pytest.raises(DeviceError, match="no /24"):
         choose_subnet("run-1", [net("10.0.0.0/8")])
-
-
-def test_device_command_enters_the_namespace_pins_and_limits_memory() -> None:
-    argv = ["python", "-c", "print(1)"]
-    netns = "/var/run/netns/tb-x-d0"
-    assert device_command(netns, argv) == ["nsenter", f"--net={netns}", *argv]
-    pinned = device_command("/var/run/netns/tb-x-d1", argv, cpuset="2,3", memory_mb=512)
-    assert pinned == [
-        "nsenter",
-        "--net=/var/run/netns/tb-x-d1",
-        "taskset",
-        "-c",
-        "2,3",
-        "prlimit",
-        f"--data={512 * 2**20}:{512 * 2**20}",
-        "--",
-        *argv,
-    ]
 
 
 def test_start_without_root_is_a_device_error_and_creates_nothing(

@@ -324,3 +324,59 @@ def test_a_beam_search_sends_indices_the_exact_search_would_send_or_near_ones(
     distance = ((rows - tree.codebook[found]) ** 2).sum(1)
     assert (distance >= ((rows - tree.codebook[nearest]) ** 2).sum(1) - 1e-5).all()
     assert 0 < int((found == nearest).sum()) < len(rows)
+
+
+# unequal partitions (devices.partition): every method runs and is exact where it was
+UNEQUAL = [[12, 5], [1, 16], [3, 9, 5], [2, 2, 13]]  # vit-tiny has 17 tokens
+
+
+@pytest.mark.parametrize("sizes", [[150, 47], [40, 80, 77], [196, 1]])
+def test_voltage_with_an_unequal_partition_is_the_single_device_model(sizes):
+    model = tracevq.build_model("vit-b16", seed=5)
+    x = torch.randn(model.config.input_shape(1), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        single = model(x)
+        result = tracevq.simulate(model, x, "voltage", len(sizes), sizes=sizes)
+    torch.testing.assert_close(result.logits, single, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("method", "params"), ALL)
+@pytest.mark.parametrize("sizes", UNEQUAL)
+def test_payload_bits_per_device_follow_an_unequal_partition(
+    model, bundle, inputs, method, params, sizes
+):
+    devices, depth = len(sizes), model.config.depth
+    result = tracevq.simulate(model, inputs, method, devices, bundle=bundle, sizes=sizes, **params)
+    analytic = tracevq.payload_bits("vit-tiny", method, devices, batch=3, sizes=sizes, **params)
+    spec = tracevq.spec.method_spec(method, **params)
+    if method == "voltage":  # every token's activations, fp32, batch of 3
+        assert analytic == [32 * 3 * model.config.dim * n for n in sizes]
+    for block, block_bits in enumerate(result.payload_bits):
+        sent = block > 0 or spec.resolved_placement is None or spec.resolved_placement.sends_vq0
+        assert block_bits.tolist() == (analytic if sent else [0] * devices)
+    assert (result.payload_bits.sum(axis=0) == [exchanges(spec, depth) * a for a in analytic]).all()
+
+
+@pytest.mark.parametrize("sizes", UNEQUAL[2:])
+def test_trace_b_buffers_are_exact_at_an_unequal_partition(model, bundle, inputs, sizes):
+    on = tracevq.simulate(model, inputs, "trace-b", 3, bundle=bundle, K=K, sizes=sizes)
+    off = tracevq.simulate(
+        model, inputs, "trace-b", 3, bundle=bundle, K=K, sizes=sizes, buffers=False
+    )
+    torch.testing.assert_close(on.logits, off.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_partitions_by_rate_and_their_refusals():
+    from tracevq.partition import partition_ranges, sizes_by_rates
+
+    assert sizes_by_rates(197, [1, 0.5]) == [131, 66]
+    assert sizes_by_rates(197, [1, 1]) == [99, 98]
+    assert sizes_by_rates(197, [0.6, 0.3, 0.6]) == [79, 40, 78]
+    assert sizes_by_rates(5, [1, 1e-9]) == [4, 1]  # every device holds at least one token
+    assert partition_ranges(17, 3, [3, 9, 5]) == [(0, 3), (3, 12), (12, 17)]
+    with pytest.raises(ConfigError, match=r"holds 16 tokens, the model has 17"):
+        partition_ranges(17, 2, [12, 4])
+    with pytest.raises(ConfigError, match="is for 2 devices, not 3"):
+        partition_ranges(17, 3, [12, 5])
+    with pytest.raises(ConfigError, match="at least 1"):
+        partition_ranges(17, 2, [17, 0])

@@ -39,7 +39,8 @@ def row_facts(devices: int = 2, rate_mbit: float = 1.0) -> RowFacts:
         )
         for rank in range(devices)
     }
-    run = RunFacts("run", "local", "serial", batch=1, cpus=1.0, threads=1, oversubscribed=False)
+    threads = dict.fromkeys(range(devices), 1)
+    run = RunFacts("run", "local", "serial", batch=1, threads=threads, oversubscribed=False)
     return RowFacts(plan, run, LinkState(rate_mbit), HostSessionFacts("s"))
 
 

@@ -31,6 +31,7 @@ import tracevq
 from devices.device import Device
 from devices.handshake import shake
 from devices.inputs import generated_batch
+from devices.pace import PROGRESS_FILE, read_progress, write_control
 from devices.records import read_records, read_session
 from devices.spec import MethodRun, RunSpec
 from devices.transport import STAMP
@@ -526,3 +527,82 @@ def test_single_device_with_checkpoint_and_inputs_file_records_accuracy(tmp_path
     assert all(b.message_bytes == 0 and b.wait_ms == 0 for b in device.blocks)
     assert not device.arrivals
     assert device.session.inputs.startswith("file ")
+
+
+def test_an_unequal_partition_at_half_speed_matches_the_simulation(tmp_path, model, bundle_path):
+    """Devices of tokens [3, 9, 5] (vit-tiny has 17), device 1 at speed 0.5: every method's
+    logits and every message's bytes are the simulation's at that partition; device 1 sleeps
+    as long as it computes and records its speed."""
+    sizes = [3, 9, 5]
+    cases = ["voltage", "prism", "astra", "trace-b", "trace-nb"]
+    runs = [method_run(case, bundle_path) for case in cases]
+    peers = [f"127.0.0.1:{port}" for port in free_ports(3)]
+    paths = [
+        write_spec(tmp_path, rank, peers, runs, partition=sizes, speed=0.5 if rank == 1 else 1.0)
+        for rank in range(3)
+    ]
+    processes = [start([sys.executable, "-m", "devices.worker", str(p)]) for p in paths]
+    for rank, (status, stderr) in enumerate(finish(processes, SESSION_TIMEOUT_S)):
+        assert status == 0, f"worker {rank} failed: {stderr}"
+    records = [read_records(tmp_path / f"device{rank}") for rank in range(3)]
+    bundle = tracevq.Bundle.load(bundle_path)
+    inputs = generated_batch(model.config, BATCH, seed=0, index=0)
+    for case in cases:
+        method, params = METHODS[case]
+        torch.set_num_threads(1)
+        reference = tracevq.simulate(model, inputs, method, 3, bundle=bundle, sizes=sizes, **params)
+        logits = np.load(tmp_path / "device0" / "logits" / f"{case}.npy")
+        np.testing.assert_allclose(logits[0], reference.logits, atol=1e-5, rtol=0, err_msg=case)
+        for rank, device in enumerate(records):
+            check_bytes([b for b in device.blocks if b.run == case], reference, rank, 3)
+    assert {r.speed for r in records[1].inferences} == {0.5}
+    assert {r.speed for r in records[0].inferences} == {1.0}
+    slept = [
+        read_session(tmp_path / f"device{rank}").timing_s["dilation_slept_s"] for rank in (0, 1)
+    ]
+    assert slept[0] == 0 and slept[1] > 0
+
+
+def test_a_held_worker_waits_for_its_release_and_takes_its_new_speed(tmp_path, bundle_path):
+    """Device 0 holds before measured round 1 until the control file releases it; the speed
+    written there before the release is the one its later inferences record."""
+    runs = [method_run("trace-b", bundle_path, inferences=3)]
+    control = tmp_path / "control"
+    write_control(control, 1.0, 0)
+    peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    paths = [
+        write_spec(tmp_path, 0, peers, runs, control_file=control, holds=[1]),
+        write_spec(tmp_path, 1, peers, runs),
+    ]
+    processes = [start([sys.executable, "-m", "devices.worker", str(p)]) for p in paths]
+    try:
+        progress = tmp_path / "device0" / PROGRESS_FILE
+        deadline = time.monotonic() + SESSION_TIMEOUT_S
+        while (read_progress(progress) or (-1, 0))[0] < 1:
+            assert time.monotonic() < deadline and processes[0].poll() is None
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert read_progress(progress)[0] == 1  # held: round 2 has not started
+        write_control(control, 0.5, 0)
+        write_control(control, 0.5, 1)
+    finally:
+        results = finish(processes, SESSION_TIMEOUT_S)
+    for rank, (status, stderr) in enumerate(results):
+        assert status == 0, f"worker {rank} failed: {stderr}"
+    records = read_records(tmp_path / "device0")
+    assert [r.speed for r in records.inferences] == [1.0, 0.5, 0.5]
+    assert read_progress(progress)[0] == 2
+
+
+def test_a_hold_never_released_fails_the_worker_naming_the_round(tmp_path, bundle_path):
+    runs = [method_run("voltage", None, inferences=2)]
+    control = tmp_path / "control"
+    write_control(control, 1.0, 0)
+    peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    paths = [
+        write_spec(tmp_path, 0, peers, runs, control_file=control, holds=[1], recv_timeout_s=2),
+        write_spec(tmp_path, 1, peers, runs, recv_timeout_s=2),
+    ]
+    processes = [start([sys.executable, "-m", "devices.worker", str(p)]) for p in paths]
+    (status, stderr), _ = finish(processes, SESSION_TIMEOUT_S)
+    assert status != 0 and "no release before measured round 1 within 2 s" in stderr
