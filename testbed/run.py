@@ -242,9 +242,10 @@ def _report(outcome, run_dir: Path) -> None:
     if (run_dir / "trials.parquet").is_file():
         for line in answer_lines(load(run_dir)):
             print(line)
+    early = f" ({outcome.ended_early} ended early by a leave)" if outcome.ended_early else ""
     print(
-        f"\n{outcome.ok} trials ok, {outcome.failed} failed, {outcome.skipped} already done; "
-        f"results in {run_dir}"
+        f"\n{outcome.ok} trials ok{early}, {outcome.failed} failed, {outcome.skipped} already "
+        f"done; results in {run_dir}"
     )
     figures = sorted((run_dir / "figures").glob("*.png"))
     if figures:

@@ -81,6 +81,7 @@ class RunOutcome:
     ok: int = 0
     failed: int = 0
     skipped: int = 0
+    ended_early: int = 0  # of the ok ones: a device left on the timeline before their end
     failures: list[str] = field(default_factory=list)
 
 
@@ -277,6 +278,7 @@ class Runner:
                 outcome.failures.append(f"{trial.trial_id}: {error}")
             else:
                 outcome.ok += 1
+                outcome.ended_early += bool(unfinished)
         if result.left:
             voice.say(f"session {name} ended early: {result.left}")
         elif not result.ok:
