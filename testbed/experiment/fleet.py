@@ -47,18 +47,28 @@ class Fleet:
     label: str = ""  # the fleet variant's, empty without variants
 
     def sizes(self, tokens: int, gflops: dict[int, float] | None = None) -> list[int]:
-        """Every device's tokens; `gflops`, each device's measured rate at full speed (by_speed
-        weighs it by the device's speed; equal where not given)."""
+        """Every device's tokens; `gflops`, each device's measured rate at full speed, on all
+        its threads (by_speed weighs it by the device's speed, and by its quota's share of
+        those threads where its CPUs are a fraction: a short probe runs within one quota
+        period, at the cores' full rate; equal where not given)."""
         if isinstance(self.partition, list):
             return check_sizes(tokens, self.partition)
         if self.partition == "even":
             return partition_sizes(tokens, len(self.shares))
-        rates = [(gflops or {}).get(s.rank, 1.0) * s.speed * s.cpus for s in self.shares]
+        rates = [
+            (gflops or {}).get(s.rank, 1.0) * s.speed * quota_share(s.cpus) for s in self.shares
+        ]
         return sizes_by_rates(tokens, rates)
 
     @property
     def speeds(self) -> list[float]:
         return [share.speed for share in self.shares]
+
+
+def quota_share(cpus: float) -> float:
+    """The share of its threads' cores a device of `cpus` gets (its worker runs
+    max(1, int(cpus)) threads: testbed.backends.base.plan_cpus)."""
+    return min(1.0, cpus / max(1, int(cpus)))
 
 
 def fleet_variant_keys(devices: DevicesSection) -> list[str]:

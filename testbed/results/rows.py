@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
+from testbed.experiment.fleet import quota_share
 from testbed.link.links import LinkState
 from testbed.link.wire import tcp_frame_bytes, wire_time_s
 from testbed.results.facts import AppliedEvent, HostSessionFacts, PlanRow, RunFacts
@@ -132,11 +133,24 @@ def assemble(
         ]
         return frame(_with_accuracy(rows, facts), TRIAL_COLUMNS), frame([], LAYER_COLUMNS)
     trials, layers = _measured_rows(known, records, facts)
-    for index in unfinished:
-        trials += [
-            {**columns, "repeat": index, "status": "failed", "error": unfinished_error}
-            for columns in known.values()
-        ]
+    if unfinished:
+        # what was in force when the session ended: the last speed, every event still acting
+        applied = facts.session.timeline or []
+        end_ns = max((a.applied_ns or 0 for a in applied), default=0)
+        events = events_in_force(applied, end_ns, end_ns)
+        speeds = {row["rank"]: row["device_speed"] for row in trials}
+        for index in unfinished:
+            trials += [
+                {
+                    **columns,
+                    "repeat": index,
+                    "device_speed": speeds.get(rank, columns["device_speed"]),
+                    "events": events,
+                    "status": "failed",
+                    "error": unfinished_error,
+                }
+                for rank, columns in known.items()
+            ]
     return frame(_with_accuracy(trials, facts), TRIAL_COLUMNS), frame(layers, LAYER_COLUMNS)
 
 
@@ -151,7 +165,7 @@ def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
         "emulator": run.emulator,
         "batch": run.batch,
         "threads": run.threads.get(rank),
-        "device_gflops": _gflops(run, rank, plan.device_speed),
+        "device_gflops": _gflops(run, rank, plan.device_speed, plan.cpus),
         "oversubscribed": run.oversubscribed,
         "trace": run.trace,
         "uplink_mbit": link.uplink_mbit.get(rank, link.rate_mbit),
@@ -168,10 +182,11 @@ def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
     }
 
 
-def _gflops(run: RunFacts, rank: int, speed: float) -> float | None:
-    """The device's GEMM rate at `speed`: its rate measured at the start, scaled."""
+def _gflops(run: RunFacts, rank: int, speed: float, cpus: float) -> float | None:
+    """The device's GEMM rate at `speed`: its rate measured at the start, scaled (and by its
+    quota's share where its CPUs are a fraction: testbed.experiment.fleet.quota_share)."""
     raw = run.gflops.get(rank)
-    return None if raw is None else raw * speed
+    return None if raw is None else raw * speed * quota_share(cpus)
 
 
 def _with_accuracy(rows: list[dict[str, Any]], facts: RowFacts) -> list[dict[str, Any]]:
@@ -247,7 +262,7 @@ def _measured_rows(
                     "wait_ms": record.wait_ms,
                     "correct": record.correct,
                     "device_speed": record.speed,
-                    "device_gflops": _gflops(run, rank, record.speed),
+                    "device_gflops": _gflops(run, rank, record.speed, columns["cpus"]),
                     "events": events_in_force(session.timeline, record.start_ns, record.end_ns),
                     "status": "ok",
                     "error": "",

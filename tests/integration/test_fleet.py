@@ -68,7 +68,7 @@ def test_a_p3_fleet_by_speed_is_exact_and_finishes_every_row(tmp_path):
     assert by_rank["tokens"].first().tolist() == expected
     assert by_rank["device_speed"].unique().tolist() == [[1.0], [0.5], [1.0]]
     gflops = by_rank["device_gflops"].first()
-    assert gflops[1] == pytest.approx(rates["1"] * 0.5, rel=1e-3)
+    assert gflops[1] == pytest.approx(rates["1"] * 0.5 * 0.6, rel=1e-3)  # its quota: 0.6 CPU
 
 
 def test_a_speed_event_doubles_the_devices_compute_from_its_inference_on(tmp_path):
@@ -117,6 +117,7 @@ def test_a_leave_ends_the_session_in_failed_rows_naming_it(tmp_path):
         assert sorted(set(ok["repeat"])) == [0, 1] and sorted(set(failed["repeat"])) == [2, 3]
         words = r"device 1 left the session \(timeline\[0\]: leave d1 at inference 2, "
         assert failed["error"].str.contains(words).all(), failed["error"]
+        assert (failed["events"] == "leave d1 at inference 2").all(), failed["events"]
     workers = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert workers.stdout == ""
 
