@@ -10,7 +10,8 @@ every figure states n.
   measured_vs_analytic.png;
 - `trace`: trace.png, for a run over a replayed bandwidth trace;
 - `impairments`: effective_vs_delay.png and tail_by_link.png, for a run that swept
-  impairments (`link.impairments`).
+  impairments (`link.impairments`);
+- `timeline`: timeline.png, for a run with device events (`timeline`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from testbed.figures.impairments import effective_vs_delay, tail_by_link
 from testbed.figures.latency import compression, latency_breakdown
 from testbed.figures.rates import comm_vs_bandwidth, effective_vs_bandwidth, measured_vs_analytic
+from testbed.figures.timeline import timeline_figure
 from testbed.figures.trace import trace_timeline
 from testbed.results.store import Results
 
@@ -36,5 +38,6 @@ def make_figures(results: Results) -> list[Path]:
         trace_timeline(results, directory / "trace.png"),
         effective_vs_delay(results, directory / "effective_vs_delay.png"),
         tail_by_link(results, directory / "tail_by_link.png"),
+        timeline_figure(results, directory / "timeline.png"),
     ]
     return [p for p in made if p is not None]

@@ -23,6 +23,7 @@ import math
 import pandas as pd
 
 from testbed.results import stats
+from testbed.results.fleet_study import fleet_lines
 from testbed.results.impairment_study import delay_table, hidden_delay
 from testbed.results.store import Results
 from testbed.results.variants import (
@@ -118,7 +119,8 @@ def answer_lines(results: Results) -> list[str]:
             f"{LEVEL_ACCURACY}: the accuracy study's top-1 at the level each inference "
             f"used ({table}; the rows matched: level_accuracy.csv)",
         ]
-    return lines + _impairment_lines(ok) + _delay_lines(results) + _stall_lines(ok)
+    lines += _impairment_lines(ok) + _delay_lines(results) + fleet_lines(results)
+    return lines + _stall_lines(ok)
 
 
 def _delay_lines(results: Results) -> list[str]:

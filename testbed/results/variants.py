@@ -66,12 +66,16 @@ def ok_trials(results: Results) -> pd.DataFrame:
 
 def link_labels(ok: pd.DataFrame, rate_column: str) -> tuple[pd.Series, list[str]]:
     """Each row's link as the answer and the figures name it ("10 Mbit/s", with its
-    impairments where the run swept them) and the links in order (rate, one-way delay, then
-    the plan's: the order of link.impairments)."""
+    impairments where the run swept them, its fleet where devices.variants did) and the
+    links in order (rate, one-way delay, then the plan's: the order of link.impairments and
+    devices.variants)."""
     rates = ok[rate_column].map(lambda rate: f"{rate:g} Mbit/s")
     words = trial_impairments(ok) if "impairments" in ok else None
     if words is not None and words.nunique() > 1:
         rates = rates + ", " + words.replace("", "no impairment")
+    fleets = ok["fleet"].fillna("").astype(str) if "fleet" in ok else None
+    if fleets is not None and fleets.nunique() > 1:  # devices.variants: a line each
+        rates = rates + ", " + fleets.replace("", "equal devices")
     labels = rates
     delay = ok["link_delay_ms"].fillna(0) if "link_delay_ms" in ok else 0.0
     order = pd.DataFrame({"label": labels, "rate": ok[rate_column], "delay": delay})
