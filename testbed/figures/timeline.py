@@ -3,8 +3,8 @@
 Per device count and session (a rate, an impairment or fleet variant), the effective latency of
 every measured inference of every variant (the slowest device's), against the inference's
 index, with a vertical line where each event acted: before the inference it held
-(`at_inference`), or before the first inference of its device it overlapped (`at_s`). Under it, every
-device's speed in force. One column of panels per session.
+(`at_inference`), or before the first inference of its device it overlapped (`at_s`). Under
+it, every device's speed in force. One column of panels per session.
 """
 
 from __future__ import annotations
