@@ -222,14 +222,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _grid(trials) -> str:
-    """'5 method variants x 5 rates x 1 device count' (x 'n links' where link.impairments
-    sweeps them)."""
+    """'5 method variants x 5 rates x 1 device count' (x 'n impairment variants' and 'n fleet
+    variants' where link.impairments and devices.variants sweep them)."""
     sizes = [
         (len({(t.method, t.params) for t in trials}), "method variant"),
         (len({t.bandwidth_mbit for t in trials}), "rate"),
     ]
     if any(t.impairment for t in trials):
         sizes.append((len({t.impairment for t in trials}), "impairment variant"))
+    if any(t.fleet for t in trials):
+        sizes.append((len({t.fleet for t in trials}), "fleet variant"))
     sizes.append((len({t.devices for t in trials}), "device count"))
     return " x ".join(f"{n} {what}{'s' if n != 1 else ''}" for n, what in sizes)
 
