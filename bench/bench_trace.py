@@ -36,9 +36,12 @@ Every figure is a median over repetitions with its distribution-free 95% interva
    ACKs of its peer's message, which its wire time leaves out).
 4. The serial emulator under load: 8 devices each sending bulk at 20 Mbit/s to the next at
    once (bench.serial_link_check.many_ports): every port's rate within 1% (root needed).
+5. A device's speed (part `speed`, bench.bench_speed): a CPU quota at several periods,
+   dilation in the worker, and both, block by block at speeds 0.5 and 0.25 (docs/devices.md;
+   root needed).
 
 Usage: python -m bench.bench_trace [--quick] [--backend auto|docker|local] [--out DIR]
-    [--only in-process buffers search latency links ports]
+    [--only in-process buffers search latency links ports speed]
 `--quick` swaps in tiny models and few repetitions (a check that the bench runs).
 """
 
@@ -53,7 +56,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from bench import bench_buffers
+from bench import bench_buffers, bench_speed
 from bench.bench_dedup import unique_fraction
 from bench.bench_search import BEAM, sender_match_rate
 from bench.bench_search import accuracy as search_accuracy_of
@@ -70,7 +73,7 @@ PATH_COST_MS = 0.3  # per message: what a real path adds to the wire time at mos
 EMULATOR_COST_MS = 0.08  # per message: the goal for the serial emulator's own cost
 PORTS, PORT_RATE_MBIT = 8, 20.0  # the ports that send bulk at once, each at this rate
 PORT_DELAY = {"delay_ms": 5.0}  # and once more through a delay (jitter would idle the line)
-PARTS = ("in-process", "buffers", "search", "latency", "links", "ports")
+PARTS = ("in-process", "buffers", "search", "latency", "links", "ports", "speed")
 RESULTS: list[str] = []
 
 
@@ -357,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         links(args.quick, args.backend, args.out)
     if "ports" in args.only:
         ports(args.quick)
+    if "speed" in args.only:  # its own table: a quota, dilation or both, block by block
+        bench_speed.main(["--quick"] if args.quick else [])
     print("\nsummary (median [95% interval] n)\n" + "\n".join(RESULTS))
     return 0
 
