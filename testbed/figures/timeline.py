@@ -88,6 +88,7 @@ def _event_marks(part: pd.DataFrame) -> list[tuple[int, str]]:
     rows = part.sort_values("repeat")[["rank", "repeat", "events"]]
     for rank, repeat, text in rows.itertuples(index=False):
         for label in str(text or "").split("; "):
-            if label and label not in marks and label.split()[1] == f"d{rank}":
+            device = label.split()[1].split("=")[0] if label else ""  # "d1=0.5" -> "d1"
+            if label and label not in marks and device == f"d{rank}":
                 marks[label] = int(repeat)
     return [(at, label) for label, at in marks.items()]
