@@ -15,6 +15,11 @@
 - `devices.records`: the typed records a device writes, and their reader.
 - `devices.worker`: the CLI (`python -m devices.worker`).
 - `devices.probe`: bulk TCP throughput between two hosts (`python -m devices.probe`).
+- `devices.device`: a device's session from set-up to records (mesh, handshake, levels,
+  inferences, files).
+- `devices.level`: the live choice of a Trace tree level (`level_k: auto`).
+- `devices.pace`: a device's speed by dilation, its control file and its progress file.
+- `devices.gemm`: the GEMM probe of a device's compute rate (`python -m devices.gemm`).
 
 Depends on `tracevq` only (never on `testbed`).
 """

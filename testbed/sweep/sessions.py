@@ -1,4 +1,5 @@
-"""One worker session per device count and bandwidth: the trials of that group, interleaved.
+"""One worker session per group of trials that share devices and a link (device count, rate,
+impairment variant, fleet variant): the trials of that group, interleaved.
 
 The testbed writes a `devices.spec.RunSpec` file per device (each trial is one of the spec's
 runs; the spec names the backend's run secret file, never the secret: see
