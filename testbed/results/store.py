@@ -112,14 +112,18 @@ class Results:
     environment: dict[str, Any]
 
     def summary(self) -> pd.DataFrame:
-        """Per trial (method, params, devices, bandwidth_mbit) the median over repetitions of
-        each latency and rate, a repetition's devices averaged first, with 95% intervals
-        (`testbed.results.stats.summarize`: n, v, v_low, v_high, level; successful rows only),
-        over impaired links the 95th and 99th percentiles of the slowest device's effective
-        latency, and the top-1 accuracy (device 0's correct predictions) where the inputs had
-        labels."""
+        """Per trial the median over repetitions of each latency and rate, a repetition's
+        devices averaged first, with 95% intervals (`testbed.results.stats.summarize`: n, v,
+        v_low, v_high, level; successful rows only), over impaired links the 95th and 99th
+        percentiles of the slowest device's effective latency, and the top-1 accuracy (device
+        0's correct predictions) where the inputs had labels. A trial is a method variant
+        (method, params) on a device count at a rate, under one impairment variant
+        (`impairments`: its devices' netem words) and one fleet variant (`fleet`,
+        `partition`): each is a column where the run has it, and no two trials share a row."""
         ok = self.trials[self.trials["status"] == "ok"]
-        keys = ["method", "params", "devices", "bandwidth_mbit"]
+        described = ["method", "params", "devices", "bandwidth_mbit"]
+        described += [c for c in ("impairments", "fleet", "partition") if c in ok]
+        keys = ["trial_id"]
         values = [
             "compute_ms",
             "comm_ms",
@@ -140,7 +144,14 @@ class Results:
         if len(labelled):
             sums = labelled.groupby(keys, dropna=False)[["correct", "batch"]].sum()
             table["accuracy"] = sums["correct"] / sums["batch"]
-        return table.reset_index()
+        trials = ok.drop_duplicates("trial_id").set_index("trial_id")[described]
+        if "impairments" in ok:  # every device's words, where they differ
+            words = ok.groupby("trial_id")["impairments"].agg(
+                lambda w: "; ".join(dict.fromkeys(w.fillna("").astype(str)))
+            )
+            trials["impairments"] = words
+        table = trials.join(table).reset_index()
+        return table.sort_values([*described[:4], "trial_id"], ignore_index=True)
 
 
 def load(run_dir: str | Path) -> Results:

@@ -89,3 +89,17 @@ def test_timeline_figure_marks_each_event_where_its_device_first_names_it(tmp_pa
     path = timeline_figure(run, tmp_path / "timeline.png")
     assert path is not None and path.stat().st_size > 10_000
     assert timeline_figure(results(tmp_path), tmp_path / "none.png") is None
+
+
+def test_summary_keeps_every_fleet_apart(tmp_path):
+    """Results.summary(): a row per trial, fleets never merged (each its own latency)."""
+    run = results(tmp_path)
+    measured = ["compute_ms", "wire_comm_ms", "analytic_comm_ms", "wait_ms", "wait_peer_ms"]
+    measured += ["wait_link_ms", "wait_wakeup_ms", "measured_mbit"]
+    run.trials[measured] = 1.0
+    run.trials["partition"] = run.trials["tokens"].map({99: "99-98", 98: "99-98"}).fillna("131-66")
+    summary = run.summary()
+    assert len(summary) == 6 and summary["trial_id"].is_unique
+    row = summary[(summary["method"] == "trace-b") & (summary["fleet"] == "speed1=0.3")]
+    assert row["effective_ms"].item() == pytest.approx(804 - 0.5)  # the devices' mean
+    assert row["partition"].item() == "99-98"
