@@ -97,6 +97,7 @@ def test_summary_keeps_every_fleet_apart(tmp_path):
     measured = ["compute_ms", "wire_comm_ms", "analytic_comm_ms", "wait_ms", "wait_peer_ms"]
     measured += ["wait_link_ms", "wait_wakeup_ms", "measured_mbit"]
     run.trials[measured] = 1.0
+    run.trials["correct"] = None  # unlabelled inputs
     run.trials["partition"] = run.trials["tokens"].map({99: "99-98", 98: "99-98"}).fillna("131-66")
     summary = run.summary()
     assert len(summary) == 6 and summary["trial_id"].is_unique
