@@ -244,7 +244,7 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
         expected = simulated_logits(experiment, trial, files.bundle_for(trial))
         np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
         ranks = {row.rank: row for row in plan_rows(experiment, [trial])}
-        run = RunFacts("r", backend.name, "tbf", experiment.batch, 1.0, 1, False)
+        run = RunFacts("r", backend.name, "tbf", experiment.batch, {0: 1, 1: 1}, False)
         facts = RowFacts(ranks, run, link, outcome.facts)
         rows, layers = assemble(facts, *outcome.records(trial.trial_id))
         board1 = rows[rows["rank"] == 1]
