@@ -53,14 +53,6 @@ def write_control(path: Path, speed: float, released: int = 0) -> None:
         os.close(fd)
 
 
-def read_control(path: Path) -> tuple[float, int]:
-    """(speed, releases) of a control file, for the orchestrator's own checks."""
-    with path.open("rb") as stream:
-        speed, released, again, released_again = CONTROL.unpack(stream.read(CONTROL.size))
-    assert (speed, released) == (again, released_again), "written by write_control only"
-    return speed, released
-
-
 class Progress:
     """Where the worker says which measured round it starts (`out/progress`)."""
 

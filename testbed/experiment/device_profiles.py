@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from testbed.errors import ConfigError
 from testbed.experiment.strict import Strict, describe
-from testbed.experiment.yamlfile import load_yaml, named_file, names_in
+from testbed.experiment.yamlfile import load_yaml, named_file
 from testbed.source import DEVICE_PROFILES_DIR
 
 
@@ -51,10 +51,6 @@ class DeviceProfile(Strict):
         if unsourced:
             raise ValueError(f"{unsourced[0]}: a figure from elsewhere needs its source (sources)")
         return self
-
-
-def available_device_profiles(directory: Path = DEVICE_PROFILES_DIR) -> list[str]:
-    return names_in(directory)
 
 
 def load_device_profile(

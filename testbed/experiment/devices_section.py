@@ -239,10 +239,6 @@ class DevicesSection(FleetVariant):
             _check_sources(variant)
         return self
 
-    def fleet_variants(self) -> list[FleetVariant]:
-        """The variants (each one session), or none but the section's own values."""
-        return list(self.variants or [FleetVariant()])
-
     def speed_source(self, variant: FleetVariant, rank: int) -> tuple[str, Any] | None:
         """Where device `rank`'s speed comes from under `variant`: ("speed", 0.5),
         ("gflops", 20.0), ("profile", "raspberry-pi-4"), or None (speed 1). The most specific
