@@ -30,6 +30,7 @@ from testbed.atomic import write_atomically
 from testbed.errors import StorageError, TestbedError
 from testbed.results import stats
 from testbed.results.columns import TRIAL_NAMES
+from testbed.results.variants import trial_impairments
 
 TRIAL_ROWS = "trial.parquet"
 LAYER_ROWS = "layers.parquet"
@@ -144,12 +145,9 @@ class Results:
         if len(labelled):
             sums = labelled.groupby(keys, dropna=False)[["correct", "batch"]].sum()
             table["accuracy"] = sums["correct"] / sums["batch"]
+        if "impairments" in ok:  # the trial's, as the answer words them
+            ok = ok.assign(impairments=trial_impairments(ok))
         trials = ok.drop_duplicates("trial_id").set_index("trial_id")[described]
-        if "impairments" in ok:  # every device's words, where they differ
-            words = ok.groupby("trial_id")["impairments"].agg(
-                lambda w: "; ".join(dict.fromkeys(w.fillna("").astype(str)))
-            )
-            trials["impairments"] = words
         table = trials.join(table).reset_index()
         return table.sort_values([*described[:4], "trial_id"], ignore_index=True)
 

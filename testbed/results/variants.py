@@ -8,11 +8,15 @@ taken against one method, `BASELINE`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pandas as pd
 
-from testbed.results.store import Results
 from tracevq.method_table import METHODS
+
+if TYPE_CHECKING:  # store imports this module (Results.summary)
+    from testbed.results.store import Results
 
 METHOD_ORDER = tuple(METHODS)  # the method table's order
 BASELINE = "voltage"  # what the answer's gains and the compression figure compare against
