@@ -18,6 +18,7 @@ variants; this module resolves it for one device count and one variant:
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -82,14 +83,42 @@ def variant_of(devices: DevicesSection, key: str) -> FleetVariant:
     return FleetVariant.model_validate(json.loads(key)) if key else FleetVariant()
 
 
+@functools.cache
+def _profile(name: str) -> DeviceProfile:
+    """A device profile, read once per process (every trial's plan row resolves its fleet)."""
+    return load_device_profile(name)
+
+
+def _device_profile(name: str, rank: int) -> DeviceProfile:
+    try:
+        return _profile(name)
+    except ConfigError as error:
+        raise ConfigError(f"devices.profile: device {rank}: {error}") from None
+
+
 def profile_of(devices: DevicesSection, rank: int, variant: FleetVariant) -> DeviceProfile | None:
     source = devices.speed_source(variant, rank)
     if source is None or source[0] != "profile":
         return None
-    try:
-        return load_device_profile(source[1])
-    except ConfigError as error:
-        raise ConfigError(f"devices.profile: device {rank}: {error}") from None
+    return _device_profile(str(source[1]), rank)
+
+
+def rate_source(
+    devices: DevicesSection, rank: int, variant: FleetVariant
+) -> tuple[str, float, DeviceProfile | None] | None:
+    """How device `rank` is as fast as it is under `variant`: ("speed", 0.5, None),
+    ("gflops", 20.0, None), the same with the profile they come from, or None (speed 1)."""
+    source = devices.speed_source(variant, rank)
+    if source is None:
+        return None
+    field, value = source
+    if field != "profile":
+        return field, float(value), None
+    profile = _device_profile(str(value), rank)
+    if profile.speed is not None:
+        return "speed", profile.speed, profile
+    assert profile.gflops is not None  # a profile has one of them (DeviceProfile)
+    return "gflops", profile.gflops, profile
 
 
 def resources(devices: DevicesSection, rank: int) -> tuple[float, int]:
@@ -114,23 +143,22 @@ def resolve_fleet(
     shares = []
     for rank in range(count):
         cpus, memory = resources(devices, rank)
-        source = devices.speed_source(variant, rank)
+        source = rate_source(devices, rank, variant)
         speed, said = 1.0, ""
         if source is not None:
-            field, value = source
-            profile = profile_of(devices, rank, variant) if field == "profile" else None
-            if profile is not None:
-                if (profile.cpus, profile.memory_mb or memory) != (cpus, memory):
-                    raise ConfigError(
-                        f"devices.variants: device {rank}'s profile {profile.name} has other "
-                        f"CPUs or memory than the device started with ({cpus:g} CPUs, "
-                        f"{memory} MB): a variant changes speeds, not devices"
-                    )
-                field = "speed" if profile.speed is not None else "gflops"
-                value = profile.speed if profile.speed is not None else profile.gflops
-                said = f"profile {profile.name}"
+            field, value, profile = source
+            started = (cpus, memory)
+            if profile is not None and (profile.cpus, profile.memory_mb or memory) != started:
+                raise ConfigError(
+                    f"devices.variants: device {rank}'s profile {profile.name} has other "
+                    f"CPUs or memory than the device started with ({cpus:g} CPUs, "
+                    f"{memory} MB): a variant changes speeds, not devices"
+                )
             speed = value if field == "speed" else _speed_of(value, cpus, rank, host_gflops)
-            said = said or (field if field == "speed" else f"gflops {value:g}")
+            if profile is not None:
+                said = f"profile {profile.name}"
+            else:
+                said = field if field == "speed" else f"gflops {value:g}"
         shares.append(DeviceShare(rank, cpus, memory, speed, said))
     partition = devices.partition_of(variant)
     label = variant.label() if key else ""
@@ -139,18 +167,12 @@ def resolve_fleet(
 
 def needs_host_rate(devices: DevicesSection, count: int) -> bool:
     """Whether some device's speed is a rate (gflops, or a profile's) for this device count."""
-    for key in fleet_variant_keys(devices):
-        variant = variant_of(devices, key)
-        for rank in range(count):
-            source = devices.speed_source(variant, rank)
-            if source is None:
-                continue
-            if source[0] == "gflops":
-                return True
-            profile = profile_of(devices, rank, variant) if source[0] == "profile" else None
-            if profile is not None and profile.gflops is not None:
-                return True
-    return False
+    return any(
+        (source := rate_source(devices, rank, variant_of(devices, key))) is not None
+        and source[0] == "gflops"
+        for key in fleet_variant_keys(devices)
+        for rank in range(count)
+    )
 
 
 def _speed_of(gflops: float, cpus: float, rank: int, host_gflops: float | None) -> float:
