@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace) -> int:
     checked = check_experiment(experiment, backend, str(source))
     trials = plan_trials(experiment)
     if args.dry_run:
-        rows = plan_rows(experiment, trials)  # every trial's arithmetic, before writing
+        rows = plan_rows(experiment, trials, checked.host_gflops)  # every trial's arithmetic
         args.run_dir = run_dir
         prepare_run_dir(experiment, run_dir, trials, rows)
         print_plan(rows)

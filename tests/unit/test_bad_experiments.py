@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from testbed.run import main
@@ -740,3 +741,16 @@ def test_a_device_faster_than_the_host_is_refused_naming_both_rates(capsys, tmp_
     path.write_text(exp("devices: {profile: {0: paper-device}}\n"))
     line = refused(capsys, tmp_path, [str(path)])
     assert "device 0 asks for 182 GFLOP/s on 2 CPUs, where this host gives 160.0 GFLOP/s" in line
+
+
+def test_a_rate_in_a_fleet_variant_is_planned_with_the_host_rate(capsys, tmp_path, monkeypatch):
+    """A dry run of devices given as rates (here only in a variant) turns them into speeds
+    with this host's rate: 40 GFLOP/s on one CPU of an 80 GFLOP/s core is speed 0.5."""
+    monkeypatch.setenv("TESTBED_HOST_GFLOPS", "80")
+    path = tmp_path / "rates.yaml"
+    path.write_text(exp("devices: {variants: [{}, {gflops: {0: 40}}]}\n"))
+    out = tmp_path / "out"
+    assert main([str(path), "--dry-run", "--out", str(out)]) == 0, capsys.readouterr().err
+    (plan,) = out.glob("*/*/plan.csv")
+    speeds = pd.read_csv(plan).groupby("fleet", dropna=False)["device_speed"].apply(list)
+    assert sorted(speeds.tolist()) == [[0.5, 1.0], [1.0, 1.0]]
