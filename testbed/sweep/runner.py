@@ -198,6 +198,7 @@ class Runner:
                 )
                 lost = ""  # a device or the emulator died: these devices run no more sessions
                 for (rate, impairment, fleet), grouped in by_link:
+                    key = (count, rate, impairment, fleet)
                     group, what = list(grouped), f"P={count} {rate:g} Mbit/s"
                     if self.trace is not None:
                         what = f"P={count} trace {self.trace.name} (mean {rate:g} Mbit/s)"
@@ -208,9 +209,9 @@ class Runner:
                     interrupts.check()
                     if lost:
                         self._record_unrun(backend, group, plan, rate, f"not run: {lost}", outcome)
-                        progress.skip((count, rate, impairment, fleet), what, "NOT RUN")
+                        progress.skip(key, what, "NOT RUN")
                         continue
-                    progress.start((count, rate, impairment, fleet), what)
+                    progress.start(key, what)
                     # a trace's link is shaped and probed at its first step
                     shaped = rate if self.trace is None else self.trace.rates_mbit[0]
                     profile = link_profile(self.experiment, group[0])
@@ -220,7 +221,7 @@ class Runner:
                     voice.say(f"{what}: {self.emulator.name} link, {_probed(link, count)}")
                     result = self._run_session(links, group, plan, files, link, outcome)
                     said = "ok" if result.ok else ("ENDED EARLY" if result.left else "FAILED")
-                    progress.finish((count, rate, impairment, fleet), what, said)
+                    progress.finish(key, what, said)
                     lost = result.lost
                     interrupts.check()
 
