@@ -15,6 +15,12 @@
  * does: each copy a frame is sent as gets its time in a heap of pending frames, and the
  * port reads ahead (polls its socket until the head is due) where one frame may overtake
  * another (serial_mode).
+ *
+ * On a shared medium (serial_medium: a cell, program.py's "Shared medium") every port's
+ * frames take one line, the cell's: a frame's slot starts at the later of its arrival and
+ * the end of the last slot any port took, and lasts the airtime overhead plus its wire time
+ * at its sender's rate. A port takes its next slot only once its previous one has ended, so
+ * stations with frames waiting take turns frame by frame. Impairments come after the air.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -63,6 +69,7 @@ struct port {
     int fd;
     volatile double rate_bit_s, down_bit_s; /* down 0: unshaped */
     int64_t free_at_ns;
+    int64_t sent_after_ns;     /* on a cell: the last delayed copy's time, kept in order */
     int stalling;
     struct counters counters;
     int64_t stall_start_ns[STALL_LOG], stall_ns[STALL_LOG]; /* a ring */
@@ -89,6 +96,10 @@ static unsigned char macs[MAX_MACS][6];
 static int mac_port[MAX_MACS];
 static int mac_count;
 static pthread_mutex_t mac_lock = PTHREAD_MUTEX_INITIALIZER;
+static volatile int shared;              /* 1: one line (the cell) for every port's frames */
+static volatile int64_t airtime_ns;      /* what each frame adds on it (preamble, MAC) */
+static int64_t cell_free_at_ns;          /* the end of the last slot taken, under cell_lock */
+static pthread_mutex_t cell_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -101,6 +112,7 @@ size_t serial_counters_size(void) { return sizeof(struct counters); }
 int serial_init(int count) {
     if (count < 1 || count > MAX_PORTS) return -EINVAL;
     port_count = count;
+    cell_free_at_ns = 0;
     for (int i = 0; i < count; i++) {
         serial_impairments_free(ports[i].up);
         serial_impairments_free(ports[i].down);
@@ -131,6 +143,16 @@ int serial_rate(int index, double rate_bit_s) {
 int serial_down(int index, double rate_bit_s) {
     if (index < 0 || index >= port_count || rate_bit_s < 0) return -EINVAL;
     ports[index].down_bit_s = rate_bit_s;
+    return 0;
+}
+
+/* Every port's frames on one shared line from the next frame on (`on`), each with
+ * `overhead_ns` of airtime besides its wire time; or a line per port (0). */
+int serial_medium(int on, int64_t overhead_ns) {
+    if (overhead_ns < 0 || (!on && overhead_ns)) return -EINVAL;
+    pthread_mutex_lock(&cell_lock);
+    shared = on, airtime_ns = overhead_ns;
+    pthread_mutex_unlock(&cell_lock);
     return 0;
 }
 
@@ -262,6 +284,22 @@ static double frame_rate(int index, int egress) {
     if (down > 0 && down < rate) rate = down;
     if (pair > 0 && pair < rate) rate = pair;
     return rate;
+}
+
+/* The slot of a frame ready at `ready` whose wire time is `wire` on the port's own line, or
+ * on the cell's where the medium is shared: sets *start and returns the slot's end, which
+ * is the line's (or the cell's) next free moment. */
+static int64_t take_line(struct port *port, int64_t ready, int64_t wire, int64_t *start) {
+    if (!shared) {
+        *start = ready > port->free_at_ns ? ready : port->free_at_ns;
+        return port->free_at_ns = *start + wire;
+    }
+    pthread_mutex_lock(&cell_lock);
+    *start = ready > cell_free_at_ns ? ready : cell_free_at_ns;
+    cell_free_at_ns = *start + airtime_ns + wire;
+    port->free_at_ns = cell_free_at_ns;
+    pthread_mutex_unlock(&cell_lock);
+    return port->free_at_ns;
 }
 
 static void transmit(struct port *port, const unsigned char *frame, ssize_t size) {
@@ -450,18 +488,27 @@ static int read_impaired(int index, unsigned char *frame, struct msghdr *message
         pthread_mutex_unlock(&port->lock);
         return 0;
     }
-    int64_t wire = (int64_t)((double)size * 8e9 / rate);
+    int64_t wire = (int64_t)((double)size * 8e9 / rate), air_start = 0, air_end = 0;
+    if (shared) air_end = take_line(port, arrival, wire, &air_start); /* even if lost */
     for (int c = 0; c < count; c++) {
         int64_t send, queued = 0;
-        if (copies[c].reordered) {  /* a path of its own: no delay, the line untouched */
+        if (shared) {  /* the air first, then the delay; a reordered copy skips it */
+            queued = air_start - arrival;
+            if (copies[c].reordered) {
+                event(port, arrival, REORDERED);
+                send = air_end;
+            } else {  /* jitter does not reorder, as on a port's line */
+                send = air_end + copies[c].delay_ns;
+                if (send < port->sent_after_ns) send = port->sent_after_ns;
+                port->sent_after_ns = send;
+            }
+        } else if (copies[c].reordered) {  /* a path of its own: no delay, the line untouched */
             event(port, arrival, REORDERED);
             send = arrival + wire;
         } else {
-            int64_t ready = arrival + copies[c].delay_ns;
-            int64_t start = ready > port->free_at_ns ? ready : port->free_at_ns;
-            send = start + wire;
-            port->free_at_ns = send;
-            queued = start - ready;
+            int64_t start;
+            send = take_line(port, arrival + copies[c].delay_ns, wire, &start);
+            queued = start - (arrival + copies[c].delay_ns);
         }
         int64_t after[MAX_FAN] = {0};
         int fan = port->hops && egress >= 0 ? hop_delays(index, egress, arrival, after) : 1;
@@ -483,12 +530,12 @@ static void wait_until(int64_t end, int poll) {
 }
 
 /* Sends the heap's head once due, or reads the next frame where the port reads ahead and
- * one comes first. Returns 0, or -errno. */
-static int serve_pending(int index, unsigned char *frame, struct msghdr *message) {
+ * one comes first (and `may_read`). Returns 0, or -errno. */
+static int serve_pending(int index, unsigned char *frame, struct msghdr *message, int may_read) {
     struct port *port = &ports[index];
     struct pending *head = &port->pending[0];
     int poll = spin_ns && ends_message(head->frame, head->size, head->queued == 0);
-    if (port->reads_ahead) {  /* reads what comes until the poll begins */
+    if (port->reads_ahead && may_read) {  /* reads what comes until the poll begins */
         int64_t wait = head->due - (poll ? spin_ns : 0) - now_ns();
         if (wait > 0) {
             struct pollfd readable = {port->fd, POLLIN, 0};
@@ -521,7 +568,20 @@ int serial_serve(int index) {
             .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control,
         };
         if (port->pending_count || port->up != NULL || port->hops) {  /* impaired */
-            int failed = port->pending_count ? serve_pending(index, frame, &message)
+            int64_t air_end = port->free_at_ns;
+            if (shared && air_end > now_ns()) {  /* its slot on the cell first: no reading */
+                int64_t due = port->pending_count && port->pending[0].due < air_end
+                                  ? port->pending[0].due
+                                  : air_end;
+                if (due < air_end) {
+                    int failed = serve_pending(index, frame, &message, 0);
+                    if (failed < 0) return failed;
+                } else {
+                    wait_until(air_end, 0);
+                }
+                continue;
+            }
+            int failed = port->pending_count ? serve_pending(index, frame, &message, 1)
                                              : read_impaired(index, frame, &message);
             if (failed < 0) return failed;
             continue;
@@ -534,9 +594,7 @@ int serial_serve(int index) {
         if (from.sll_pkttype == PACKET_OUTGOING || size < 14) continue;
         int64_t arrival = arrival_ns(&message, port);
         double rate = frame_rate(index, egress_of(frame));
-        int64_t start = arrival > port->free_at_ns ? arrival : port->free_at_ns;
-        int64_t end = start + (int64_t)((double)size * 8e9 / rate);
-        port->free_at_ns = end;
+        int64_t start, end = take_line(port, arrival, (int64_t)((double)size * 8e9 / rate), &start);
         wait_until(end, spin_ns && ends_message(frame, size, start == arrival));
         int64_t late = now_ns() - end;
         forward(index, frame, size);

@@ -123,6 +123,7 @@ def load() -> ctypes.CDLL | None:
     library.serial_rate.argtypes = library.serial_down.argtypes = [ctypes.c_int, ctypes.c_double]
     library.serial_port.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double]
     library.serial_spin.argtypes = [ctypes.c_int64]
+    library.serial_medium.argtypes = [ctypes.c_int, ctypes.c_int64]
     library.serial_ends_message.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t, ctypes.c_int]
     library.serial_pair.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_double]
     library.serial_impairments.restype = ctypes.c_void_p

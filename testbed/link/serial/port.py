@@ -170,6 +170,7 @@ class Port:
         self.pending: list[tuple[float, int, bytes, float]] = []  # (send at, order, frame, queued)
         self.order = itertools.count()
         self.queue_limit = MIN_QUEUE_FRAMES
+        self.queue_share = 1  # on a shared medium, the ports that take turns with this one
         self._warned_clock = False
         self.core: Any = None  # the C core that serves it, and its index there
         self.index = 0
@@ -226,7 +227,7 @@ class Port:
         if self.impairments is not None:
             delay_s += self.impairments.max_delay_s
         delay_ms = 1e3 * delay_s
-        frames = queue_frames(self.rate_bit_s, self.queue_ms + delay_ms)
+        frames = queue_frames(self.rate_bit_s, self.queue_ms * self.queue_share + delay_ms)
         self.queue_limit = frames
         self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf_request_bytes(frames))
         log.debug("%s: rate %.0f bit/s, queue %d frames", self.name, self.rate_bit_s, frames)

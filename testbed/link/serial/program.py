@@ -77,6 +77,25 @@ Decisions:
   frame); the Python loop below runs with `--core python`, or where the C core cannot be
   built (`auto`, the default, says so in a warning). Measured with make bench: see
   docs/benchmarks.md.
+- Shared medium (`medium shared AIRTIME_US`, a Wi-Fi cell): every frame any port receives, data or
+  acknowledgement, takes one line, the cell's, one frame at a time. A frame's slot starts
+  at the later of its arrival and the end of the last slot any port took, and lasts
+  AIRTIME_US (preamble, MAC and channel access) plus its wire time at its
+  sender's rate. Arbitration: a port takes its next slot only once its previous one has
+  ended (its thread sleeps until then, its next frame waiting in its queue), so while P
+  stations have frames waiting, each gets every P-th slot: turns frame by frame, first
+  come first served among those waiting. That is what 802.11's DCF gives in the long run
+  (every station the same chance at each transmission opportunity, whatever its frames'
+  length: a station at a lower rate takes more airtime per frame, the "performance anomaly"
+  of Heusse et al., INFOCOM 2003), without its random backoff, collisions and their retries:
+  a collision costs airtime that a profile's overhead can stand for, and the backoff would
+  make single frames' times random, which the delay's jitter already can. Impairments come
+  after the air: a lost frame took its airtime, a delay or jitter follows the air (and does
+  not reorder: a copy leaves no earlier than the port's previous delayed one), a reordered
+  copy skips its delay, a duplicate takes no second slot. Downlink and pair rates are not
+  defined on a cell (the testbed refuses them). Only the C core schedules it: the Python
+  loop refuses `medium shared`. A station's queue waits while the others take their
+  turns, so on a cell it is `--queue-ms` times the port count.
 - SCHED_FIFO when permitted (else a warning) and a 50 us GIL switch interval, so that one
   port's thread does not hold up another's frame.
 
@@ -85,7 +104,8 @@ every port is open, then answers one line on stdout per command line on stdin: `
 `ok`; `down PORT BIT_S` (0: unshaped) -> `ok`; `pair SRC DST BIT_S` (0: none) -> `ok`;
 `impair PORT SEED JSON` (netem's parameters, `testbed.experiment.impairments`), `impair-down
 PORT SEED JSON`, `impair-pair SRC DST SEED JSON` -> `ok`;
-`stats` -> JSON {port: `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
+`medium shared AIRTIME_US` or `medium dedicated 0` -> `ok`; `stats` -> JSON {port:
+`Port.stats()`}; anything else -> `error <why>`. EOF ends it.
 `testbed.link.serial.protocol` parses the command line and the commands.
 """
 
@@ -173,6 +193,25 @@ class Switch:
                 port._size_queue()
             port.tell_core()
 
+    def set_medium(self, shared: bool, airtime_us: float) -> str:
+        """One line for every port's frames from the next frame on, or a line each; each
+        port's queue `queue_ms` times the port count on the cell (see Shared medium)."""
+        if shared and self.core is None:
+            return (
+                "error medium shared: the shared medium is scheduled by the C core (core.c); "
+                "this switch runs the Python loop"
+            )
+        if self.core is not None and self.core.serial_medium(shared, round(1e3 * airtime_us)):
+            return f"error medium: the C core refuses airtime {airtime_us} us"
+        share = len(self.ports) if shared else 1
+        try:
+            for port in self.ports.values():
+                port.queue_share = share
+                port._size_queue()
+        except OSError as error:
+            return f"error medium: resizing the queues failed: {error}"
+        return "ok"
+
     def forward(self, ingress: Port, frame: bytes) -> None:
         destination, source = frame[:6], frame[6:12]
         if self.learned.get(source) is not ingress:
@@ -216,6 +255,8 @@ class Switch:
             return f"error {error}"
         if command.name == "stats":
             return json.dumps({name: port.stats() for name, port in self.ports.items()})
+        if command.name == "medium":
+            return self.set_medium(command.medium == "shared", command.airtime_us or 0.0)
         assert command.port is not None
         if command.name.startswith("impair"):
             assert command.parameters is not None and command.seed is not None

@@ -1,7 +1,7 @@
 """What the serial link program (`testbed.link.serial.program`) is told: its ports on the command
 line (`IFNAME=RATE_BIT_S`, `PORT=CPULIST`) and its commands on stdin (`rate PORT BIT_S`, `down PORT
 BIT_S`, `pair SRC DST BIT_S`, `impair PORT SEED JSON`, `impair-down PORT SEED JSON`,
-`impair-pair SRC DST SEED JSON`, `stats`), parsed and checked. Pure and
+`impair-pair SRC DST SEED JSON`, `medium shared|dedicated AIRTIME_US`, `stats`), parsed and checked. Pure and
 stdlib only, like the program; every error is a ShapingError that names what is wrong.
 """
 
@@ -72,6 +72,8 @@ class Command:
     target: str | None = None
     seed: int | None = None  # impair: the seed of the port's draws
     parameters: dict[str, Any] | None = None  # impair: netem's parameters, checked
+    medium: str | None = None  # medium: shared (one line for all) or dedicated (one each)
+    airtime_us: float | None = None  # medium: what a frame adds on a shared one
 
 
 def parse_command(line: str, ports: Iterable[str]) -> Command:
@@ -80,6 +82,8 @@ def parse_command(line: str, ports: Iterable[str]) -> Command:
     words, known = line.split(), list(ports)
     if words == ["stats"]:
         return Command("stats")
+    if words[:1] == ["medium"]:
+        return _medium(words)
     if words[:1] and words[0] in IMPAIR_COMMANDS:
         return _impair(line, known)
     named = words[1:-1]
@@ -96,8 +100,27 @@ def parse_command(line: str, ports: Iterable[str]) -> Command:
     raise ShapingError(
         f"unknown command {line.strip()!r}: expected 'rate PORT BIT_S', 'down PORT BIT_S', "
         "'pair SRC DST BIT_S', 'impair PORT SEED JSON', 'impair-down PORT SEED JSON', "
-        "'impair-pair SRC DST SEED JSON' or 'stats'"
+        "'impair-pair SRC DST SEED JSON', 'medium shared|dedicated AIRTIME_US' or 'stats'"
     )
+
+
+MEDIA = ("dedicated", "shared")  # a line per port, or one for every port (a cell)
+
+
+def _medium(words: list[str]) -> Command:
+    """`medium shared AIRTIME_US` or `medium dedicated 0`."""
+    usage = "medium: expected 'medium shared|dedicated AIRTIME_US'"
+    if len(words) != 3 or words[1] not in MEDIA:
+        raise ShapingError(usage)
+    try:
+        airtime_us = float(words[2])
+    except ValueError:
+        raise ShapingError(f"{usage}, got airtime {words[2]!r}") from None
+    if not math.isfinite(airtime_us) or airtime_us < 0:
+        raise ShapingError(f"medium: the airtime must be >= 0 us, got {words[2]!r}")
+    if airtime_us and words[1] == "dedicated":
+        raise ShapingError("medium dedicated: a frame's airtime is for a shared medium")
+    return Command("medium", medium=words[1], airtime_us=airtime_us)
 
 
 def _optional_rate(text: str, where: str) -> float | None:

@@ -331,6 +331,12 @@ class SerialSwitch:
         for rank in self.ranks:
             self._shape(rank)
 
+    def set_medium(self, shared: bool, airtime_us: float = 0.0) -> None:
+        """Every device's frames on one line from now on (a cell: `shared`, each frame with
+        `airtime_us` besides its wire time), or a line each (program.py, Shared medium)."""
+        medium = "shared" if shared else "dedicated"
+        self._ask(f"medium {medium} {airtime_us:g}", "ok", f"set the medium {medium}")
+
     def impair(
         self,
         rank: int,
