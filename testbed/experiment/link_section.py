@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -65,6 +65,13 @@ class LinkSection(Strict):
         description="what shapes the links, an emulator of the table below (serial, tbf); "
         "default: the backend's (serial, except on ssh boards: tbf)",
     )
+    medium: list[Literal["dedicated", "shared"]] | None = Field(
+        None,
+        description="the media swept like the rates (one or a list): dedicated, a line per "
+        "device (a switched network); shared, one cell that every device's frames take in "
+        "turn (a Wi-Fi channel; the serial emulator only, without per-pair or downlink "
+        "rates and impairments); default: the profile's",
+    )
     uplink_mbit: dict[int, float] = Field(
         default_factory=dict, description="what each named device sends at: " + PER_DEVICE
     )
@@ -104,7 +111,12 @@ class LinkSection(Strict):
         "three)",
     )
 
-    _list = field_validator("bandwidth_mbit", mode="before")(as_list_or_none)
+    _list = field_validator("bandwidth_mbit", "medium", mode="before")(as_list_or_none)
+
+    @field_validator("medium")
+    @classmethod
+    def _distinct_media(cls, media: list[str] | None) -> list[str] | None:
+        return None if media is None else distinct(media, "medium")
 
     @field_validator("impairments")
     @classmethod

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -87,12 +87,33 @@ class LinkProfile(Strict):
         description="what the serial emulator's draws start from (with the device count, "
         "the rate and the device): the same seed, the same realisation",
     )
+    medium: Literal["dedicated", "shared"] = Field(
+        default="dedicated",
+        description="dedicated: a line per device, its frames alone on it; shared: one cell "
+        "for every device's frames, data and acknowledgements, taking turns frame by frame "
+        "(the serial emulator; see Shared medium)",
+    )
+    airtime_us: float = Field(
+        default=0.0,
+        ge=0,
+        le=100_000,
+        description="on a shared medium, what each frame adds to its wire time: preamble, "
+        "MAC headers, the gap before and the acknowledgement after it (microseconds)",
+    )
     burst_bytes: int | None = Field(
         default=None, gt=0, le=1 << 30, description="a larger tbf bucket than two full frames"
     )
     queue_latency_ms: float = Field(
         default=50.0, gt=0, le=60_000, description="the queue's bound, as tc's tbf latency"
     )
+
+    @model_validator(mode="after")
+    def _airtime_shared(self) -> LinkProfile:
+        if self.airtime_us and self.medium != "shared":
+            raise ValueError(
+                f"airtime_us: {self.airtime_us:g} us of airtime per frame needs medium: shared"
+            )
+        return self
 
     @model_validator(mode="after")
     def _impairments_valid(self) -> LinkProfile:
@@ -107,13 +128,16 @@ class LinkProfile(Strict):
         return self.model_dump(include=set(IMPAIRMENTS), exclude_none=True)
 
     def with_impairments(self, variant: dict[str, Any]) -> LinkProfile:
-        """This profile with a variant's impairments laid over its own; a variant that names
-        a loss model (loss_pct, loss_gemodel, loss_state) replaces the profile's. Raises
+        """This profile with a variant's impairments (and medium, link.medium) laid over its
+        own; a variant that names a loss model (loss_pct, loss_gemodel, loss_state) replaces
+        the profile's. Raises
         ImpairmentError naming the parameter where the two do not go together."""
         base = self.model_dump(exclude_none=True)
         if LOSS_MODELS & set(variant):
             for name in (*LOSS_MODELS, "loss_correlation_pct"):
                 base.pop(name, None)
+        if variant.get("medium") == "dedicated":  # a line each has no per-frame airtime
+            base.pop("airtime_us", None)
         merged = {**base, **variant}
         checked({k: v for k, v in merged.items() if k in IMPAIRMENTS})
         return LinkProfile.model_validate(merged)

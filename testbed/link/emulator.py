@@ -58,6 +58,7 @@ class Emulator(abc.ABC):
     name: str = ""
     # whether it draws the receivers' downlink and the pairs' impairments (testbed.link.paths)
     impairs_paths: bool = False
+    shares_medium: bool = False  # it can put every device's frames on one line (a cell)
     seeds: dict[str, int]  # each hop's seed in the current session, where it draws them
 
     @classmethod
@@ -96,8 +97,16 @@ class Emulator(abc.ABC):
     ) -> Refusal | None:
         """Why `profile` cannot be emulated on `backend`'s devices (`pair_rates`: the
         experiment caps pairs, link.pair_mbit; `paths`: the later hops' impairments, for an
-        emulator that `impairs_paths`), or None when it can. Here: the later hops' impairments
+        emulator that `impairs_paths`), or None when it can. Here: a shared medium on an emulator
+        that does not share one, the later hops' impairments
         on an emulator that impairs uplinks only; a subclass adds its own rules."""
+        if profile.medium == "shared" and not cls.shares_medium:
+            able = " or ".join(name for name, kind in EMULATORS.items() if kind.shares_medium)
+            return Refusal(
+                "link.medium",
+                f"a shared medium is scheduled by the {able} emulator (link.emulator: {able}); "
+                f"{cls.name} shapes each device's own egress",
+            )
         if not paths or cls.impairs_paths:
             return None
         able = " or ".join(name for name, kind in EMULATORS.items() if kind.impairs_paths)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,12 @@ class LinkState:
     impairments: dict[int, str] = field(default_factory=dict)
     delay_ms: dict[int, float] = field(default_factory=dict)
     impairment_seeds: dict[str, int] = field(default_factory=dict)  # by hop ("0", "down1", "0->1")
+    # the medium (dedicated: a line per device; shared: one cell) and, on a shared one, what
+    # each device's transfer achieved with every device sending at once (the probe's
+    # payload rate, by sender; each alone is `measured_mbit`)
+    medium: str = "dedicated"
+    airtime_us: float = 0.0
+    together_mbit: dict[int, float] = field(default_factory=dict)
     # how long setting the rates and probing every transfer took (s): the orchestration's
     shape_s: float = 0.0
     probe_s: float = 0.0
@@ -144,6 +151,9 @@ class Links:
             pair_mbit={f"{s}->{d}": cap for (s, d), cap in rates.pair_mbit.items()},
         )
         self._probe(rates, probe_seconds, state)
+        state.medium, state.airtime_us = self.profile.medium, self.profile.airtime_us
+        if state.medium == "shared" and len(devices) > 1:
+            state.together_mbit = self._probe_together(rates, probe_seconds)
         state.shape_s, state.probe_s = shaped - began, time.monotonic() - shaped
         self.emulator.impair(rates)  # after the probe, which checks the rate alone
         for device in devices:
@@ -175,6 +185,21 @@ class Links:
         for rank, (source, target) in probes.downlink.items():
             state.downlink_probe[rank] = key = f"{source}->{target}"
             state.downlink_measured_mbit[rank] = state.transfers[key]["measured_mbit"]
+
+    def _probe_together(self, rates: LinkRates, probe_seconds: float) -> dict[int, float]:
+        """On a shared medium: every device sends to the next at once, each its share of the
+        cell for `probe_seconds`; what each achieved, by sender."""
+        devices = self.devices
+        count = len(devices)
+
+        def one(rank: int) -> float:
+            share_mbit = rates.uplink_mbit[rank] / count
+            receiver = devices[(rank + 1) % count]
+            byte_count = probe_bytes(share_mbit, probe_seconds)
+            return probe(self.backend, devices[rank], receiver, byte_count)
+
+        with ThreadPoolExecutor(count) as pool:
+            return dict(enumerate(pool.map(one, range(count))))
 
     def set_profile(
         self, profile: LinkProfile, uplinks: dict[int, LinkProfile] | None = None

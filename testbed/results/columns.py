@@ -160,6 +160,14 @@ CONTEXT = _table(
                                                   30ms 10ms loss random 0.5%); empty: none
     link_delay_ms                float64  ms      the link's configured one-way delay (each
                                                   direction's)
+    medium                       string   -       dedicated: a line per device; shared: one cell
+                                                  that every device's frames take in turn
+                                                  (link.medium)
+    airtime_us                   float64  us      on a shared medium, what each frame adds to its
+                                                  wire time (the profile's airtime_us)
+    together_mbit                float64  Mbit/s  on a shared medium, the TCP payload rate the
+                                                  probe achieved from this device while every
+                                                  device sent at once (measured_mbit: alone)
     link_lost_frames             Int64    -       serial emulator: frames its impairments lost
                                                   during this inference, every port's; empty on
                                                   tbf links (netem's are not counted per frame)

@@ -179,6 +179,9 @@ def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
         "link_sent_bytes": session.sent_bytes.get(rank),
         "impairments": link.impairments.get(rank, ""),
         "link_delay_ms": link.delay_ms.get(rank, 0.0),
+        "medium": link.medium,
+        "airtime_us": link.airtime_us,
+        "together_mbit": link.together_mbit.get(rank),
     }
 
 

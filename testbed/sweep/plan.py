@@ -178,10 +178,12 @@ def plan_trials(experiment: Experiment) -> list[Trial]:
 
 
 def impairment_variants(link: LinkSection) -> list[str]:
-    """The link's impairment variants as canonical JSON ([""]: the profile alone)."""
-    if link.impairments is None:
-        return [""]
-    return [json.dumps(variant, sort_keys=True) for variant in link.impairments]
+    """The link's variants as canonical JSON ([""]: the profile alone): each impairment
+    variant (link.impairments), for each medium where link.medium names them."""
+    variants = link.impairments if link.impairments is not None else [{}]
+    media = [{}] if link.medium is None else [{"medium": medium} for medium in link.medium]
+    laid = [{**variant, **medium} for medium in media for variant in variants]
+    return [json.dumps(variant, sort_keys=True) if variant else "" for variant in laid]
 
 
 def analytic_comm_ms(

@@ -68,11 +68,27 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
     profile = _profile(experiment, source)
     paths = PathImpairments.of(experiment.link)
     for field, variant in _variants(experiment, profile, source):
+        if variant.medium == "shared":
+            _check_shared_medium(experiment, variant, source)
         refused = emulator.refusal(variant, backend, bool(experiment.link.pair_mbit), paths)
         if refused is not None:
             field = field if refused.field == "link.profile" else refused.field
             raise ConfigError(f"{source}: {field}: {refused.why}")
     return Checked(profile, backend, emulator, host_gflops)
+
+
+def _check_shared_medium(experiment: Experiment, variant: LinkProfile, source: str) -> None:
+    """A shared medium is one line that every frame takes at its sender's rate: a receiver's
+    or a pair's rate or later hop has no place on it."""
+    link = experiment.link
+    for field in ("downlink_mbit", "pair_mbit", "downlink_impairments", "pair_impairments"):
+        if getattr(link, field):
+            where = "link.medium" if link.medium else f"link.profile {variant.name}"
+            raise ConfigError(
+                f"{source}: link.{field}: a shared medium ({where}) is one cell that every "
+                "frame crosses at its sender's rate; it has no downlink or per-pair rates or "
+                "impairments (use link.uplink_mbit and link.uplink_impairments)"
+            )
 
 
 def _variants(
@@ -92,7 +108,8 @@ def _variants(
             raise ConfigError(f"{source}: {error}") from None
         if impairment:
             name = f"variant {index} over {profile.name}"
-            checked.append(("link.impairments", laid.model_copy(update={"name": name})))
+            field = "link.impairments" if set(trial.impairments) - {"medium"} else "link.medium"
+            checked.append((field, laid.model_copy(update={"name": name})))
         else:
             checked.append(("link.profile", laid))
         for rank in sorted(experiment.link.uplink_impairments):

@@ -30,6 +30,7 @@ from testbed.experiment.schema import Experiment
 from testbed.figures import make_figures
 from testbed.link.links import Links, LinkState
 from testbed.link.paths import PathImpairments
+from testbed.link.probe import WIRE_PER_PAYLOAD
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
 from testbed.results.facts import AppliedEvent, HostSessionFacts, PlanRow, RunFacts
@@ -63,14 +64,19 @@ PlanRows = dict[tuple[str, int], PlanRow]
 
 
 def _probed(link: LinkState, count: int) -> str:
-    """What the probe measured: 'probed 1.00, 0.99 Mbit/s' (frames, as the shaper meters)."""
+    """What the probe measured: 'probed 1.00, 0.99 Mbit/s' (frames, as the shaper meters), and
+    on a shared medium what all devices achieved at once."""
     if count < 2:
         return "no probe (one device)"
     rates = [link.wire_mbit(rank) for rank in range(count)]
     shown = ", ".join("-" if r is None else f"{r:.3f}" for r in rates)
     flagged = [rank for rank in range(count) if link.flagged(rank)]
     warning = f" (device {', '.join(map(str, flagged))} more than 5% off!)" if flagged else ""
-    return f"probed {shown} Mbit/s{warning}"
+    together = ""
+    if link.together_mbit:  # a shared medium: every device at once, their frame rates' sum
+        total = sum(link.together_mbit.values()) * WIRE_PER_PAYLOAD
+        together = f"; all at once {total:.3f} in all on the shared medium"
+    return f"probed {shown} Mbit/s{together}{warning}"
 
 
 def new_run_id() -> str:

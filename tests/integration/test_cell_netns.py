@@ -1,8 +1,8 @@
 """The shared medium for real: P device namespaces on one `SerialSwitch` whose ports share one
 line, the cell (testbed.link.serial.program, "Shared medium").
 
-- Bulk: every device sends bulk TCP (cubic) to the next at once on a 20 Mbit/s cell. Every frame, data
-  or acknowledgement, counts against the cell: what all ports carried over 3 s of steady
+- Bulk: every device sends bulk TCP (cubic) to the next at once on a 20 Mbit/s cell. Every
+  frame, data or acknowledgement, counts against the cell: what all ports carried over 3 s of steady
   traffic (the emulator's byte counters, read at both ends of the window) is 20 Mbit/s within
   1 %, and Jain's fairness index over the ports is at least 0.98. At P = 2 and 4 here; at 8 in
   `bench/cell.py`.
@@ -61,7 +61,8 @@ time.sleep(0.1)
 
 def cell_of(count: int) -> Iterator[Cell]:
     """`count` namespaces on a switch (the C core) at CELL_MBIT, its medium shared; every pair
-    greeted once (a UDP datagram), so that every MAC is learned and every ARP answered before a test times."""
+    greeted once (a UDP datagram), so that every MAC is learned and every ARP answered before
+    a test times."""
     tag = f"{(os.getpid() + count) & 0xFFFFFFFF:08x}"
     names = [f"tbcell-{os.getpid()}-{rank}" for rank in range(count)]
     switch = None

@@ -44,10 +44,12 @@ def port_seed(seed: int, devices: int, rate_mbit: float, place: int | str) -> in
 class SerialEmulator(Emulator):
     name = "serial"
     impairs_paths = True
+    shares_medium = True
 
     def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
         super().__init__(backend, profile, run_id)
         self.switch: SerialSwitch | None = None
+        self.medium = ("dedicated", 0.0)  # the switch's: a line each until told otherwise
 
     @classmethod
     def refusal(
@@ -104,10 +106,15 @@ class SerialEmulator(Emulator):
         }
 
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
-        """The ports' rates, changed in place whatever `in_place` says (the emulator has no
-        other way: a port is never unshaped). Shaping anew removes the impairments, so that
-        the probe measures the rate alone; `impair` adds them again."""
+        """The profile's medium, then the ports' rates, changed in place whatever `in_place`
+        says (the emulator has no other way: a port is never unshaped). Shaping anew removes
+        the impairments, so that the probe measures the rate alone; `impair` adds them
+        again."""
         assert self.switch is not None
+        medium = (self.profile.medium, self.profile.airtime_us)
+        if medium != self.medium:  # a trial of link.medium's other medium
+            self.switch.set_medium(medium[0] == "shared", medium[1])
+            self.medium = medium
         self.switch.set_rates(rates.uplink_mbit, rates.downlink_mbit, dict(rates.pair_mbit))
         if not in_place:
             paths = self.paths.within(rates.devices)

@@ -1,8 +1,9 @@
 """What the serial link program (`testbed.link.serial.program`) is told: its ports on the command
 line (`IFNAME=RATE_BIT_S`, `PORT=CPULIST`) and its commands on stdin (`rate PORT BIT_S`, `down PORT
 BIT_S`, `pair SRC DST BIT_S`, `impair PORT SEED JSON`, `impair-down PORT SEED JSON`,
-`impair-pair SRC DST SEED JSON`, `medium shared|dedicated AIRTIME_US`, `stats`), parsed and checked. Pure and
-stdlib only, like the program; every error is a ShapingError that names what is wrong.
+`impair-pair SRC DST SEED JSON`, `medium shared|dedicated AIRTIME_US`, `stats`), parsed and
+checked. Pure and stdlib only, like the program; every error is a ShapingError that names
+what is wrong.
 """
 
 from __future__ import annotations
