@@ -107,11 +107,15 @@ def send(
     seconds: float | None,
     byte_count: int | None,
     connect_timeout_s: float = 10.0,
+    at_s: float | None = None,
 ) -> dict[str, Any]:
-    """Send for `seconds` or `byte_count` bytes; returns the receiver's measurement."""
+    """Send for `seconds` or `byte_count` bytes, from `at_s` (time.time()) where given, so
+    that senders on several devices start together; returns the receiver's measurement."""
     deadline = time.perf_counter() + connect_timeout_s
     sock = connect(address, deadline, "the probe receiver")
     chunk = bytes(CHUNK_BYTES)
+    if at_s is not None:
+        time.sleep(max(0.0, at_s - time.time()))
     with sock:
         sock.settimeout(IDLE_TIMEOUT_S + (seconds or 0))
         sock.sendall(LENGTH.pack(byte_count or 0))
@@ -161,6 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     amount.add_argument("--seconds", type=float)
     amount.add_argument("--bytes", type=int)
     sender.add_argument("--connect-timeout-s", type=float, default=10.0)
+    sender.add_argument("--at", type=float, metavar="EPOCH_S", help="start sending then")
     return parser.parse_args(argv)
 
 
@@ -172,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if (args.seconds or 0) < 0 or (args.bytes is not None and args.bytes <= 0):
                 raise ProbeError("--seconds must be >= 0 and --bytes > 0")
-            result = send(parse_address(args.to), args.seconds, args.bytes, args.connect_timeout_s)
+            address = parse_address(args.to)
+            result = send(address, args.seconds, args.bytes, args.connect_timeout_s, args.at)
             print(json.dumps(result), flush=True)
     except KeyboardInterrupt:
         return 130

@@ -31,6 +31,7 @@ from testbed.link.emulator import Emulator, LinkCounters
 from testbed.link.paths import PathImpairments
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.rates import LinkRates, RateOverrides, probe_plan
+from testbed.link.wire import FULL_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,16 @@ class LinkState:
 
 def _wire(payload_mbit: float | None) -> float | None:
     return None if payload_mbit is None else payload_mbit * WIRE_PER_PAYLOAD
+
+
+TOGETHER_START_S = 1.5  # every sender of the probe at once starts then: after their start-up
+
+
+def with_airtime(rate_mbit: float, airtime_us: float) -> float:
+    """What full frames achieve on a line of `rate_mbit` when each also takes `airtime_us`
+    (a shared medium's per-frame overhead)."""
+    bits = 8 * FULL_FRAME_BYTES
+    return bits / (bits / rate_mbit + airtime_us)
 
 
 class Links:
@@ -168,7 +179,8 @@ class Links:
         """Each transfer of the probe plan in turn; each device told which are its own."""
         devices, probes = self.devices, probe_plan(rates)
         for source, target in probes.transfers:
-            key, target_mbit = f"{source}->{target}", rates.path_mbit(source, target)
+            key = f"{source}->{target}"
+            target_mbit = with_airtime(rates.path_mbit(source, target), self.profile.airtime_us)
             byte_count = probe_bytes(target_mbit, probe_seconds)
             measured = probe(self.backend, devices[source], devices[target], byte_count)
             state.transfers[key] = {"target_mbit": target_mbit, "measured_mbit": measured}
@@ -187,16 +199,18 @@ class Links:
             state.downlink_measured_mbit[rank] = state.transfers[key]["measured_mbit"]
 
     def _probe_together(self, rates: LinkRates, probe_seconds: float) -> dict[int, float]:
-        """On a shared medium: every device sends to the next at once, each its share of the
-        cell for `probe_seconds`; what each achieved, by sender."""
+        """On a shared medium: every device sends to the next at once (from one moment, after
+        every sender has started), each its share of the cell for `probe_seconds`; what each
+        achieved, by sender."""
         devices = self.devices
         count = len(devices)
+        at_s = time.time() + TOGETHER_START_S
 
         def one(rank: int) -> float:
-            share_mbit = rates.uplink_mbit[rank] / count
+            share_mbit = with_airtime(rates.uplink_mbit[rank], self.profile.airtime_us) / count
             receiver = devices[(rank + 1) % count]
             byte_count = probe_bytes(share_mbit, probe_seconds)
-            return probe(self.backend, devices[rank], receiver, byte_count)
+            return probe(self.backend, devices[rank], receiver, byte_count, at_s)
 
         with ThreadPoolExecutor(count) as pool:
             return dict(enumerate(pool.map(one, range(count))))

@@ -21,8 +21,11 @@ def probe_bytes(rate_mbit: float, seconds: float) -> int:
     return max(1, round(rate_mbit * 1e6 / 8 * seconds / WIRE_PER_PAYLOAD))
 
 
-def probe(backend: Backend, sender: Device, receiver: Device, byte_count: int) -> float:
-    """Achieved rate (10^6 bit/s) from sender to receiver, measured at the receiver.
+def probe(
+    backend: Backend, sender: Device, receiver: Device, byte_count: int, at_s: float | None = None
+) -> float:
+    """Achieved rate (10^6 bit/s) from sender to receiver, measured at the receiver; the
+    sender starts at `at_s` (time.time()) where given.
 
     A fixed byte count, not a duration: a timed sender would go on filling its socket buffer
     and the probe would last that much longer on a slow link."""
@@ -53,6 +56,7 @@ def probe(backend: Backend, sender: Device, receiver: Device, byte_count: int) -
                 f"{receiver.address}:{PROBE_PORT}",
                 "--bytes",
                 str(byte_count),
+                *([] if at_s is None else ["--at", repr(at_s)]),
             ],
             timeout_s=60,
         )

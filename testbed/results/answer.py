@@ -23,6 +23,7 @@ import math
 import pandas as pd
 
 from testbed.results import stats
+from testbed.results.cell_study import cell_lines
 from testbed.results.fleet_study import fleet_lines
 from testbed.results.impairment_study import delay_table, hidden_delay
 from testbed.results.store import Results
@@ -120,6 +121,7 @@ def answer_lines(results: Results) -> list[str]:
             f"used ({table}; the rows matched: level_accuracy.csv)",
         ]
     lines += _impairment_lines(ok) + _delay_lines(results) + fleet_lines(results)
+    lines += cell_lines(results)
     return lines + _stall_lines(ok)
 
 

@@ -123,7 +123,7 @@ class Results:
         `partition`): each is a column where the run has it, and no two trials share a row."""
         ok = self.trials[self.trials["status"] == "ok"]
         described = ["method", "params", "devices", "bandwidth_mbit"]
-        described += [c for c in ("impairments", "fleet", "partition") if c in ok]
+        described += [c for c in ("impairments", "medium", "fleet", "partition") if c in ok]
         keys = ["trial_id"]
         values = [
             "compute_ms",

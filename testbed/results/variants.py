@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # store imports this module (Results.summary)
     from testbed.results.store import Results
 
 METHOD_ORDER = tuple(METHODS)  # the method table's order
+MEDIUM_WORDS = {"dedicated": "a line each", "shared": "one shared cell"}
 BASELINE = "voltage"  # what the answer's gains and the compression figure compare against
 
 
@@ -70,13 +71,17 @@ def ok_trials(results: Results) -> pd.DataFrame:
 
 def link_labels(ok: pd.DataFrame, rate_column: str) -> tuple[pd.Series, list[str]]:
     """Each row's link as the answer and the figures name it ("10 Mbit/s", with its
-    impairments where the run swept them, its fleet where devices.variants did) and the
+    impairments where the run swept them, its medium where link.medium did, its fleet where
+    devices.variants did) and the
     links in order (rate, one-way delay, then the plan's: the order of link.impairments and
     devices.variants)."""
     rates = ok[rate_column].map(lambda rate: f"{rate:g} Mbit/s")
     words = trial_impairments(ok) if "impairments" in ok else None
     if words is not None and words.nunique() > 1:
         rates = rates + ", " + words.replace("", "no impairment")
+    media = ok["medium"].fillna("dedicated").astype(str) if "medium" in ok else None
+    if media is not None and media.nunique() > 1:  # link.medium: a line each
+        rates = rates + ", " + media.map(MEDIUM_WORDS).fillna(media)
     fleets = ok["fleet"].fillna("").astype(str) if "fleet" in ok else None
     if fleets is not None and fleets.nunique() > 1:  # devices.variants: a line each
         rates = rates + ", " + fleets.replace("", "equal devices")
