@@ -3,6 +3,7 @@
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
 #   make sweep-delay, sweep-loss  every method at 10 Mbit/s over delayed and lossy links
 #   make sweep-straggler  every method with one slow device, even and by-speed partitions
+#   make sweep-cell   every method on one shared 20 Mbit/s cell against a line per device
 #   make sweep-edge   every method over the shipped Wi-Fi and LTE profiles
 #   make smoke        the same pipeline on a tiny model in seconds
 #   make trace-replay Trace-b with fixed and live (level_k auto) levels over a 20-1-20 Mbit/s trace
@@ -31,7 +32,7 @@ IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
 .PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
-	sweep-delay sweep-loss sweep-edge sweep-straggler \
+	sweep-delay sweep-loss sweep-edge sweep-straggler sweep-cell \
 	reproduce reproduce-quick bench trace-replay trace-replay-digits
 
 venv: $(VENV_STAMP)
@@ -95,6 +96,9 @@ sweep-loss: venv host-setup
 
 # One slow device among its peers (1-0.33 of their speed; even and by-speed partitions), then a
 # straggler that appears mid-session (docs/devices.md).
+sweep-cell: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/sweep-cell.yaml $(RUN_ARGS)
+
 sweep-straggler: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-straggler.yaml $(RUN_ARGS)
 	$(VENV_PY) -m testbed.run experiments/straggler-event.yaml $(RUN_ARGS)

@@ -193,7 +193,9 @@ def analytic_comm_ms(
     per layer, or one fewer for Trace's exact-embedding placements).
 
     Over a TCP mesh a device's one link carries a copy of each message for each of its
-    P - 1 peers; the paper's Table II counts one copy (equal for P = 2).
+    P - 1 peers; the paper's Table II counts one copy (equal for P = 2). On a shared medium
+    the line is every device's: `bits_per_layer` is then all devices' (plan_rows), and a
+    frame's airtime overhead is left out.
     """
     copies = max(devices - 1, 0)
     return 1000.0 * bits_per_layer * messages * copies / (rate_mbit * megabit)
@@ -217,7 +219,9 @@ def plan_rows(
     rows = []
     paths = PathImpairments.of(experiment.link)
     for trial in trials:
-        delays = {r: p.delay_ms for r, p in device_profiles(experiment, trial).items()}
+        profiles = device_profiles(experiment, trial)
+        delays = {r: p.delay_ms for r, p in profiles.items()}
+        shared = profiles[0].medium == "shared"
         spec = trial.spec
         fleet = trial_fleet(experiment, trial, host_gflops)
         sizes = fleet.sizes(config.tokens, gflops)
@@ -232,8 +236,10 @@ def plan_rows(
                 (d + paths.delay_ms(peer, rank) for peer, d in delays.items() if peer != rank),
                 default=0.0,
             )
+            # on a shared medium every device's messages take the one line
+            carried = sum(bits) if shared else rank_bits
             comm_ms = functools.partial(
-                analytic_comm_ms, rank_bits, messages, trial.devices, trial.bandwidth_mbit
+                analytic_comm_ms, carried, messages, trial.devices, trial.bandwidth_mbit
             )
             rows.append(
                 PlanRow(

@@ -73,6 +73,8 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
         refused = emulator.refusal(variant, backend, bool(experiment.link.pair_mbit), paths)
         if refused is not None:
             field = field if refused.field == "link.profile" else refused.field
+            if field == "link.medium" and not experiment.link.medium:  # the profile's medium
+                field = "link.profile"
             raise ConfigError(f"{source}: {field}: {refused.why}")
     return Checked(profile, backend, emulator, host_gflops)
 

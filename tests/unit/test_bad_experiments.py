@@ -417,6 +417,44 @@ CASES: list[tuple[str, str, str]] = [
         exp("link: {trace: step-20-2-20.csv, trace_stretch: 0}\n"),
         "link.trace_stretch: ",
     ),
+    # a shared medium (a cell: docs/cell.md)
+    (
+        "cell-on-tbf",
+        exp("link: {medium: shared, emulator: tbf}\n"),
+        "link.medium: a shared medium is scheduled by the serial emulator",
+    ),
+    (
+        "cell-profile-on-tbf",
+        exp("link: {profile: wifi-cell, emulator: tbf}\n"),
+        "link.profile: a shared medium is scheduled by the serial emulator",
+    ),
+    (
+        "cell-pair-rates",
+        exp("link: {medium: [dedicated, shared], pair_mbit: {0->1: 2}}\n"),
+        "link.pair_mbit: a shared medium (link.medium) is one cell",
+    ),
+    (
+        "cell-downlink-rates",
+        exp("link: {profile: wifi-cell, downlink_mbit: {1: 5}}\n"),
+        "link.downlink_mbit: a shared medium (link.profile wifi-cell) is one cell",
+    ),
+    (
+        "cell-downlink-impairments",
+        exp("link: {medium: shared, downlink_impairments: {1: {delay_ms: 5}}}\n"),
+        "link.downlink_impairments: a shared medium",
+    ),
+    (
+        "cell-airtime-negative",
+        exp("link: {profile: {tmp}/airtime-negative.yaml}\n"),
+        "airtime_us: Input should be greater than or equal to 0",
+    ),
+    (
+        "cell-airtime-dedicated",
+        exp("link: {profile: {tmp}/airtime-dedicated.yaml}\n"),
+        "airtime_us: 150 us of airtime per frame needs medium: shared",
+    ),
+    ("cell-medium-unknown", exp("link: {medium: air}\n"), "link.medium[0]: Input should be"),
+    ("cell-medium-twice", exp("link: {medium: [shared, shared]}\n"), "medium 'shared' is listed"),
     ("emulator-unknown", exp("link: {emulator: netem}\n"), "link.emulator: unknown emulator"),
     ("emulator-serial-ssh", exp("backend: ssh\nlink: {emulator: serial}\n" + BOARDS), "serial"),
     # files the run would read
@@ -504,6 +542,8 @@ AUXILIARY = {
     "reorder.yaml": "reorder_pct: 5\n",
     "dist.yaml": "delay_ms: 5\njitter_ms: 1\ndelay_distribution: gamma\n",
     "delay-nan.yaml": "delay_ms: .nan\n",
+    "airtime-negative.yaml": "medium: shared\nairtime_us: -5\n",
+    "airtime-dedicated.yaml": "airtime_us: 150\n",
     "neg.csv": "t_s,mbit\n0,5\n10,-1\n20,\n",
     "empty.csv": "",
     "cols.csv": "method,devices,level_k,top1\ntrace-b,2,64,50\n",
