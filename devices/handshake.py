@@ -10,13 +10,13 @@ and the answer's departure, as NTP does. Each side checks a round's mark as soon
 comes, so a peer out of step is refused at once, not waited for until the set-up's deadline.
 With t0 the local send time, t3 the answer's arrival (arrivals are the kernel's receive
 timestamps, as for messages) and t1 / t2 the peer's two readings, the round with the
-smallest round trip less the peer's turnaround, (t3 - t0) - (t2 - t1), gives offset = ((t1 -
-t0) + (t2 - t3)) / 2 (the peer's clock minus ours) within +- half that round trip. On one
-host the offset is ~0 (one kernel clock); across machines it aligns the devices' records.
-With that offset, each round also gives the one-way time of its two frames, the ping's (t1 -
-offset - t0) and the answer's (t3 - t2 + offset). Every other round pads both frames with
-LARGE_ROUND_BYTES: the difference between the large and the small rounds' median one-way
-times is the serialisation of those bytes, and the small frames' time less their own
+smallest round trip less the peer's turnaround, (t3 - t0) - (t2 - t1), gives offset =
+((t1 - t0) + (t2 - t3)) / 2 (the peer's clock minus ours) within +- half that round trip. On
+one host the offset is ~0 (one kernel clock); across machines it aligns the devices'
+records. With that offset, each round also gives the one-way time of its two frames, the
+ping's (t1 - offset - t0) and the answer's (t3 - t2 + offset). Every other round pads both
+frames with LARGE_ROUND_BYTES: the difference between the large and the small rounds' median
+one-way times is the serialisation of those bytes, and the small frames' time less their own
 serialisation is each direction's `latency_ns`, the part of a one-way time that does not
 depend on the rate (the delay, the path), as the offset sees it. `level_k: auto`
 (devices.level) subtracts it from its messages' one-way times to keep their serialisation
