@@ -23,7 +23,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from devices.clock import ANCILLARY_BYTES, Clock, enable_rx_timestamps
-from devices.errors import ProtocolError
+from devices.errors import ProtocolError, printable
 from devices.transport import PeerClosed
 
 FRAME_HEADER = struct.Struct("!I")
@@ -39,8 +39,11 @@ MAX_DEVICES = 4096
 MAX_RUNS = 4096
 MAX_PARAMS = 64
 MAX_COUNT = 1 << 40  # inferences, warm-ups, tokens, batch
-INT64 = 1 << 63
+# what a clock time may be (CLOCK_REALTIME from 1970 to 2116): every offset, round trip and
+# one-way time derived from such times, on either side, stays an int64
+CLOCK_RANGE_NS = 1 << 62
 MAX_SHOWN_CHARS = 2000  # of a value in an error line
+MAX_SHOWN_KEY_CHARS = 40  # of each part of a field's path (a peer's key) in an error line
 Text = Annotated[str, StringConstraints(max_length=1000)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Param = int | float | bool | Text | None
@@ -82,28 +85,42 @@ class Verdict(_Strict):
     proof: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
 
 
+ClockSpan = Annotated[int, Field(ge=0, lt=CLOCK_RANGE_NS)]
+SignedClockSpan = Annotated[int, Field(gt=-CLOCK_RANGE_NS, lt=CLOCK_RANGE_NS)]
+
+
 class ClockEstimate(_Strict):
-    offset_ns: Annotated[int, Field(gt=-INT64, lt=INT64)]
-    uncertainty_ns: Annotated[int, Field(ge=0, lt=INT64)]
-    round_trips_ns: list[Annotated[int, Field(ge=0, lt=INT64)]] = Field(
-        min_length=CLOCK_ROUNDS, max_length=CLOCK_ROUNDS
-    )
-    latency_ns: Annotated[int, Field(gt=-INT64, lt=INT64)]
+    """What the side that measured the clock tells the other: within the bounds that the
+    measuring side's own answers (CLOCK_RANGE_NS) give every quantity it derives."""
+
+    offset_ns: SignedClockSpan
+    uncertainty_ns: ClockSpan
+    round_trips_ns: list[ClockSpan] = Field(min_length=CLOCK_ROUNDS, max_length=CLOCK_ROUNDS)
+    latency_ns: SignedClockSpan
 
 
 def validated(model: type[_Strict], data: dict[str, Any], what: str) -> _Strict:
     """`data` as `model`, or a ProtocolError naming each bad field (never its value: a
-    hostile value may be huge or nested deep)."""
+    hostile value may be huge or nested deep; each part of the field's path, which holds the
+    peer's keys, shortened)."""
     try:
         return model.model_validate(data)
     except ValidationError as error:
         problems = []
         for problem in error.errors(include_input=False, include_url=False)[:5]:
-            where = ".".join(str(part) for part in problem["loc"]) or what
+            parts = (shorten(part, MAX_SHOWN_KEY_CHARS) for part in problem["loc"])
+            where = ".".join(parts) or what
             problems.append(f"{where}: {problem['msg']}")
         more = error.error_count() - len(problems)
         extra = f" (and {more} more)" if more > 0 else ""
         raise ProtocolError(f"malformed {what}: {'; '.join(problems)}{extra}") from None
+
+
+def shorten(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """A peer's value for an error line, escaped (`printable`) and shortened to `limit`
+    characters."""
+    text = printable(str(value))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def brief(value: object) -> str:
@@ -173,7 +190,16 @@ class CountingSocket:
         caller does) for an oversized frame, bytes that are not JSON (NaN and Infinity are
         not JSON either), nesting too deep for the parser or a value that is not an object;
         the caller validates the object's fields."""
-        (size,) = FRAME_HEADER.unpack(self.recv_exact(FRAME_HEADER.size))
+        # the length's first byte is 0 in every frame within the limit: checked alone, so a
+        # peer out of step (a clock ping where a frame is due) is refused at once, not held
+        # waiting for the rest of a length it never sends
+        first = self.recv_exact(1)
+        if first != b"\0":
+            raise ProtocolError(
+                f"handshake frame of at least {first[0] << 24} bytes (limit "
+                f"{MAX_FRAME_BYTES}): the peer does not speak this protocol"
+            )
+        (size,) = FRAME_HEADER.unpack(first + self.recv_exact(FRAME_HEADER.size - 1))
         if size > MAX_FRAME_BYTES:
             raise ProtocolError(
                 f"handshake frame of {size} bytes (limit {MAX_FRAME_BYTES}): "

@@ -3,20 +3,22 @@
 Both sides send a `hello` (length-prefixed JSON: this is set-up, not payload), compare it
 with their own and send a verdict, so a mismatch ends the session on both sides with the
 same kind of error: "device 1 has bundle fingerprint ab12.., device 0 has cd34..". Then the
-side that connected runs CLOCK_ROUNDS ping-pongs: it sends one byte, the other answers with
-two readings of its clock (devices.clock: CLOCK_REALTIME in ns, the clock of every record and
-of the kernel's receive timestamps), the ping's arrival and the answer's departure, as NTP
-does. With t0 the local send time, t3 the answer's arrival (arrivals are the kernel's receive
+side that connected runs CLOCK_ROUNDS ping-pongs: it sends one byte (the round's mark), the
+other answers with the mark and two readings of its clock (devices.clock: CLOCK_REALTIME in
+ns, the clock of every record and of the kernel's receive timestamps), the ping's arrival
+and the answer's departure, as NTP does. Each side checks a round's mark as soon as it
+comes, so a peer out of step is refused at once, not waited for until the set-up's deadline.
+With t0 the local send time, t3 the answer's arrival (arrivals are the kernel's receive
 timestamps, as for messages) and t1 / t2 the peer's two readings, the round with the
 smallest round trip less the peer's turnaround, (t3 - t0) - (t2 - t1), gives offset =
 ((t1 - t0) + (t2 - t3)) / 2 (the peer's clock minus ours) within +- half that round trip. On
 one host the offset is ~0 (one kernel clock); across machines it aligns the devices'
 records. With that offset, each round also gives the one-way time of its two frames, the
 ping's (t1 - offset - t0) and the answer's (t3 - t2 + offset). Every other round pads both
-frames with LARGE_ROUND_BYTES: the difference between the large and the small rounds'
-median one-way times is the serialisation of those bytes, and the small frames' time less
-their own serialisation is each direction's `latency_ns`, the part of a one-way time that
-does not depend on the rate (the delay, the path), as the offset sees it. `level_k: auto`
+frames with LARGE_ROUND_BYTES: the difference between the large and the small rounds' median
+one-way times is the serialisation of those bytes, and the small frames' time less their own
+serialisation is each direction's `latency_ns`, the part of a one-way time that does not
+depend on the rate (the delay, the path), as the offset sees it. `level_k: auto`
 (devices.level) subtracts it from its messages' one-way times to keep their serialisation
 alone: through the same offset its error cancels.
 
@@ -49,25 +51,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devices.clock import Clock
-from devices.errors import ProtocolError, printable
+from devices.errors import ProtocolError
 from devices.frames import (
+    CLOCK_RANGE_NS,
     CLOCK_ROUNDS,
-    MAX_SHOWN_CHARS,
     NONCE_BYTES,
     ClockEstimate,
     CountingSocket,
     Hello,
     Verdict,
     brief,
+    shorten,
     validated,
 )
 from devices.transport import remote, tcp_frame_bytes
 
-PROTOCOL_VERSION = 4
-PING = b"p"
+PROTOCOL_VERSION = 5
+PING = b"p"  # round 0's mark; round i's is the byte after it by i (`round_mark`)
 LARGE_ROUND_BYTES = 1000  # what pads both frames of every other round (latency_ns)
 CLOCK = struct.Struct("!qq")  # ns: the ping's arrival (the kernel's stamp), the answer's departure
-CLOCK_RANGE_NS = 2**62  # what a clock answer's times may be (`clock_answer_problem`)
 
 # hello fields every device of a session must agree on, with the words used in errors
 AGREED_FIELDS = {
@@ -149,13 +151,6 @@ def disagreement(
     return None
 
 
-def shorten(value: object) -> str:
-    """A hello's value for an error line, escaped (`printable`: it may be the peer's) and
-    shortened."""
-    text = printable(str(value))
-    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
-
-
 def source_problem(conn: CountingSocket, host: str) -> str | None:
     """Why the connection cannot be from the device whose spec address is `host`, or None.
     Checked where the spec gives an IP address (a host name is not resolved here)."""
@@ -226,7 +221,7 @@ def shake(
     except ProtocolError as error:
         raise ProtocolError(f"handshake with {name}: {error}") from None
     if not verdict.ok:
-        raise ProtocolError(f"{name} refused the handshake: {printable(verdict.error or '')}")
+        raise ProtocolError(f"{name} refused the handshake: {shorten(verdict.error or '')}")
     if secret is not None and not (
         verdict.proof and hmac.compare_digest(verdict.proof, proof(secret, theirs, mine))
     ):
@@ -246,8 +241,8 @@ def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock, nam
     rounds = []  # (t0, the ping's arrival and the answer's departure on the peer's clock, t3)
     for index in range(CLOCK_ROUNDS):
         t0 = clock.now_ns()
-        conn.send(PING + bytes(_padding(index)))
-        answer, t3 = conn.recv_exact_stamped(CLOCK.size + _padding(index), clock)
+        conn.send(ping(index))
+        answer, t3 = _recv_round(conn, index, CLOCK.size + _padding(index), clock, name)
         t1, t2 = CLOCK.unpack_from(answer)
         problem = clock_answer_problem(t0, t1, t2, t3)
         if problem is not None:
@@ -260,7 +255,7 @@ def measure_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock, nam
     result.clock_offset_ns, result.clock_uncertainty_ns = offset, best_rtt // 2
     answers = [t3 - (t2 - offset) for _, _, t2, t3 in rounds]
     pings = [t1 - offset - t0 for t0, t1, _, _ in rounds]
-    result.latency_ns = _latency(answers, CLOCK.size)
+    result.latency_ns = _latency(answers, len(PING) + CLOCK.size)
     conn.send_frame(
         {
             "offset_ns": -offset,
@@ -287,6 +282,41 @@ def clock_answer_problem(t0: int, t1: int, t2: int, t3: int) -> str | None:
     return None
 
 
+def round_mark(index: int) -> bytes:
+    """The byte that opens both frames of clock round `index`."""
+    return bytes([PING[0] + index])
+
+
+def ping(index: int) -> bytes:
+    """Clock round `index`'s ping: its mark and its padding."""
+    return round_mark(index) + bytes(_padding(index))
+
+
+def clock_answer(index: int, came_ns: int, left_ns: int) -> bytes:
+    """The answer to round `index`'s ping: its mark, the ping's arrival and the answer's
+    departure, and its padding."""
+    return round_mark(index) + CLOCK.pack(came_ns, left_ns) + bytes(_padding(index))
+
+
+def _recv_round(
+    conn: CountingSocket, index: int, size: int, clock: Clock, name: str
+) -> tuple[bytes, int]:
+    """Round `index`'s frame from the peer: its mark, checked as soon as it comes, then
+    `size` more bytes; and when its last byte came. Every frame's size follows from its
+    round, so a peer out of step (a round skipped or repeated, a large frame where a small one
+    is due or the reverse, a frame where a ping is due) is refused at its first byte, never
+    waited for until the set-up's deadline."""
+    mark, came = conn.recv_exact_stamped(len(PING), clock)
+    if mark != round_mark(index):
+        raise ProtocolError(
+            f"handshake with {name}: clock round {index} out of step (it opens with {mark!r}, "
+            f"not {round_mark(index)!r})"
+        )
+    if size == 0:
+        return b"", came
+    return conn.recv_exact_stamped(size, clock)
+
+
 def _padding(index: int) -> int:
     """Bytes that pad both frames of a round: every other round is a large one."""
     return LARGE_ROUND_BYTES if index % 2 else 0
@@ -305,10 +335,12 @@ def _latency(one_way_ns: list[int], payload: int) -> int:
 
 def answer_clock(conn: CountingSocket, result: PeerHandshake, clock: Clock, name: str) -> None:
     for index in range(CLOCK_ROUNDS):
-        ping, came = conn.recv_exact_stamped(len(PING) + _padding(index), clock)
-        if ping != PING + bytes(_padding(index)):
-            raise ProtocolError(f"handshake with {name}: clock ping-pong out of step")
-        conn.send(CLOCK.pack(came, clock.now_ns()) + bytes(_padding(index)))
+        padding, came = _recv_round(conn, index, _padding(index), clock, name)
+        if padding != bytes(_padding(index)):
+            raise ProtocolError(
+                f"handshake with {name}: clock round {index}'s padding is not zeros"
+            )
+        conn.send(clock_answer(index, came, clock.now_ns()))
     try:
         estimate = validated(ClockEstimate, conn.recv_frame(), "clock estimate")
     except ProtocolError as error:

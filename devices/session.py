@@ -14,7 +14,9 @@ records that the testbed joins with the handshake's clock offsets.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -36,6 +38,16 @@ def stamped(method: Method) -> bool:
     """Whether the method's messages carry their departure time: a run with `level_k: auto`
     re-chooses its level from their one-way times (devices.level.LiveLevel)."""
     return method.spec.is_trace and method.spec.level_k == "auto"
+
+
+@contextlib.contextmanager
+def blaming(label: str) -> Iterator[None]:
+    """A bad message's error (the receiver names the peer and the block) with the inference
+    and run in `label` before it, wherever in the block the peer's data breaks it."""
+    try:
+        yield
+    except MessageError as error:
+        raise ProtocolError(f"{label}: {error}") from None
 
 
 class Session:
@@ -89,15 +101,12 @@ class Session:
             incoming = self._collect(context) if device_run.exchanges_at(block) else {}
             wait_end = now() if incoming else wait_start
             messages = {peer: item.message for peer, item in incoming.items()}
-            try:
-                with stretch():
-                    message = device_run.attend(block, messages)
-            except MessageError as error:  # the receiver names the peer and the block
-                raise ProtocolError(f"{label}: {error}") from None
+            with blaming(label), stretch():
+                message = device_run.attend(block, messages)
             self._post(outgoing, block + 1, message, context)
             unique_keys.append(device_run.unique_remote_keys)
             ffn_start = now()
-            with stretch():
+            with blaming(label), stretch():  # a peer's keys and values can overflow the FFN
                 device_run.finish_block(block)
             ffn_end = now()
             marks.append((block_start, wait_start, wait_end, ffn_start, ffn_end))

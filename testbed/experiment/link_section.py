@@ -83,7 +83,9 @@ class LinkSection(Strict):
         None,
         description="impairment variants swept like the rates: each a mapping of netem's "
         "parameters (as a link profile names them: delay_ms, jitter_ms, loss_pct, "
-        "loss_gemodel, ...) laid over the profile's, e.g. [{delay_ms: 0}, {delay_ms: 20}]",
+        "loss_gemodel, ...) laid over the profile's, e.g. [{delay_ms: 0}, {delay_ms: 20}]; "
+        "a variant naming a loss model replaces the profile's, and delay_ms: 0 drops the "
+        "profile's jitter and reordering (they need a delay) unless the variant names them",
     )
     uplink_impairments: dict[int, dict[str, Any]] = Field(
         default_factory=dict,

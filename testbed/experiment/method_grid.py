@@ -102,6 +102,16 @@ def variant_spec(variant: dict[str, Any]) -> MethodSpec:
     return method_spec(variant["name"], **method_params(variant))
 
 
+def check_device_counts(variant: dict[str, Any], index: int, counts: list[int]) -> None:
+    """A method that runs on one device (it exchanges nothing) is swept at one device only."""
+    spec = variant_spec(variant)
+    if not spec.exchanges and counts != [1]:
+        raise ValueError(
+            f"methods[{index}]: method {spec.name!r} runs on one device, but devices.count is "
+            f"{counts}: give it an experiment of its own with count 1"
+        )
+
+
 def check_level(variant: dict[str, Any], index: int) -> None:
     """A trace method's `level_k` and `level_min_k` must be levels of the tree fitted over
     its K codewords."""

@@ -27,6 +27,16 @@ from testbed.source import PROFILES_DIR
 log = logging.getLogger(__name__)
 
 LOSS_MODELS = {"loss_pct", "loss_gemodel", "loss_state"}  # a variant naming one replaces them
+# what needs a delay (netem's jitter and reordering): a variant that sets the delay to 0
+# drops the profile's, except what it names itself
+NEEDS_DELAY = (
+    "jitter_ms",
+    "delay_correlation_pct",
+    "delay_distribution",
+    "reorder_pct",
+    "reorder_correlation_pct",
+    "reorder_gap",
+)
 
 
 class GeModel(Strict):
@@ -130,11 +140,16 @@ class LinkProfile(Strict):
     def with_impairments(self, variant: dict[str, Any]) -> LinkProfile:
         """This profile with a variant's impairments (and medium, link.medium) laid over its
         own; a variant that names a loss model (loss_pct, loss_gemodel, loss_state) replaces
-        the profile's. Raises
+        the profile's, one that sets delay_ms to 0 drops the profile's jitter and reordering
+        (NEEDS_DELAY: no delay, nothing to jitter or reorder) where it does not name them
+        itself, and one of medium dedicated drops a shared medium's airtime. Raises
         ImpairmentError naming the parameter where the two do not go together."""
         base = self.model_dump(exclude_none=True)
         if LOSS_MODELS & set(variant):
             for name in (*LOSS_MODELS, "loss_correlation_pct"):
+                base.pop(name, None)
+        if "delay_ms" in variant and variant["delay_ms"] in (0, None):
+            for name in set(NEEDS_DELAY) - set(variant):
                 base.pop(name, None)
         if variant.get("medium") == "dedicated":  # a line each has no per-frame airtime
             base.pop("airtime_us", None)

@@ -37,6 +37,7 @@ from testbed.experiment.devices_section import DevicesSection
 from testbed.experiment.link_section import LinkSection
 from testbed.experiment.method_grid import (
     MAX_TRIALS,
+    check_device_counts,
     check_level,
     check_method,
     expand_method,
@@ -210,6 +211,7 @@ class Experiment(Strict):
         for index, entry in enumerate(self.methods):
             for variant in expand_method(entry, index):
                 check_method(variant, index)
+                check_device_counts(variant, index, self.devices.count)
                 if "level_min_accuracy" in variant and self.report.level_accuracy is None:
                     raise ValueError(
                         f"methods[{index}].level_min_accuracy: needs report.level_accuracy, the "

@@ -7,7 +7,7 @@
   Trace-b stays flat while its messages hide behind the FFN, then climbs as they do;
 - tail_by_link.png, for any run over several impaired links: per link and variant the median
   effective latency (marker), its 95% interval and the 99th percentile (the whisker's end),
-  on a log axis: loss shows in the tail, not the median.
+  on a log axis: loss shows in the tail, not the median; a panel per device count.
 Per repetition the slowest device counts (the inference ends with it).
 """
 
@@ -18,8 +18,17 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.axes import Axes
 
-from testbed.figures.common import CONFIDENCE, interval_caption, plain_log, save, styles, yerr
+from testbed.figures.common import (
+    CONFIDENCE,
+    interval_caption,
+    panels,
+    plain_log,
+    save,
+    styles,
+    yerr,
+)
 from testbed.results import stats
 from testbed.results.impairment_study import delay_table
 from testbed.results.store import Results
@@ -111,6 +120,7 @@ def _messages(ok: pd.DataFrame, name: str) -> float:
 
 
 def tail_by_link(results: Results, path: Path) -> Path | None:
+    """One panel per device count (a link's tail differs with the devices that share it)."""
     ok = ok_trials(results)
     if not swept_impairments(ok):
         return None
@@ -120,11 +130,44 @@ def tail_by_link(results: Results, path: Path) -> Path | None:
     tails = stats.tails(ok, keys, "effective_ms").set_index(keys)
     table = table.join(tails, on=keys)
     order = variant_order(ok)
+    counts = sorted(ok["devices"].unique())
+    width = max(8.0, 1.4 * len(links) * len(order) / 3)
+    fig, axes = panels(len(counts), width, 5)
+    for ax, devices in zip(axes, counts, strict=True):
+        at = table[table["devices"] == devices]
+        _tails_panel(ax, at, [link for link in links if (at["link"] == link).any()], order, ok)
+        ax.set_title(f"P = {devices} devices", fontsize=10)
+    axes[0].set_ylabel("effective latency per inference (ms), slowest device")
+    legend = {}  # variant -> its marker, from whichever panel draws it
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        legend.update(zip(labels, handles, strict=True))
+    fig.legend(
+        [legend[name] for name in order if name in legend],
+        [name for name in order if name in legend],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 0.88),
+        fontsize=8,
+    )
+    fig.suptitle(
+        "Median (marker, 95% interval) and 99th percentile (whisker's end) per link\n"
+        f"{interval_caption(table)}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def _tails_panel(
+    ax: Axes, table: pd.DataFrame, links: list[str], order: list[str], ok: pd.DataFrame
+) -> None:
+    """One device count's links: per variant its median, interval and 99th percentile."""
     style = styles(ok)
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.4 * len(links) * len(order) / 3), 5))
     width = 0.8 / len(order)
     for index, name in enumerate(order):
         rows = table[table["variant"] == name].set_index("link").reindex(links)
+        if rows["effective_ms"].isna().all():
+            continue
         x = np.arange(len(links)) + (index - (len(order) - 1) / 2) * width
         look = style[name]
         median = rows["effective_ms"]
@@ -142,13 +185,3 @@ def tail_by_link(results: Results, path: Path) -> Path | None:
         ax.scatter(x, rows["effective_ms_p99"], color=look.colour, marker="_", s=60)
     ax.set_xticks(np.arange(len(links)), links, rotation=20, ha="right", fontsize=8)
     plain_log(ax, "y")
-    ax.set_ylabel("effective latency per inference (ms), slowest device")
-    handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.88), fontsize=8)
-    fig.suptitle(
-        "Median (marker, 95% interval) and 99th percentile (whisker's end) per link\n"
-        f"{interval_caption(table)}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    return save(fig, path)

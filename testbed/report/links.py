@@ -32,6 +32,15 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def _by_count(table: pd.DataFrame, header: list[str], rows: list[list[str]]) -> list[str]:
+    """`_table`, with a first column P where `table` (one row per table row) spans several
+    device counts: their rows would otherwise look alike."""
+    if table["devices"].nunique() < 2:
+        return _table(header, rows)
+    counts = [str(devices) for devices in table["devices"]]
+    return _table(["P", *header], [[p, *row] for p, row in zip(counts, rows, strict=True)])
+
+
 def delay_section(results: Results) -> list[str]:
     table = delay_table(results)
     if table.empty:
@@ -71,7 +80,7 @@ def delay_section(results: Results) -> list[str]:
             cells.append(f"{_cell(total, 0)} ({_cell(measured)} / {_cell(predicted)})")
         rows.append(cells)
     header = ["variant", "Mbit/s", *[f"{delay:g} ms" for delay in delays]]
-    lines += _table(header, rows)
+    lines += _by_count(hidden, header, rows)
     lines += [
         "",
         "Cells: effective ms (measured wait per message / the model's).",
@@ -80,7 +89,8 @@ def delay_section(results: Results) -> list[str]:
         "parts (medians over the run's messages):",
         "",
     ]
-    lines += _table(
+    lines += _by_count(
+        hidden,
         ["variant", "hides ms", "window ms", "of it FFN ms", "wire ms", "path ms"],
         [
             [
@@ -101,9 +111,11 @@ def _delay_findings(hidden: pd.DataFrame) -> list[str]:
     trace = hidden[hidden["variant"].str.startswith("trace-b")]
     others = hidden[~hidden["variant"].str.startswith("trace")]
     findings = []
+    several = hidden["devices"].nunique() > 1
     for row in trace.itertuples():
+        at = f" at P = {row.devices}" if several else ""
         findings.append(
-            f"{row.variant} hides a one-way delay up to {row.hides_ms:.1f} ms per message: "
+            f"{row.variant}{at} hides a one-way delay up to {row.hides_ms:.1f} ms per message: "
             f"its message leaves {row.window_ms:.1f} ms before it is needed, of which its "
             f"FFN is {row.ffn_ms:.1f} ms; beyond that delay it waits (delay - "
             f"{row.hides_ms:.1f}) ms at every block."
@@ -144,7 +156,7 @@ def loss_section(results: Results) -> list[str]:
         for row in table.itertuples()
     ]
     header = ["link", "variant", "n", "median ms", "p95", "p99", "lost", "retransmits", "with one"]
-    return [*lines, *_table(header, rows), "", *_tail_lines(results)]
+    return [*lines, *_by_count(table, header, rows), "", *_tail_lines(results)]
 
 
 def _tail_lines(results: Results) -> list[str]:
@@ -187,4 +199,4 @@ def _tail_lines(results: Results) -> list[str]:
         "its compute above median",
         "its latest",
     ]
-    return [*lines, *_table(header, rows), ""]
+    return [*lines, *_by_count(late, header, rows), ""]

@@ -226,6 +226,11 @@ CASES: list[tuple[str, str, str]] = [
     ("method-segment-bool", exp("", "methods: [{name: prism, segment: true}]\n"), ".segment: "),
     ("method-buffers-int", exp("", "methods: [{name: trace-b, buffers: 1}]\n"), ".buffers: "),
     ("method-mean-bits", exp("", "methods: [{name: prism, mean_bits: 8}]\n"), ".mean_bits: "),
+    (
+        "single-on-two-devices",
+        exp("devices: {count: [1, 2]}\n", "methods: [{name: voltage}, {name: single}]\n"),
+        "methods[1]: method 'single' runs on one device, but devices.count is [1, 2]",
+    ),
     ("level-not-in-tree", exp("", "methods: [{name: trace-b, K: 64, level_k: 48}]\n"), "32, 64"),
     (
         "floor-not-in-tree",

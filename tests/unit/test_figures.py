@@ -223,23 +223,37 @@ def test_a_latency_panel_cuts_only_bars_far_beyond_its_median():
     assert panel_limit(np.array([np.nan, 5.0]), np.array([np.nan, 6.0])) == pytest.approx(6.9)
 
 
-def delay_results(tmp_path, delays=(0.0, 5.0, 20.0)) -> Results:
+def delay_results(tmp_path, delays=(0.0, 5.0, 20.0), counts=(2,)) -> Results:
     """The toy run at 5 Mbit/s over links that differ in their one-way delay: Voltage's
-    messages wait for it (24 a device), Trace-b's hide."""
+    messages wait for it (24 a device), Trace-b's hide. Each device count beyond 2 has its
+    devices' last one again and is 10 ms a device slower."""
     toy = toy_results(tmp_path)
     base = toy.trials[toy.trials["bandwidth_mbit"] == 5.0]
     parts = []
-    for delay in delays:
-        part = base.copy()
-        waits = part["method"] == "voltage"
-        part["impairments"] = f"delay {delay:g}ms" if delay else ""
-        part["link_delay_ms"] = delay
-        part["analytic_delay_ms"] = 24 * delay
-        part.loc[waits, "effective_ms"] += 24 * delay
-        parts.append(part)
-    trials = pd.concat(parts, ignore_index=True)
+    for devices in counts:
+        extra = [base[base["rank"] == 1].assign(rank=rank) for rank in range(2, devices)]
+        fleet = pd.concat([base, *extra], ignore_index=True).assign(devices=devices)
+        fleet["effective_ms"] += 10.0 * (devices - 2)
+        for delay in delays:
+            part = fleet.copy()
+            waits = part["method"] == "voltage"
+            part["impairments"] = f"delay {delay:g}ms" if delay else ""
+            part["link_delay_ms"] = delay
+            part["analytic_delay_ms"] = 24 * delay
+            part.loc[waits, "effective_ms"] += 24 * delay
+            names = part["method"] + part["params"].str.replace("=", "").str.replace(",", "-")
+            part["trial_id"] = f"p{devices}-" + names + f"-5mbit-delay{delay:g}ms"
+            parts.append(part)
+    trials = pd.concat(parts, ignore_index=True).assign(
+        correct=None,  # unlabelled inputs
+        link_lost_frames=0,
+        link_duplicated_frames=0,
+        link_reordered_frames=0,
+        tcp_retransmits=0,
+    )
     plan = trials[trials["repeat"] == 0].drop(columns=["repeat"])
-    return Results(tmp_path, trials, pd.DataFrame(), plan, {"name": "toy"}, {})
+    config = {"name": "toy", "model": {"name": "vit-tiny"}}
+    return Results(tmp_path, trials, pd.DataFrame(), plan, config, {})
 
 
 def test_a_delay_sweep_draws_the_impairment_figures_instead_of_the_rate_ones(tmp_path):
@@ -251,6 +265,63 @@ def test_a_delay_sweep_draws_the_impairment_figures_instead_of_the_rate_ones(tmp
         "tail_by_link.png",
     ]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_an_impairment_sweep_over_two_device_counts_answers_and_draws_a_panel_per_count(
+    tmp_path,
+):
+    """The sweep of issue 35: two device counts, the same two links at each. Every figure is
+    drawn (tail_by_link once crashed on the links' labels, one per count), tail_by_link with
+    a panel per count, and the answer has a table per count with both links in it."""
+    from PIL import Image
+
+    from testbed.results.answer import answer_lines
+
+    one = make_figures(delay_results(tmp_path / "one", delays=(0.0, 20.0)))
+    two = make_figures(delay_results(tmp_path / "two", delays=(0.0, 20.0), counts=(2, 3)))
+    assert (
+        [p.name for p in two]
+        == [p.name for p in one]
+        == [
+            "latency.png",
+            "compression.png",
+            "effective_vs_delay.png",
+            "tail_by_link.png",
+        ]
+    )
+    widths = [Image.open(paths[-1]).size[0] for paths in (one, two)]
+    assert widths[1] > 1.8 * widths[0], widths
+    lines = answer_lines(delay_results(tmp_path / "two", delays=(0.0, 20.0), counts=(2, 3)))
+    titles = [index for index, line in enumerate(lines) if line.startswith("P=")]
+    assert [lines[i].split()[0] for i in titles] == ["P=2", "P=3"]
+    for start, stop in zip(titles, [*titles[1:], len(lines)], strict=True):
+        block = lines[start:stop]
+        assert "5 Mbit/s, no impairment" in block and "5 Mbit/s, delay 20ms" in block
+
+
+def test_summary_has_a_row_per_trial_of_an_impairment_sweep_over_two_device_counts(tmp_path):
+    """Results.summary(): one row per method variant, device count and impairment variant,
+    each the median over its own repetitions (a repetition's devices averaged), never two
+    variants' rows pooled."""
+    run = delay_results(tmp_path, delays=(0.0, 20.0), counts=(2, 3))
+    summary = run.summary()
+    assert len(summary) == len(VARIANTS) * 2 * 2 == summary["trial_id"].nunique()
+    assert set(summary["impairments"]) == {"", "delay 20ms"}
+    trials = run.trials
+    for row in summary.itertuples():
+        own = trials[trials["trial_id"] == row.trial_id]
+        assert set(own["devices"]) == {row.devices}
+        assert set(own["impairments"]) == {row.impairments}
+        expected = own.groupby("repeat")["effective_ms"].mean().median()
+        assert row.effective_ms == pytest.approx(expected)
+    voltage = summary[summary["method"] == "voltage"].set_index(["devices", "impairments"])
+    assert (
+        voltage.loc[(3, "delay 20ms"), "effective_ms"]
+        > voltage.loc[(2, "delay 20ms"), "effective_ms"]
+    )
+    assert (
+        voltage.loc[(2, "delay 20ms"), "effective_ms"] > voltage.loc[(2, ""), "effective_ms"] + 400
+    )
 
 
 def test_links_are_named_with_their_impairments_in_order_of_delay(tmp_path):

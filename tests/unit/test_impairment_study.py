@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pandas as pd
 import pytest
 
@@ -16,56 +18,55 @@ WINDOWS = {"voltage": 0.5, "trace-b": 10.0}  # departure to need
 BLOCKS, REPEATS = 4, 5
 
 
-def delayed_run(tmp_path, delays=(0.0, 5.0, 20.0)) -> Results:
+def delayed_run(tmp_path, delays=(0.0, 5.0, 20.0), counts=(2,)) -> Results:
     trials, layers = [], []
-    for method, window in WINDOWS.items():
+    for devices, (method, window), delay in itertools.product(counts, WINDOWS.items(), delays):
         params = "K=16" if method == "trace-b" else ""
-        for delay in delays:
-            trial_id = f"p2-{method}-10mbit-delay{delay:g}ms"
-            comm = WIRE_MS + PATH_MS + delay
-            wait = max(0.0, comm - window)
-            for repeat in range(REPEATS):
-                for rank in range(2):
-                    common = dict(
-                        trial_id=trial_id,
-                        method=method,
-                        params=params,
-                        K=16 if params else pd.NA,
-                        level_k=16 if params else pd.NA,
-                        devices=2,
-                        rank=rank,
-                        repeat=repeat,
-                        bandwidth_mbit=10.0,
+        trial_id = f"p{devices}-{method}-10mbit-delay{delay:g}ms"
+        comm = WIRE_MS + PATH_MS + delay
+        wait = max(0.0, comm - window)
+        for repeat in range(REPEATS):
+            for rank in range(devices):
+                common = dict(
+                    trial_id=trial_id,
+                    method=method,
+                    params=params,
+                    K=16 if params else pd.NA,
+                    level_k=16 if params else pd.NA,
+                    devices=devices,
+                    rank=rank,
+                    repeat=repeat,
+                    bandwidth_mbit=10.0,
+                )
+                trials.append(
+                    dict(
+                        common,
+                        status="ok",
+                        impairments=f"delay {delay:g}ms" if delay else "",
+                        link_delay_ms=delay,
+                        effective_ms=BLOCKS * (20 + wait) + rank,
+                        compute_ms=BLOCKS * 20.0 + rank,
+                        link_lost_frames=0,
+                        tcp_retransmits=0,
                     )
-                    trials.append(
+                )
+                for block in range(BLOCKS):
+                    start = 100.0 * block
+                    layers.append(
                         dict(
                             common,
-                            status="ok",
-                            impairments=f"delay {delay:g}ms" if delay else "",
-                            link_delay_ms=delay,
-                            effective_ms=BLOCKS * (20 + wait) + rank,
-                            compute_ms=BLOCKS * 20.0 + rank,
-                            link_lost_frames=0,
-                            tcp_retransmits=0,
+                            block=block,
+                            received_bytes=500,
+                            message_bytes=500,
+                            departed_ms=start,
+                            wait_start_ms=start + window,
+                            ffn_start_ms=start + 1,
+                            ffn_end_ms=start + 1 + FFN_MS,
+                            comm_ms=comm,
+                            wire_comm_ms=WIRE_MS,
+                            wait_ms=wait,
                         )
                     )
-                    for block in range(BLOCKS):
-                        start = 100.0 * block
-                        layers.append(
-                            dict(
-                                common,
-                                block=block,
-                                received_bytes=500,
-                                message_bytes=500,
-                                departed_ms=start,
-                                wait_start_ms=start + window,
-                                ffn_start_ms=start + 1,
-                                ffn_end_ms=start + 1 + FFN_MS,
-                                comm_ms=comm,
-                                wire_comm_ms=WIRE_MS,
-                                wait_ms=wait,
-                            )
-                        )
     frame = pd.DataFrame(trials)
     plan = frame[frame["repeat"] == 0]
     return Results(tmp_path, frame, pd.DataFrame(layers), plan, {"name": "toy"}, {})
@@ -118,6 +119,19 @@ def test_the_loss_table_gives_the_tail_and_the_retransmissions(tmp_path):
     assert clean["retransmitted_share"] == 0
     text = "\n".join(loss_section(run))
     assert "| 10 Mbit/s, delay 5ms loss random 1% | trace-b K=16 | 5 |" in text
+
+
+def test_the_loss_and_delay_tables_of_two_device_counts_name_the_count(tmp_path):
+    """A run over P = 2 and 3: each of the report's tables has a row per count, told apart
+    by a first column P (a one-count run's tables have none, above)."""
+    run = delayed_run(tmp_path, delays=(0.0, 5.0), counts=(2, 3))
+    run.trials.loc[run.trials["link_delay_ms"] == 5.0, "impairments"] = "delay 5ms loss random 1%"
+    text = "\n".join(delay_section(run) + loss_section(run))
+    for devices in (2, 3):
+        assert f"| {devices} | trace-b K=16 | 10 | " in text
+        assert f"| {devices} | 10 Mbit/s, delay 5ms loss random 1% | trace-b K=16 | 5 |" in text
+        assert f"trace-b K=16 at P = {devices} hides a one-way delay up to 9.7 ms" in text
+    assert text.count("| P | link | variant |") == 2  # the loss table and the tail's
 
 
 def test_the_tail_is_told_apart_into_late_messages_and_compute(tmp_path):

@@ -3,11 +3,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from testbed.errors import ConfigError
-from testbed.experiment.profiles import load_profile
+from testbed.experiment.impairments import ImpairmentError
+from testbed.experiment.profiles import load_profile, parse_profile
 from testbed.experiment.schema import load_experiment, parse_experiment
-from testbed.sweep.plan import device_profiles, impairment_label, plan_rows, plan_trials
+from testbed.sweep.plan import (
+    device_profiles,
+    impairment_label,
+    link_profile,
+    plan_rows,
+    plan_trials,
+)
 from testbed.sweep.sessions import session_id
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,6 +199,45 @@ def test_a_variant_naming_a_loss_model_replaces_the_profiles():
     assert laid.loss_pct == 0 and laid.loss_gemodel.r_pct == 20
     assert laid.delay_ms == lte.delay_ms and laid.jitter_ms == lte.jitter_ms
     assert lte.with_impairments({"delay_ms": 0, "jitter_ms": 0}).loss_pct == lte.loss_pct
+
+
+def test_the_readmes_impairment_line_plans_and_delay_0_drops_what_needs_a_delay():
+    """The README's commented `link:` line over `lte` (30 ms, jitter 10 ms, loss 0.5%):
+    {delay_ms: 0} is no delay and no jitter, the profile's loss kept; {delay_ms: 20,
+    loss_pct: 1} keeps the jitter and replaces the loss."""
+    (line,) = [
+        text.removeprefix("# ")
+        for text in (ROOT / "README.md").read_text().splitlines()
+        if text.startswith("# link: {profile: lte, impairments:")
+    ]
+    experiment = parse_experiment(with_(**yaml.safe_load(line)))
+    trials = plan_trials(experiment)
+    assert plan_rows(experiment, trials)
+    lte = load_profile("lte")
+    assert (lte.delay_ms, lte.jitter_ms, lte.loss_pct) == (30, 10, 0.5)
+    no_delay, delayed = (link_profile(experiment, trial).impairments() for trial in trials)
+    assert no_delay == {**lte.impairments(), "delay_ms": 0, "jitter_ms": 0}
+    assert delayed == {**lte.impairments(), "delay_ms": 20, "loss_pct": 1}
+
+
+def test_a_variant_at_delay_0_drops_the_profiles_jitter_and_reordering_unless_it_names_them():
+    jittery = parse_profile(
+        {
+            "name": "j",
+            "delay_ms": 10,
+            "jitter_ms": 5,
+            "delay_correlation_pct": 25,
+            "delay_distribution": "normal",
+            "reorder_pct": 10,
+            "reorder_gap": 3,
+            "duplicate_pct": 1,
+        }
+    )
+    laid = jittery.with_impairments({"delay_ms": 0})
+    assert laid.impairments() == {**parse_profile({"name": "j"}).impairments(), "duplicate_pct": 1}
+    with pytest.raises(ImpairmentError, match="jitter_ms: "):
+        jittery.with_impairments({"delay_ms": 0, "jitter_ms": 5})
+    assert jittery.with_impairments({"delay_ms": 5}).jitter_ms == 5  # a delay keeps it
 
 
 def test_a_devices_own_uplink_impairments_and_what_its_peers_wait_for():

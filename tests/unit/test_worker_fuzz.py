@@ -34,8 +34,8 @@ from test_worker_protocol import free_ports
 import tracevq
 from devices.device import Device
 from devices.errors import ConnectError, PeerLostError, ProtocolError
-from devices.frames import FRAME_HEADER, CountingSocket
-from devices.handshake import CLOCK, CLOCK_ROUNDS, LARGE_ROUND_BYTES, PING, shake
+from devices.frames import CLOCK_RANGE_NS, FRAME_HEADER, CountingSocket
+from devices.handshake import CLOCK_ROUNDS, clock_answer, ping, round_mark, shake
 from devices.spec import MethodRun, RunSpec
 from devices.worker import load_methods
 from tracevq.bundle import fit_bundle
@@ -147,8 +147,15 @@ def nested(depth: int) -> Any:
 
 # case -> (what the scripted peer sends given a valid hello, pattern of the worker's error)
 HELLO_CASES = {
-    "random-bytes": (lambda h: random.Random(7).randbytes(64), r"frame of \d+ bytes"),
-    "huge-length": (lambda h: FRAME_HEADER.pack(2**32 - 1), r"frame of 4294967295 bytes \(limit"),
+    "random-bytes": (lambda h: random.Random(7).randbytes(64), r"frame of (at least )?\d+ bytes"),
+    "huge-length": (
+        lambda h: FRAME_HEADER.pack(2**32 - 1),
+        r"frame of at least 4278190080 bytes \(limit",
+    ),
+    "huge-length-under-2^24": (
+        lambda h: FRAME_HEADER.pack(2**24 - 1),
+        r"frame of 16777215 bytes \(limit",
+    ),
     "not-json": (lambda h: frame(b"\xff\xfe{rank"), "handshake frame is not JSON"),
     "json-array": (lambda h: frame([h]), "handshake frame is a JSON list, not an object"),
     "nan": (lambda h: with_batch(h, "NaN"), "NaN is not a JSON number"),
@@ -261,6 +268,12 @@ def test_a_peer_from_another_address_is_refused(tmp_path, model, bundle_path):
     )
 
 
+def estimate(**changes: Any) -> dict[str, Any]:
+    """A clock estimate that is valid but for `changes`."""
+    valid = {"offset_ns": 0, "uncertainty_ns": 0, "round_trips_ns": [0] * CLOCK_ROUNDS}
+    return {**valid, "latency_ns": 0, **changes}
+
+
 @pytest.mark.parametrize(
     ("verdict", "estimate", "expected"),
     [
@@ -286,6 +299,16 @@ def test_a_peer_from_another_address_is_refused(tmp_path, model, bundle_path):
             {"offset_ns": 0, "uncertainty_ns": 0, "round_trips_ns": [0] * CLOCK_ROUNDS},
             "malformed clock estimate: latency_ns",
         ),
+        # within int64, beyond what the measuring side's own answers (0..2^62) can give
+        (None, estimate(offset_ns=2**63 - 1), "malformed clock estimate: offset_ns: Input"),
+        (None, estimate(offset_ns=-(2**63) + 1), "malformed clock estimate: offset_ns: Input"),
+        (None, estimate(uncertainty_ns=CLOCK_RANGE_NS), "malformed clock estimate: uncertainty"),
+        (
+            None,
+            estimate(round_trips_ns=[0] * (CLOCK_ROUNDS - 1) + [2**63 - 1]),
+            f"malformed clock estimate: round_trips_ns.{CLOCK_ROUNDS - 1}: Input",
+        ),
+        (None, estimate(latency_ns=-CLOCK_RANGE_NS), "malformed clock estimate: latency_ns: Input"),
     ],
     ids=[
         "verdict-type",
@@ -294,6 +317,11 @@ def test_a_peer_from_another_address_is_refused(tmp_path, model, bundle_path):
         "round-trips-long",
         "offset-huge",
         "latency-missing",
+        "offset-int64-max",
+        "offset-int64-min",
+        "uncertainty-2^62",
+        "round-trip-int64-max",
+        "latency-minus-2^62",
     ],
 )
 def test_a_malformed_verdict_or_clock_estimate_is_refused(
@@ -309,9 +337,8 @@ def test_a_malformed_verdict_or_clock_estimate_is_refused(
         sock.sendall(frame(verdict or {"ok": True, "error": None}))
         if estimate is not None:
             for index in range(CLOCK_ROUNDS):
-                padding = LARGE_ROUND_BYTES if index % 2 else 0
-                sock.sendall(PING + bytes(padding))
-                sock.recv(CLOCK.size + padding, socket.MSG_WAITALL)
+                sock.sendall(ping(index))
+                sock.recv(len(clock_answer(index, 0, 0)), socket.MSG_WAITALL)
             sock.sendall(frame(estimate))
         error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
@@ -563,20 +590,36 @@ def test_a_peer_that_resets_right_after_the_handshake_is_named(tmp_path, model, 
     assert str(error).startswith(f"lost device 1 ({peers[1]}) before the session started ("), error
 
 
-def test_finite_values_too_large_for_the_model_name_the_peer(tmp_path, model, bundle_path):
-    """3e38 is finite, and overflows the receiver's LayerNorm: the worker refuses the block
-    before it sends anything made from it."""
-    fake, peers = session_with_scripted_peer(tmp_path, model, bundle_path, "voltage")
-    worker = Worker(make_spec(tmp_path, 0, peers, "voltage", bundle_path), model)
+@pytest.mark.parametrize(
+    ("run", "message", "problem"),
+    [
+        ("voltage", np.full((BATCH, 8, 64), 3e38, "<f4"), "its keys and values are not finite"),
+        # Prism's means are projected without a LayerNorm: finite keys and values whose
+        # attention stays finite and whose FFN overflows
+        (
+            "prism",
+            np.full((BATCH, 2, 64), 1e30, "<f4"),
+            "block 0's FFN overflows (values not finite)",
+        ),
+    ],
+    ids=["voltage-layernorm", "prism-ffn"],
+)
+def test_finite_values_too_large_for_the_model_name_the_peer(
+    tmp_path, model, bundle_path, run, message, problem
+):
+    """3e38 is finite, and overflows the receiver's LayerNorm; 1e30 as Prism's means
+    overflows its FFN: the worker refuses the block before it sends anything made from it,
+    naming the peer, the block, the inference and the run."""
+    fake, peers = session_with_scripted_peer(tmp_path, model, bundle_path, run)
+    worker = Worker(make_spec(tmp_path, 0, peers, run, bundle_path), model)
     with fake.mesh:
         open_fake(fake)
-        huge = np.full((BATCH, 8, 64), 3e38, dtype="<f4").tobytes()
-        fake.mesh.links[0].sock.sendall(huge)
+        fake.mesh.links[0].sock.sendall(message.tobytes())
         error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
     assert str(error) == (
-        f"inference 0 of run v: voltage message from device 1 ({peers[1]}) for block 0: its "
-        "keys and values are not finite"
+        f"inference 0 of run {RUNS[run].id}: {run} message from device 1 ({peers[1]}) for "
+        f"block 0: {problem}"
     )
 
 
@@ -645,10 +688,109 @@ def test_clock_answers_that_are_not_times_are_refused(
         sock.sendall(frame({"ok": True, "error": None}))
         conn = CountingSocket(sock)
         conn.recv_frame(), conn.recv_frame()  # its hello and its verdict
-        assert conn.recv_exact(len(PING)) == PING
-        sock.sendall(CLOCK.pack(*answer(time.time_ns())))
+        assert conn.recv_exact(len(ping(0))) == ping(0)
+        sock.sendall(clock_answer(0, *answer(time.time_ns())))
         error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
     assert str(error).startswith(
         f"handshake with device 0 ({peers[0]}): clock answer 0 {expected}"
     ), str(error)
+
+
+# The last holes: a peer's key a megabyte long, a clock estimate anywhere in int64 (above), a
+# peer out of step in the clock rounds, a Prism overflow without its inference.
+
+MEGABYTE_KEY = "k" * 1_000_000
+
+
+@pytest.mark.parametrize("where", ["params", "top-level"])
+def test_a_huge_key_in_a_hello_is_shortened_in_the_error(tmp_path, model, bundle_path, where):
+    """A key of 10^6 characters (the frame holds it) is a field's path in the error: the
+    error line and session.json keep a few dozen characters of it."""
+    ports = free_ports(2)
+    worker = Worker(
+        make_spec(tmp_path, 0, [f"127.0.0.1:{p}" for p in ports], "voltage", bundle_path), model
+    )
+    hello = valid_hello(worker, 1)
+    if where == "params":
+        hello["runs"] = [{**hello["runs"][0], "params": {MEGABYTE_KEY: 1}}]
+    else:
+        hello[MEGABYTE_KEY] = 1
+    with connect(ports[0]) as sock:
+        sock.sendall(frame(hello))
+        error = worker.outcome()
+    assert isinstance(error, ProtocolError), repr(error)
+    text = str(error)
+    shown = "k" * 37 + "..."
+    expected = {
+        "params": f"runs.0.params.{shown}.[key]: String should have at most 1000 characters",
+        "top-level": f"{shown}: Extra inputs are not permitted",
+    }[where]
+    assert text.startswith("handshake with a device connecting from 127.0.0.1:"), text[:300]
+    assert text.endswith(f": malformed hello: {expected}"), text[:300]
+    assert len(text) < 500, len(text)
+    session = json.loads((tmp_path / "device0" / "session.json").read_text())
+    assert session["status"] == "failed" and session["error"] == text
+
+
+def answer_rounds(sock: socket.socket, rounds: int) -> None:
+    """The scripted side that connects: `rounds` clock rounds as they should be."""
+    for index in range(rounds):
+        sock.sendall(ping(index))
+        sock.recv(len(clock_answer(index, 0, 0)), socket.MSG_WAITALL)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("small-pings", "clock round 1 out of step (it opens with b'p', not b'q')"),
+        ("large-first", "clock round 1 out of step (it opens with b'\\x00', not b'q')"),
+        ("extra-round", "handshake frame of at least 2013265920 bytes (limit"),
+    ],
+)
+def test_a_peer_out_of_step_in_the_clock_rounds_is_refused_at_once(
+    tmp_path, model, bundle_path, case, expected
+):
+    """The scripted device 1 connects and sends a small ping in every round, or a large ping
+    first, or a ninth round where its estimate is due, then waits for the answer: the worker
+    refuses it at the first byte that is out of step, never at the set-up's deadline
+    (CONNECT_TIMEOUT_S, which ends in a ConnectError)."""
+    ports = free_ports(2)
+    peers = [f"127.0.0.1:{port}" for port in ports]
+    worker = Worker(make_spec(tmp_path, 0, peers, "voltage", bundle_path), model)
+    with connect(ports[0]) as sock:
+        sock.sendall(frame(valid_hello(worker, 1)))
+        sock.sendall(frame({"ok": True, "error": None}))
+        if case == "small-pings":
+            answer_rounds(sock, 1)
+            sock.sendall(round_mark(0))
+        elif case == "large-first":
+            sock.sendall(round_mark(0) + ping(1)[1:])  # round 0's mark, round 1's padding
+            sock.recv(len(clock_answer(0, 0, 0)), socket.MSG_WAITALL)
+        else:
+            answer_rounds(sock, CLOCK_ROUNDS)
+            sock.sendall(round_mark(CLOCK_ROUNDS))
+        error = worker.outcome()
+    assert isinstance(error, ProtocolError), repr(error)
+    assert str(error).startswith(f"handshake with device 1 ({peers[1]}): {expected}"), str(error)
+
+
+def test_a_peer_that_answers_out_of_step_is_refused_at_once(tmp_path, model, bundle_path):
+    """The worker is device 1 and drives the clock rounds; the scripted device 0 answers round
+    0 with a large answer (round 1's size): the worker refuses it at round 1's first byte."""
+    with connecting_worker(tmp_path, model, bundle_path) as (worker, sock, peers):
+        sock.settimeout(TIME_LIMIT_S)
+        sock.sendall(frame(valid_hello(worker, 0)))
+        sock.sendall(frame({"ok": True, "error": None}))
+        conn = CountingSocket(sock)
+        conn.recv_frame(), conn.recv_frame()  # its hello and its verdict
+        assert conn.recv_exact(len(ping(0))) == ping(0)
+        now = time.time_ns()
+        large = clock_answer(1, now, now)
+        sock.sendall(round_mark(0) + large[1:])
+        error = worker.outcome()
+    assert isinstance(error, ProtocolError), repr(error)
+    assert str(error) == (
+        f"handshake with device 0 ({peers[0]}): clock round 1 out of step (it opens with "
+        "b'\\x00', not b'q')"
+    )
