@@ -2,13 +2,15 @@
 
 Three pieces, each cached so that a rebuild after a code change takes seconds:
 
-- the base image `trace-testbed/base:bookworm`: a Debian minbase root file system made by
-  debootstrap from the host's own Debian mirror (read from /etc/apt), tarred once to
-  `.cache/base/` and loaded with `docker import`. A base the user names with `--base` is used
-  as is, and pulled only when they also pass `--pull`.
+- the base image `trace-testbed/base:<suite>`: a minbase root file system of the host's own
+  Debian or Ubuntu suite (bookworm here, noble on Ubuntu 24.04; bookworm on a host of another
+  family, given --mirror) made by debootstrap from the host's own mirror (read from /etc/apt),
+  tarred once to `.cache/base/` and loaded with `docker import`. A base the user names with
+  `--base` is used as is, and pulled only when they also pass `--pull`.
 - the wheelhouse `.cache/wheelhouse/`: `pip download` on the host of the project's runtime
-  dependencies (pyproject's `[project].dependencies` plus its build backend), for the base
-  image's CPython 3.11 on glibc 2.36. The testbed extra (pandas, docker ...) is host-only.
+  dependencies (pyproject's `[project].dependencies` plus its build backend, torch's CPU
+  build), for the base image's CPython and glibc (the suite's, or those a named base reports).
+  The testbed extra (pandas, docker ...) is host-only.
 - `devices/Dockerfile`: installs the wheelhouse into a venv with `--no-index`, then the
   project sources with `--no-deps --no-index`. `docker build` runs with `--network none`, so
   a build that works proves nothing came from the network.
@@ -29,7 +31,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from testbed import voice
-from testbed.backends.docker.base_image import DEFAULT_BASE, ensure_default_base, ensure_named_base
+from testbed.backends.docker.base_image import (
+    ensure_default_base,
+    ensure_named_base,
+    named_base_runtime,
+)
 from testbed.backends.docker.engine import engine_answers
 from testbed.backends.docker.image_steps import (
     image_id,
@@ -67,11 +73,12 @@ def build_image(
     if not engine_answers():
         raise ImageError("the Docker engine is not answering; start it with `make docker-up`")
     if base is None:
-        base = DEFAULT_BASE
-        ensure_default_base(root / ".cache", mirror, rebuild_base)
+        suite = ensure_default_base(root / ".cache", mirror, rebuild_base)
+        base, python, glibc_minor = suite.tag, suite.python, suite.glibc_minor
     else:
         ensure_named_base(base, pull)
-    wheelhouse = ensure_wheelhouse(root)
+        python, glibc_minor = named_base_runtime(base)
+    wheelhouse = ensure_wheelhouse(root, python, glibc_minor)
     key = source_key(root, image_id(base), (wheelhouse / ".key").read_text())
     if (
         image_id(tag) is not None
@@ -124,9 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build the worker image without any registry")
     build.add_argument("--tag", default=WORKER_TAG)
-    build.add_argument("--base", help=f"base image used as is (default: local {DEFAULT_BASE})")
+    build.add_argument(
+        "--base", help="base image used as is (default: trace-testbed/base:<the host's suite>)"
+    )
     build.add_argument("--pull", action="store_true", help="pull --base if it is not local")
-    build.add_argument("--mirror", help="Debian mirror for debootstrap (default: the host's)")
+    build.add_argument(
+        "--mirror",
+        help="mirror of the host's Debian or Ubuntu suite for debootstrap (default: the host's "
+        "apt source); on a host of another family, a Debian mirror (bookworm)",
+    )
     build.add_argument("--rebuild-base", action="store_true", help="debootstrap the base again")
     build.add_argument("-v", "--verbose", action="store_true", help="log every command")
     args = parser.parse_args(argv)
