@@ -21,9 +21,12 @@ from testbed.backends.docker.suite import (
     read_os_release,
     runtime_problem,
 )
+from testbed.backends.docker.wheelhouse import required_python
 from testbed.errors import ImageError
+from testbed.source import SOURCE_ROOT
 
 HOSTS = Path(__file__).parent / "hosts"
+PROJECT_PYTHON = required_python(SOURCE_ROOT / "pyproject.toml")  # (3, 11)
 # the debootstrap scripts of Debian bookworm's debootstrap (1.0.128): jammy, but no noble
 BOOKWORM_DEBOOTSTRAP = ("bookworm", "trixie", "sid", "jammy", "gutsy", "focal")
 
@@ -37,7 +40,8 @@ def scripts(tmp_path: Path) -> Path:
     return folder
 
 
-# host: (suite, mirror, keyring); every one of them names its own debootstrap script
+# host: (suite, mirror, keyring) for the project's Python; the script is the suite's own, or
+# Ubuntu's generic one where bookworm's debootstrap has none
 EXPECTED = {
     "debian-12": (
         "bookworm",
@@ -54,8 +58,8 @@ EXPECTED = {
         "http://deb.debian.org/debian/",
         "/usr/share/keyrings/debian-archive-keyring.pgp",  # its Signed-By
     ),
-    "ubuntu-22.04": (
-        "jammy",
+    "ubuntu-22.04": (  # jammy's Python 3.10 is older than the project's: noble, same mirror
+        "noble",
         "http://de.archive.ubuntu.com/ubuntu/",
         "/usr/share/keyrings/ubuntu-archive-keyring.gpg",  # Ubuntu's, no signed-by option
     ),
@@ -74,7 +78,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("host", sorted(EXPECTED))
 def test_each_host_debootstraps_its_own_suite_from_its_own_mirror(host: str, scripts: Path) -> None:
-    plan = host_plan(etc=HOSTS / host / "etc", scripts=scripts)
+    plan = host_plan(etc=HOSTS / host / "etc", scripts=scripts, min_python=PROJECT_PYTHON)
     suite, mirror, keyring = EXPECTED[host]
     assert (plan.suite.name, plan.mirror, plan.keyring) == (suite, mirror, keyring)
     assert plan.suite.tag == f"trace-testbed/base:{suite}"
@@ -83,7 +87,7 @@ def test_each_host_debootstraps_its_own_suite_from_its_own_mirror(host: str, scr
 
 
 def test_noble_with_an_older_debootstrap_runs_its_ubuntu_script(scripts: Path) -> None:
-    plan = host_plan(etc=HOSTS / "ubuntu-24.04" / "etc", scripts=scripts)
+    plan = host_plan(etc=HOSTS / "ubuntu-24.04" / "etc", scripts=scripts, min_python=PROJECT_PYTHON)
     args = debootstrap_args(plan, Path("/x/rootfs"), Path("/x/debs"))
     assert args == [
         "debootstrap",
@@ -98,18 +102,33 @@ def test_noble_with_an_older_debootstrap_runs_its_ubuntu_script(scripts: Path) -
         str(scripts / "gutsy"),
     ]
     (scripts / "noble").write_text("")  # a debootstrap that knows noble finds its own
-    assert host_plan(etc=HOSTS / "ubuntu-24.04" / "etc", scripts=scripts).script is None
+    assert (
+        host_plan(
+            etc=HOSTS / "ubuntu-24.04" / "etc", scripts=scripts, min_python=PROJECT_PYTHON
+        ).script
+        is None
+    )
 
 
 def test_bookworm_keeps_its_tag_key_and_debootstrap_command(scripts: Path) -> None:
     """This project's hosts: the base cached before hosts chose their suite stays current."""
-    plan = host_plan(etc=HOSTS / "debian-12" / "etc", scripts=scripts)
+    plan = host_plan(etc=HOSTS / "debian-12" / "etc", scripts=scripts, min_python=PROJECT_PYTHON)
     assert plan.suite.tag == "trace-testbed/base:bookworm"
     assert base_key(plan.suite, "x86_64") == "c13c8f0fdc03"  # .cache/base/rootfs-bookworm-...
     args = debootstrap_args(plan, Path("/x/rootfs"), Path("/x/debs"))
     assert "--components" not in " ".join(args)  # debootstrap's default: main
     assert args[-3:] == ["bookworm", "/x/rootfs", "http://deb.debian.org/debian"]
     assert base_key(SUITES["noble"], "x86_64") != base_key(plan.suite, "x86_64")
+
+
+def test_jammy_is_the_base_of_22_04_only_for_a_project_that_runs_on_python_3_10(
+    scripts: Path,
+) -> None:
+    assert PROJECT_PYTHON == (3, 11)  # pyproject's requires-python: jammy's 3.10 is too old
+    etc = HOSTS / "ubuntu-22.04" / "etc"
+    plan = host_plan(etc=etc, scripts=scripts, min_python=(3, 10))
+    assert (plan.suite.name, plan.mirror) == ("jammy", "http://de.archive.ubuntu.com/ubuntu/")
+    assert plan.script is None  # bookworm's debootstrap knows jammy
 
 
 def test_each_suite_gives_the_wheelhouse_its_python() -> None:
@@ -126,13 +145,15 @@ def test_a_host_of_another_family_gets_bookworm_from_the_mirror_it_names(scripts
     etc = HOSTS / "fedora-41" / "etc"
     assert host_suite(read_os_release(etc)) is SUITES["bookworm"]
     with pytest.raises(ImageError) as refused:
-        host_plan(etc=etc, scripts=scripts)
+        host_plan(etc=etc, scripts=scripts, min_python=PROJECT_PYTHON)
     assert str(refused.value) == (
         "no Debian mirror for suite 'bookworm' (component main) in /etc/apt/sources.list(.d) "
         "of Fedora Linux 41 (Workstation Edition); pass --mirror URL of a Debian mirror or "
         "--base IMAGE"
     )
-    plan = host_plan("http://deb.debian.org/debian", etc=etc, scripts=scripts)
+    plan = host_plan(
+        "http://deb.debian.org/debian", etc=etc, scripts=scripts, min_python=PROJECT_PYTHON
+    )
     assert (plan.suite.name, plan.mirror) == ("bookworm", "http://deb.debian.org/debian")
     assert plan.keyring == "/usr/share/keyrings/debian-archive-keyring.gpg"
 
@@ -149,7 +170,7 @@ def test_an_ubuntu_release_not_known_here_gets_noble_from_its_own_mirror(
     (etc / "apt" / "sources.list.d" / "ubuntu.sources").write_text(
         sources.replace("noble", "plucky")
     )
-    plan = host_plan(etc=etc, scripts=scripts)
+    plan = host_plan(etc=etc, scripts=scripts, min_python=PROJECT_PYTHON)
     assert (plan.suite.name, plan.mirror) == ("noble", "http://archive.ubuntu.com/ubuntu/")
 
 
@@ -166,7 +187,7 @@ def test_a_derivative_of_an_unknown_release_must_name_a_mirror(
         "deb http://http.kali.org/kali kali-rolling main contrib non-free non-free-firmware\n"
     )
     with pytest.raises(ImageError, match="suite 'bookworm' .* of Kali GNU/Linux Rolling"):
-        host_plan(etc=etc, scripts=scripts)
+        host_plan(etc=etc, scripts=scripts, min_python=PROJECT_PYTHON)
 
 
 def test_the_rootfs_must_have_the_python_its_suite_promises() -> None:

@@ -34,8 +34,9 @@ from testbed.backends.docker.suite import (
     read_os_release,
     runtime_problem,
 )
+from testbed.backends.docker.wheelhouse import required_python
 from testbed.errors import ImageError
-from testbed.source import CACHE_DIR
+from testbed.source import CACHE_DIR, SOURCE_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,11 @@ RUNTIME_PROBE = "import platform, sys; print('%d.%d' % sys.version_info[:2], *pl
 
 def default_suite() -> Suite:
     """The suite of the base made here: the host's own (bookworm on a host of another family)."""
-    return host_suite(read_os_release())
+    return host_suite(read_os_release(), _project_python())
+
+
+def _project_python() -> tuple[int, int]:
+    return required_python(SOURCE_ROOT / "pyproject.toml")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +115,7 @@ def ensure_default_base(cache: Path, mirror: str | None, rebuild: bool) -> Suite
         return suite
     tarball = rootfs_tarball(cache, suite, key)
     if rebuild or not tarball.is_file():
-        plan = host_plan(mirror)
+        plan = host_plan(mirror, min_python=_project_python())
         doing = f"debootstrap {suite.name} from {plan.mirror} (about a minute, once per machine)"
         with voice.phase("base image", doing):
             make_rootfs_tarball(tarball, plan)

@@ -117,18 +117,26 @@ def host_codename(os_release: Mapping[str, str]) -> str | None:
     return os_release.get(base_codename) or os_release.get("VERSION_CODENAME") or None
 
 
-def host_suite(os_release: Mapping[str, str]) -> Suite:
-    """The host's own suite when it is known here; else its family's fallback (an Ubuntu
-    interim release gets noble), and bookworm for a host of another family."""
+def host_suite(os_release: Mapping[str, str], min_python: tuple[int, int] = (3, 0)) -> Suite:
+    """The host's own suite when it is known here and its CPython is at least `min_python`
+    (the project's requires-python); else its family's fallback (Ubuntu 22.04 and an Ubuntu
+    interim release get noble), and bookworm for a host of another family."""
     codename = host_codename(os_release)
-    if codename in SUITES:
-        return SUITES[codename]
-    suite = FALLBACK_SUITES.get(host_family(os_release), DEFAULT_SUITE)
+    suite = SUITES.get(codename or "")
+    if suite is not None and _version(suite.python) >= min_python:
+        return suite
+    fallback = FALLBACK_SUITES.get(host_family(os_release), DEFAULT_SUITE)
     if codename is not None:
-        log.info(
-            "the host's suite %r is not one of %s: using %s", codename, list(SUITES), suite.name
+        why = (
+            "is not one of " + ", ".join(SUITES) if suite is None else f"has Python {suite.python}"
         )
-    return suite
+        log.info("the host's suite %s %s: the base is %s", codename, why, fallback.name)
+    return fallback
+
+
+def _version(dotted: str) -> tuple[int, int]:
+    major, minor = dotted.split(".")[:2]
+    return int(major), int(minor)
 
 
 def host_name(os_release: Mapping[str, str]) -> str:
@@ -282,16 +290,21 @@ def plan_debootstrap(
 
 
 def host_plan(
-    mirror: str | None = None, *, etc: Path = Path("/etc"), scripts: Path = DEBOOTSTRAP_SCRIPTS
+    mirror: str | None = None,
+    *,
+    min_python: tuple[int, int] = (3, 0),
+    etc: Path = Path("/etc"),
+    scripts: Path = DEBOOTSTRAP_SCRIPTS,
 ) -> Debootstrap:
     """The plan for this host's base: its own suite (`host_suite`) from its own mirror."""
     os_release = read_os_release(etc)
-    suite = host_suite(os_release)
+    suite = host_suite(os_release, min_python)
     sources = read_host_sources(etc / "apt") if mirror is None else []
     codename = host_codename(os_release)
-    if codename not in (None, suite.name) and os_release.get("ID") == suite.family.name.lower():
-        # Debian's and Ubuntu's own mirrors carry every current suite of their family: the
-        # fallback suite comes from the mirror of the host's release (not a derivative's)
+    own_mirror = codename in SUITES or os_release.get("ID") == suite.family.name.lower()
+    if codename not in (None, suite.name) and own_mirror:
+        # Debian's and Ubuntu's mirrors carry every current suite of their family: the fallback
+        # comes from the mirror of the host's own release (not from a derivative's mirror)
         carried = (replace(s, suites=(*s.suites, suite.name)) for s in sources)
         sources = [s for s in carried if codename in s.suites]
     host = host_name(os_release)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import re
 import shutil
 import sys
 import tomllib
@@ -37,6 +38,13 @@ def runtime_requirements(pyproject: Path) -> list[str]:
     requirements = list(data["project"].get("dependencies", []))
     requirements += data.get("build-system", {}).get("requires", [])
     return list(dict.fromkeys(requirements))
+
+
+def required_python(pyproject: Path) -> tuple[int, int]:
+    """The oldest CPython the project installs on: `requires-python = ">=3.11"` gives (3, 11)."""
+    spec = tomllib.loads(pyproject.read_text())["project"].get("requires-python", "")
+    match = re.search(r">=\s*(\d+)\.(\d+)", spec)
+    return (int(match.group(1)), int(match.group(2))) if match else (3, 0)
 
 
 def wheel_platforms(machine: str, glibc_minor: int) -> list[str]:
@@ -104,8 +112,11 @@ def ensure_wheelhouse(root: Path, python: str, glibc_minor: int) -> Path:
         (fresh / "constraints.txt").write_text("\n".join(constraints) + "\n")
     args = pip_download_args(fresh / "requirements.txt", fresh, machine, python, glibc_minor)
     doing = f"pip download of {len(requirements)} runtime packages for CPython {python}"
+    step = "pip download of the wheelhouse"
+    if constraints:  # what to look at when torch's CPU build was not found
+        step += f" ({', '.join(constraints)}: from {TORCH_CPU_INDEX} or pip's own index)"
     with voice.phase("wheelhouse", doing):
-        run_step("pip download of the wheelhouse", args)
+        run_step(step, args)
     (fresh / ".key").write_text(key)
     shutil.rmtree(wheelhouse, ignore_errors=True)
     fresh.rename(wheelhouse)
