@@ -6,7 +6,8 @@ Three pieces, each cached so that a rebuild after a code change takes seconds:
   Debian or Ubuntu suite (bookworm here, noble on Ubuntu 24.04; bookworm on a host of another
   family, given --mirror) made by debootstrap from the host's own mirror (read from /etc/apt),
   tarred once to `.cache/base/` and loaded with `docker import`. A base the user names with
-  `--base` is used as is, and pulled only when they also pass `--pull`.
+  `--base` (or `TESTBED_BASE`, which every run's build reads too) is used as is, and pulled
+  only when they also pass `--pull`.
 - the wheelhouse `.cache/wheelhouse/`: `pip download` on the host of the project's runtime
   dependencies (pyproject's `[project].dependencies` plus its build backend, torch's CPU
   build), for the base image's CPython and glibc (the suite's, or those a named base reports).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import os
 import shutil
 import sys
 import time
@@ -52,6 +54,9 @@ DOCKERFILE = "devices/Dockerfile"
 SOURCE_LABEL = "trace-testbed.source"  # the key of the sources an image was built from
 SOURCE_DIRS = ("tracevq", "devices", "testbed")  # what the Dockerfile copies, with these:
 SOURCE_FILES = (DOCKERFILE, "pyproject.toml", ".dockerignore")
+# a base image used as is by `make image` and by every run's build (a host that cannot
+# debootstrap its own suite: docs/user-guide.md, Setup)
+BASE_ENV = "TESTBED_BASE"
 
 
 def build_image(
@@ -72,6 +77,7 @@ def build_image(
         raise ImageError("the docker CLI is not installed (apt-get install docker.io)")
     if not engine_answers():
         raise ImageError("the Docker engine is not answering; start it with `make docker-up`")
+    base = base or os.environ.get(BASE_ENV) or None
     if base is None:
         suite = ensure_default_base(root / ".cache", mirror, rebuild_base)
         base, python, glibc_minor = suite.tag, suite.python, suite.glibc_minor
@@ -132,7 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     build = commands.add_parser("build", help="build the worker image without any registry")
     build.add_argument("--tag", default=WORKER_TAG)
     build.add_argument(
-        "--base", help="base image used as is (default: trace-testbed/base:<the host's suite>)"
+        "--base",
+        help=f"base image used as is (default: ${BASE_ENV}, else the local "
+        "trace-testbed/base:<the host's suite>)",
     )
     build.add_argument("--pull", action="store_true", help="pull --base if it is not local")
     build.add_argument(
