@@ -148,8 +148,8 @@ def test_a_host_of_another_family_gets_bookworm_from_the_mirror_it_names(scripts
         host_plan(etc=etc, scripts=scripts, min_python=PROJECT_PYTHON)
     assert str(refused.value) == (
         "no Debian mirror for suite 'bookworm' (component main) in /etc/apt/sources.list(.d) "
-        "of Fedora Linux 41 (Workstation Edition); pass --mirror URL of a Debian mirror or "
-        "--base IMAGE"
+        "of Fedora Linux 41 (Workstation Edition); pass --mirror URL of a Debian mirror "
+        "(make image IMAGE_ARGS='--mirror URL') or set TESTBED_BASE=IMAGE"
     )
     plan = host_plan(
         "http://deb.debian.org/debian", etc=etc, scripts=scripts, min_python=PROJECT_PYTHON

@@ -132,7 +132,7 @@ def make_rootfs_tarball(tarball: Path, plan: Debootstrap) -> None:
     """debootstrap into a scratch folder next to `tarball`, trim it and tar it (needs root)."""
     problem = _debootstrap_problem() or keyring_problem(plan)
     if problem is not None:
-        raise ImageError(f"{problem}; or pass --base IMAGE")
+        raise ImageError(f"{problem}; or set TESTBED_BASE=IMAGE")
     target = tarball.parent / "rootfs.tmp"
     debs = tarball.parent / "debs"  # .deb cache: a second debootstrap downloads nothing
     debs.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,7 @@ def ensure_named_base(base: str, pull: bool) -> None:
     if not pull:
         raise ImageError(
             f"base image {base!r} is not present locally; pass --pull to pull it "
-            "from its registry, or omit --base to build the local base"
+            "from its registry, or omit --base (and TESTBED_BASE) to build the local base"
         )
     run_step(f"docker pull {base}", ["docker", "pull", base])
 

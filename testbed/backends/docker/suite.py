@@ -276,7 +276,8 @@ def plan_debootstrap(
             raise ImageError(
                 f"no {suite.family.name} mirror for suite '{suite.name}' (component main) in "
                 f"/etc/apt/sources.list(.d) of {host}; pass --mirror URL of a "
-                f"{suite.family.name} mirror or --base IMAGE"
+                f"{suite.family.name} mirror (make image IMAGE_ARGS='--mirror URL') or set "
+                "TESTBED_BASE=IMAGE"
             )
         uri, signed_by = source.uri, source.signed_by
     # Signed-By may also hold fingerprints or a whole key block: only a file is a keyring
