@@ -20,7 +20,8 @@
 #   make distclean    clean, and remove .cache/ too
 #
 # Variables: PYTHON (interpreter that creates the venv), PYTEST_ARGS, IMAGE_ARGS
-# (e.g. IMAGE_ARGS='--base debian:bookworm --pull' to use, and pull, a remote base).
+# (e.g. IMAGE_ARGS='--mirror http://deb.debian.org/debian' on a host that is not Debian or
+# Ubuntu; '--base IMAGE --pull' to use, and pull, a remote base with python3 3.11+ on glibc).
 
 PYTHON ?= python3
 VENV := .venv

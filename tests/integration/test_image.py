@@ -23,7 +23,7 @@ from testbed.backends.docker.backend import (
     WORKER_UID,
     DockerBackend,
 )
-from testbed.backends.docker.base_image import DEFAULT_BASE
+from testbed.backends.docker.base_image import default_suite, named_base_runtime
 from testbed.backends.docker.image import WORKER_TAG
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -84,9 +84,16 @@ def _exec(container: Any, *args: str, user: str = "") -> str:
 def test_image_is_built_on_the_local_base(docker_client: Any, worker_image: str) -> None:
     assert worker_image == WORKER_TAG
     labels = docker_client.images.get(worker_image).labels
-    assert labels["org.opencontainers.image.base.name"] == DEFAULT_BASE
-    base = docker_client.images.get(DEFAULT_BASE)
+    suite = default_suite()  # the host's own: bookworm on this project's machines
+    assert labels["org.opencontainers.image.base.name"] == suite.tag
+    base = docker_client.images.get(suite.tag)
     assert base.attrs["RepoDigests"] == []  # made by docker import here, never pulled
+
+
+def test_the_base_has_the_python_its_suite_gives_the_wheelhouse(worker_image: str) -> None:
+    """What a named base is asked, asked of the local one: the table and the image agree."""
+    suite = default_suite()
+    assert named_base_runtime(suite.tag) == (suite.python, suite.glibc_minor)
 
 
 def test_container_runs_pinned_torch(worker: Any) -> None:

@@ -7,14 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from testbed.backends.docker.base_image import (
+from testbed.backends.docker.suite import (
+    SUITES,
     AptSource,
-    choose_mirror,
+    choose_source,
     parse_deb822_sources,
     parse_one_line_sources,
+    plan_debootstrap,
     read_host_sources,
 )
 from testbed.backends.docker.wheelhouse import (
+    TORCH_CPU_INDEX,
+    cpu_torch_constraints,
     pip_download_args,
     runtime_requirements,
     wheel_platforms,
@@ -63,11 +67,17 @@ Signed-By:
 def test_one_line_format_skips_comments_sources_and_options() -> None:
     sources = parse_one_line_sources(ONE_LINE_SAMPLE)
     assert sources == [
-        AptSource("https://packages.example.com/apt", ("stable",), ("main",)),
+        AptSource(
+            "https://packages.example.com/apt",
+            ("stable",),
+            ("main",),
+            signed_by="/usr/share/keyrings/x.gpg",
+        ),
         AptSource("http://mirror.example.org/debian", ("bookworm-updates",), ("main",)),
         AptSource("http://mirror.example.org/debian", ("bookworm",), ("main", "contrib")),
     ]
-    assert choose_mirror(sources) == "http://mirror.example.org/debian"
+    source = choose_source(sources, "bookworm")
+    assert source is not None and source.uri == "http://mirror.example.org/debian"
 
 
 def test_deb822_format_skips_disabled_and_source_stanzas() -> None:
@@ -77,18 +87,22 @@ def test_deb822_format_skips_disabled_and_source_stanzas() -> None:
         "http://deb.debian.org/debian-security",
     ]
     assert sources[0].suites == ("bookworm", "bookworm-updates")
-    assert choose_mirror(sources) == "http://deb.debian.org/debian"
+    assert sources[0].signed_by == "/usr/share/keyrings/debian-archive-keyring.gpg"
+    assert sources[1].signed_by is not None and "BEGIN PGP" in sources[1].signed_by
+    source = choose_source(sources, "bookworm")
+    assert source is not None and source.uri == "http://deb.debian.org/debian"
 
 
 def test_mirror_needs_the_suite_itself_with_main() -> None:
+    bookworm = SUITES["bookworm"]
     security_only = [
         AptSource("http://deb.debian.org/debian-security", ("bookworm-security",), ("main",))
     ]
     with pytest.raises(ImageError, match="no Debian mirror for suite 'bookworm'"):
-        choose_mirror(security_only)
+        plan_debootstrap(bookworm, security_only)
     cdrom = [AptSource("cdrom:[Debian 12]/", ("bookworm",), ("main",))]
     with pytest.raises(ImageError):
-        choose_mirror(cdrom)
+        plan_debootstrap(bookworm, cdrom)
 
 
 def test_host_sources_read_list_and_sources_files_only(tmp_path: Path) -> None:
@@ -133,14 +147,41 @@ def test_wheel_platforms_cover_every_glibc_up_to_bookworm() -> None:
         "manylinux1_x86_64",
     } <= set(tags)
     assert "manylinux_2_37_x86_64" not in tags
-    assert "manylinux1_aarch64" not in wheel_platforms("aarch64")
+    assert "manylinux1_aarch64" not in wheel_platforms("aarch64", glibc_minor=36)
 
 
 def test_pip_download_targets_the_base_python(tmp_path: Path) -> None:
-    args = pip_download_args(tmp_path / "requirements.txt", tmp_path, "x86_64")
+    args = pip_download_args(tmp_path / "requirements.txt", tmp_path, "x86_64", "3.11", 36)
     assert args[1:4] == ["-m", "pip", "download"]
     assert args[args.index("--python-version") + 1] == "3.11"
+    assert args[args.index("--platform") + 1] == "manylinux_2_36_x86_64"
     assert "--only-binary=:all:" in args
+    assert "--constraint" not in args  # no constraints.txt beside the requirements
+
+
+def test_pip_download_follows_a_noble_base_and_holds_torch_to_its_cpu_build(
+    tmp_path: Path,
+) -> None:
+    noble = SUITES["noble"]
+    requirements = runtime_requirements(SOURCE_ROOT / "pyproject.toml")
+    (tmp_path / "requirements.txt").write_text("\n".join(requirements))
+    constraints = cpu_torch_constraints(requirements, "x86_64")
+    assert constraints == ["torch==2.13.0+cpu"]
+    (tmp_path / "constraints.txt").write_text("\n".join(constraints))
+    args = pip_download_args(
+        tmp_path / "requirements.txt", tmp_path, "x86_64", noble.python, noble.glibc_minor
+    )
+    assert args[args.index("--python-version") + 1] == "3.12"  # cp312 wheels, abi cp312
+    assert args[args.index("--platform") + 1] == "manylinux_2_39_x86_64"
+    assert args[args.index("--constraint") + 1] == str(tmp_path / "constraints.txt")
+    assert args[args.index("--extra-index-url") + 1] == TORCH_CPU_INDEX
+
+
+def test_cpu_constraint_only_for_an_exact_torch_pin_where_pypi_has_cuda() -> None:
+    assert cpu_torch_constraints(["torch==2.13.0", "numpy>=1.26"], "aarch64") == []
+    assert cpu_torch_constraints(["torch>=2.4"], "x86_64") == []
+    assert cpu_torch_constraints(["torch==2.13.0+cpu"], "x86_64") == []
+    assert cpu_torch_constraints(["Torch == 2.5.1"], "x86_64") == ["torch==2.5.1+cpu"]
 
 
 def test_dockerfile_installs_offline_only() -> None:

@@ -1,10 +1,10 @@
-"""The base image `trace-testbed/base:bookworm`, made without any container registry.
+"""The base image `trace-testbed/base:<suite>`, made without any container registry.
 
-A Debian minbase root file system made by debootstrap from the host's own Debian mirror (read
-from the apt sources in /etc/apt, one-line and deb822 formats), trimmed, tarred once to
-`.cache/base/` and loaded with `docker import`. The image carries the key of what it is made
-of (`TESTBED_BASE_KEY`), and a base whose key is current is kept. A base the user names instead
-is used as is, and pulled only when they ask for it.
+A minbase root file system of the host's own Debian or Ubuntu suite (`suite`: bookworm on this
+project's Debian hosts, noble on Ubuntu 24.04), made by debootstrap from the mirror the host's
+apt uses, trimmed, tarred once to `.cache/base/` and loaded with `docker import`. The image
+carries the key of what it is made of (`TESTBED_BASE_KEY`), and a base whose key is current is
+kept. A base the user names instead is used as is, and pulled only when they ask for it.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import shlex
 import shutil
-from collections.abc import Sequence
-from dataclasses import dataclass
+import subprocess
 from pathlib import Path
 
 from testbed import voice
@@ -25,127 +25,67 @@ from testbed.backends.docker.image_steps import (
     replace_image,
     run_step,
 )
+from testbed.backends.docker.suite import (
+    Debootstrap,
+    Suite,
+    host_plan,
+    host_suite,
+    keyring_problem,
+    read_os_release,
+    runtime_problem,
+)
+from testbed.backends.docker.wheelhouse import required_python
 from testbed.errors import ImageError
-from testbed.source import CACHE_DIR
+from testbed.source import CACHE_DIR, SOURCE_ROOT
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BASE = "trace-testbed/base:bookworm"
-SUITE = "bookworm"
 BASE_PACKAGES = tuple(
     "python3 python3-venv python3-pip iproute2 ethtool procps ca-certificates".split()
 )
 # Trimmed from the root file system: documentation and the apt caches debootstrap leaves.
 ROOTFS_TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "var/lib/apt/lists")
 DPKG_NODOC = "path-exclude=/usr/share/doc/*\npath-exclude=/usr/share/man/*\n"
+# what a named base says of itself, for the wheelhouse: "3.11 glibc 2.36"
+RUNTIME_PROBE = "import platform, sys; print('%d.%d' % sys.version_info[:2], *platform.libc_ver())"
 
 
-# ---------------------------------------------------------------------------------------------
-# Apt sources (unit-tested without Docker)
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class AptSource:
-    """One binary-package source line of apt."""
-
-    uri: str
-    suites: tuple[str, ...]
-    components: tuple[str, ...]
+def default_suite() -> Suite:
+    """The suite of the base made here: the host's own (bookworm on a host of another family)."""
+    return host_suite(read_os_release(), _project_python())
 
 
-def parse_one_line_sources(text: str) -> list[AptSource]:
-    """Parses the classic `deb [options] uri suite component...` format (deb-src is skipped)."""
-    sources = []
-    for raw in text.splitlines():
-        tokens = raw.split("#", 1)[0].split()
-        if not tokens or tokens[0] != "deb":
-            continue
-        tokens = tokens[1:]
-        if tokens and tokens[0].startswith("["):  # options: [ arch=amd64 signed-by=... ]
-            while tokens and not tokens[0].endswith("]"):
-                tokens = tokens[1:]
-            tokens = tokens[1:]
-        if len(tokens) >= 2:
-            sources.append(AptSource(tokens[0], (tokens[1],), tuple(tokens[2:])))
-    return sources
-
-
-def parse_deb822_sources(text: str) -> list[AptSource]:
-    """Parses the deb822 `.sources` format (stanzas of `Types:`, `URIs:`, `Suites:` ...)."""
-    sources = []
-    for stanza in _deb822_stanzas(text):
-        enabled = stanza.get("enabled", "yes").strip().lower() not in ("no", "false", "0")
-        if "deb" not in stanza.get("types", "").split() or not enabled:
-            continue
-        suites = tuple(stanza.get("suites", "").split())
-        components = tuple(stanza.get("components", "").split())
-        for uri in stanza.get("uris", "").split():
-            sources.append(AptSource(uri, suites, components))
-    return sources
-
-
-def _deb822_stanzas(text: str) -> list[dict[str, str]]:
-    stanzas: list[dict[str, str]] = [{}]
-    key = None
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        if not line.strip():
-            if stanzas[-1]:
-                stanzas.append({})
-            key = None
-        elif line[0] in " \t" and key is not None:  # continuation of the previous field
-            stanzas[-1][key] += " " + line.strip()
-        elif ":" in line:
-            key, value = line.split(":", 1)
-            key = key.strip().lower()
-            stanzas[-1][key] = value.strip()
-    return [s for s in stanzas if s]
-
-
-def read_host_sources(apt_dir: Path = Path("/etc/apt")) -> list[AptSource]:
-    """All enabled binary sources of the host, in apt's order (disabled-file names are ignored)."""
-    sources = []
-    main_list = apt_dir / "sources.list"
-    if main_list.is_file():
-        sources += parse_one_line_sources(main_list.read_text())
-    parts = apt_dir / "sources.list.d"
-    for path in sorted(parts.glob("*")) if parts.is_dir() else []:
-        if path.suffix == ".list":
-            sources += parse_one_line_sources(path.read_text())
-        elif path.suffix == ".sources":
-            sources += parse_deb822_sources(path.read_text())
-    return sources
-
-
-def choose_mirror(sources: Sequence[AptSource], suite: str = SUITE) -> str:
-    """The first http(s)/file source that carries `suite` itself with component main."""
-    for source in sources:
-        scheme = source.uri.split(":", 1)[0]
-        if scheme in ("http", "https", "file") and suite in source.suites:
-            if "main" in source.components:
-                return source.uri
-    raise ImageError(
-        f"no Debian mirror for suite '{suite}' (component main) in /etc/apt/sources.list(.d); "
-        "pass --mirror URL or --base IMAGE"
-    )
+def _project_python() -> tuple[int, int]:
+    return required_python(SOURCE_ROOT / "pyproject.toml")
 
 
 # ---------------------------------------------------------------------------------------------
 # Base image (debootstrap -> cached tarball -> docker import)
 # ---------------------------------------------------------------------------------------------
-def base_key(machine: str) -> str:
+def base_key(suite: Suite, machine: str) -> str:
     """Identifies the base's contents: a new package list or suite gives a new base."""
-    return cache_key(SUITE, "minbase", BASE_PACKAGES, machine, ROOTFS_TRIM, DPKG_NODOC)
+    return cache_key(suite.name, "minbase", BASE_PACKAGES, machine, ROOTFS_TRIM, DPKG_NODOC)
 
 
-def rootfs_tarball(cache: Path, key: str) -> Path:
-    return cache / "base" / f"rootfs-{SUITE}-{platform.machine()}-{key}.tar"
+def rootfs_tarball(cache: Path, suite: Suite, key: str) -> Path:
+    return cache / "base" / f"rootfs-{suite.name}-{platform.machine()}-{key}.tar"
 
 
-def _base_is_current(key: str) -> bool:
-    if image_id(DEFAULT_BASE) is None:
+def debootstrap_args(plan: Debootstrap, target: Path, debs: Path) -> list[str]:
+    """The debootstrap command of `plan` into `target`, keeping the .debs in `debs`."""
+    args = ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}"]
+    components = plan.suite.family.components
+    if components != ("main",):
+        args.append(f"--components={','.join(components)}")
+    args += [f"--keyring={plan.keyring}", f"--cache-dir={debs}"]
+    args += [plan.suite.name, str(target), plan.mirror]
+    return args if plan.script is None else [*args, plan.script]
+
+
+def _base_is_current(suite: Suite, key: str) -> bool:
+    if image_id(suite.tag) is None:
         return False
-    return image_env(DEFAULT_BASE).get("TESTBED_BASE_KEY") == key
+    return image_env(suite.tag).get("TESTBED_BASE_KEY") == key
 
 
 def _debootstrap_problem() -> str | None:
@@ -157,45 +97,50 @@ def _debootstrap_problem() -> str | None:
 
 
 def default_base_problem(cache: Path = CACHE_DIR) -> str | None:
-    """Why `DEFAULT_BASE` cannot be made on this machine, or None (it exists or can be made)."""
-    key = base_key(platform.machine())
-    if _base_is_current(key) or rootfs_tarball(cache, key).is_file():
+    """Why the host's default base cannot be made here, or None (it exists or can be made)."""
+    suite = default_suite()
+    key = base_key(suite, platform.machine())
+    if _base_is_current(suite, key) or rootfs_tarball(cache, suite, key).is_file():
         return None
     return _debootstrap_problem()
 
 
-def ensure_default_base(cache: Path, mirror: str | None, rebuild: bool) -> None:
-    """Makes `DEFAULT_BASE` present and current, from the cached tarball when there is one."""
-    key = base_key(platform.machine())
-    if not rebuild and _base_is_current(key):
-        log.info("base image %s is current", DEFAULT_BASE)
-        return
-    tarball = rootfs_tarball(cache, key)
+def ensure_default_base(cache: Path, mirror: str | None, rebuild: bool) -> Suite:
+    """Makes the host suite's base present and current, from the cached tarball when there is
+    one; returns its suite (the image's tag and Python follow from it)."""
+    suite = default_suite()
+    key = base_key(suite, platform.machine())
+    if not rebuild and _base_is_current(suite, key):
+        log.info("base image %s is current", suite.tag)
+        return suite
+    tarball = rootfs_tarball(cache, suite, key)
     if rebuild or not tarball.is_file():
-        mirror = mirror or choose_mirror(read_host_sources())
-        doing = f"debootstrap {SUITE} from {mirror} (about a minute, once per machine)"
+        plan = host_plan(mirror, min_python=_project_python())
+        doing = f"debootstrap {suite.name} from {plan.mirror} (about a minute, once per machine)"
         with voice.phase("base image", doing):
-            make_rootfs_tarball(tarball, mirror)
-    voice.say(f"base image: docker import {DEFAULT_BASE}")
+            make_rootfs_tarball(tarball, plan)
+    voice.say(f"base image: docker import {suite.tag}")
     changes = ['CMD ["/bin/bash"]', "ENV LANG=C.UTF-8", f"ENV TESTBED_BASE_KEY={key}"]
-    args = ["docker", "import", "--message", f"debootstrap {SUITE} minbase"]
+    args = ["docker", "import", "--message", f"debootstrap {suite.name} minbase"]
     for change in changes:
         args += ["--change", change]
-    replace_image(DEFAULT_BASE, "docker import of the base", args + [str(tarball), DEFAULT_BASE])
+    replace_image(suite.tag, "docker import of the base", args + [str(tarball), suite.tag])
+    return suite
 
 
-def make_rootfs_tarball(tarball: Path, mirror: str) -> None:
+def make_rootfs_tarball(tarball: Path, plan: Debootstrap) -> None:
     """debootstrap into a scratch folder next to `tarball`, trim it and tar it (needs root)."""
-    problem = _debootstrap_problem()
+    problem = _debootstrap_problem() or keyring_problem(plan)
     if problem is not None:
-        raise ImageError(f"{problem}; or pass --base IMAGE")
+        raise ImageError(f"{problem}; or set TESTBED_BASE=IMAGE")
     target = tarball.parent / "rootfs.tmp"
     debs = tarball.parent / "debs"  # .deb cache: a second debootstrap downloads nothing
     debs.mkdir(parents=True, exist_ok=True)
     _remove_tree(target)
-    args = ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}"]
-    args += [f"--cache-dir={debs}", SUITE, str(target), mirror]
-    run_step("debootstrap", args)
+    run_step("debootstrap", debootstrap_args(plan, target, debs))
+    problem = runtime_problem(plan.suite, (target / "var/lib/dpkg/status").read_text())
+    if problem is not None:
+        raise ImageError(problem)
     _trim_rootfs(target)
     partial = tarball.with_suffix(".tar.partial")
     args = ["tar", "--create", "--file", str(partial), "--directory", str(target)]
@@ -238,6 +183,29 @@ def ensure_named_base(base: str, pull: bool) -> None:
     if not pull:
         raise ImageError(
             f"base image {base!r} is not present locally; pass --pull to pull it "
-            "from its registry, or omit --base to build the local base"
+            "from its registry, or omit --base (and TESTBED_BASE) to build the local base"
         )
     run_step(f"docker pull {base}", ["docker", "pull", base])
+
+
+def named_base_runtime(base: str) -> tuple[str, int]:
+    """The CPython version and glibc minor of a base the user named, asked of the image."""
+    args = ["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3"]
+    args += [base, "-c", RUNTIME_PROBE]
+    log.debug("python of the base: %s", shlex.join(args))
+    proc = subprocess.run(args, capture_output=True, text=True, errors="replace")
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ImageError(f"base image {base!r} cannot run python3, which the worker needs: {last}")
+    return parse_runtime_report(base, proc.stdout)
+
+
+def parse_runtime_report(base: str, report: str) -> tuple[str, int]:
+    """("3.11", 36) from RUNTIME_PROBE's "3.11 glibc 2.36"."""
+    words = report.split()
+    if len(words) == 3 and words[1] == "glibc" and words[2].startswith("2."):
+        return words[0], int(words[2].split(".")[1])
+    raise ImageError(
+        f"base image {base!r} reports python3 and libc {report.strip()!r}: the wheelhouse "
+        "holds manylinux wheels, which need CPython on glibc"
+    )

@@ -2,13 +2,16 @@
 
 Three pieces, each cached so that a rebuild after a code change takes seconds:
 
-- the base image `trace-testbed/base:bookworm`: a Debian minbase root file system made by
-  debootstrap from the host's own Debian mirror (read from /etc/apt), tarred once to
-  `.cache/base/` and loaded with `docker import`. A base the user names with `--base` is used
-  as is, and pulled only when they also pass `--pull`.
+- the base image `trace-testbed/base:<suite>`: a minbase root file system of the host's own
+  Debian or Ubuntu suite (bookworm here, noble on Ubuntu 24.04; bookworm on a host of another
+  family, given --mirror) made by debootstrap from the host's own mirror (read from /etc/apt),
+  tarred once to `.cache/base/` and loaded with `docker import`. A base the user names with
+  `--base` (or `TESTBED_BASE`, which every run's build reads too) is used as is, and pulled
+  only when they also pass `--pull`.
 - the wheelhouse `.cache/wheelhouse/`: `pip download` on the host of the project's runtime
-  dependencies (pyproject's `[project].dependencies` plus its build backend), for the base
-  image's CPython 3.11 on glibc 2.36. The testbed extra (pandas, docker ...) is host-only.
+  dependencies (pyproject's `[project].dependencies` plus its build backend, torch's CPU
+  build), for the base image's CPython and glibc (the suite's, or those a named base reports).
+  The testbed extra (pandas, docker ...) is host-only.
 - `devices/Dockerfile`: installs the wheelhouse into a venv with `--no-index`, then the
   project sources with `--no-deps --no-index`. `docker build` runs with `--network none`, so
   a build that works proves nothing came from the network.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import os
 import shutil
 import sys
 import time
@@ -29,7 +33,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from testbed import voice
-from testbed.backends.docker.base_image import DEFAULT_BASE, ensure_default_base, ensure_named_base
+from testbed.backends.docker.base_image import (
+    ensure_default_base,
+    ensure_named_base,
+    named_base_runtime,
+)
 from testbed.backends.docker.engine import engine_answers
 from testbed.backends.docker.image_steps import (
     image_id,
@@ -46,6 +54,9 @@ DOCKERFILE = "devices/Dockerfile"
 SOURCE_LABEL = "trace-testbed.source"  # the key of the sources an image was built from
 SOURCE_DIRS = ("tracevq", "devices", "testbed")  # what the Dockerfile copies, with these:
 SOURCE_FILES = (DOCKERFILE, "pyproject.toml", ".dockerignore")
+# a base image used as is by `make image` and by every run's build (a host that cannot
+# debootstrap its own suite: docs/user-guide.md, Setup)
+BASE_ENV = "TESTBED_BASE"
 
 
 def build_image(
@@ -66,12 +77,14 @@ def build_image(
         raise ImageError("the docker CLI is not installed (apt-get install docker.io)")
     if not engine_answers():
         raise ImageError("the Docker engine is not answering; start it with `make docker-up`")
+    base = base or os.environ.get(BASE_ENV) or None
     if base is None:
-        base = DEFAULT_BASE
-        ensure_default_base(root / ".cache", mirror, rebuild_base)
+        suite = ensure_default_base(root / ".cache", mirror, rebuild_base)
+        base, python, glibc_minor = suite.tag, suite.python, suite.glibc_minor
     else:
         ensure_named_base(base, pull)
-    wheelhouse = ensure_wheelhouse(root)
+        python, glibc_minor = named_base_runtime(base)
+    wheelhouse = ensure_wheelhouse(root, python, glibc_minor)
     key = source_key(root, image_id(base), (wheelhouse / ".key").read_text())
     if (
         image_id(tag) is not None
@@ -124,9 +137,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="build the worker image without any registry")
     build.add_argument("--tag", default=WORKER_TAG)
-    build.add_argument("--base", help=f"base image used as is (default: local {DEFAULT_BASE})")
+    build.add_argument(
+        "--base",
+        help=f"base image used as is (default: ${BASE_ENV}, else the local "
+        "trace-testbed/base:<the host's suite>)",
+    )
     build.add_argument("--pull", action="store_true", help="pull --base if it is not local")
-    build.add_argument("--mirror", help="Debian mirror for debootstrap (default: the host's)")
+    build.add_argument(
+        "--mirror",
+        help="mirror of the host's Debian or Ubuntu suite for debootstrap (default: the host's "
+        "apt source); on a host of another family, a Debian mirror (bookworm)",
+    )
     build.add_argument("--rebuild-base", action="store_true", help="debootstrap the base again")
     build.add_argument("-v", "--verbose", action="store_true", help="log every command")
     args = parser.parse_args(argv)

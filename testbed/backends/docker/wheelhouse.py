@@ -1,15 +1,18 @@
 """The wheelhouse `.cache/wheelhouse/`: the worker image's runtime wheels, downloaded once.
 
 `pip download` on the host of the project's runtime dependencies (pyproject's
-`[project].dependencies` plus its build backend) for the base image's CPython 3.11 on glibc
-2.36, whatever the host's Python; the testbed extra (pandas, docker ...) stays host-only. The
-folder is downloaded again only when that requirement set changes.
+`[project].dependencies` plus its build backend) for the base image's CPython and glibc
+(bookworm's 3.11 and 2.36, noble's 3.12 and 2.39 ...), whatever the host's Python; the testbed
+extra (pandas, docker ...) stays host-only. torch is the CPU build: PyPI's x86_64 torch is the
+CUDA one, with gigabytes of nvidia wheels a CPU device never loads. The folder is downloaded
+again only when that requirement set or its target changes.
 """
 
 from __future__ import annotations
 
 import logging
 import platform
+import re
 import shutil
 import sys
 import tomllib
@@ -20,8 +23,9 @@ from testbed.backends.docker.image_steps import cache_key, run_step
 
 log = logging.getLogger(__name__)
 
-BASE_PYTHON = "3.11"  # CPython of Debian bookworm, whose wheels the wheelhouse holds
-BASE_GLIBC_MINOR = 36  # bookworm ships glibc 2.36
+# where torch's CPU builds are (`torch==2.13.0+cpu`): on x86_64 PyPI has only the CUDA build
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+CUDA_BUILD_MACHINES = ("x86_64",)
 
 
 def runtime_requirements(pyproject: Path) -> list[str]:
@@ -36,7 +40,14 @@ def runtime_requirements(pyproject: Path) -> list[str]:
     return list(dict.fromkeys(requirements))
 
 
-def wheel_platforms(machine: str, glibc_minor: int = BASE_GLIBC_MINOR) -> list[str]:
+def required_python(pyproject: Path) -> tuple[int, int]:
+    """The oldest CPython the project installs on: `requires-python = ">=3.11"` gives (3, 11)."""
+    spec = tomllib.loads(pyproject.read_text())["project"].get("requires-python", "")
+    match = re.search(r">=\s*(\d+)\.(\d+)", spec)
+    return (int(match.group(1)), int(match.group(2))) if match else (3, 0)
+
+
+def wheel_platforms(machine: str, glibc_minor: int) -> list[str]:
     """pip `--platform` tags a glibc-2.<glibc_minor> system accepts, newest first.
 
     pip does not expand `manylinux_2_36` to older manylinux tags by itself, so list them all.
@@ -48,22 +59,47 @@ def wheel_platforms(machine: str, glibc_minor: int = BASE_GLIBC_MINOR) -> list[s
     return tags
 
 
-def pip_download_args(requirements_file: Path, dest: Path, machine: str) -> list[str]:
-    """The `pip download` command for the base image's Python, whatever the host's Python."""
+def cpu_torch_constraints(requirements: list[str], machine: str) -> list[str]:
+    """Constraints that hold an exact torch pin to its CPU build where PyPI's is CUDA's.
+
+    `torch==2.13.0` stays the requirement (the image installs it as such); the constraint
+    `torch==2.13.0+cpu` makes pip fail rather than fall back to the CUDA build.
+    """
+    if machine not in CUDA_BUILD_MACHINES:
+        return []
+    constraints = []
+    for requirement in requirements:
+        name, sep, version = requirement.replace(" ", "").partition("==")
+        if sep and name.lower() == "torch" and "+" not in version:
+            constraints.append(f"torch=={version}+cpu")
+    return constraints
+
+
+def pip_download_args(
+    requirements_file: Path, dest: Path, machine: str, python: str, glibc_minor: int
+) -> list[str]:
+    """The `pip download` command for the base image's Python, whatever the host's Python.
+
+    The requirement file's folder may hold `constraints.txt` (`cpu_torch_constraints`).
+    """
     args = [sys.executable, "-m", "pip", "download", "--dest", str(dest)]
     args += ["--requirement", str(requirements_file), "--only-binary=:all:"]
-    args += ["--python-version", BASE_PYTHON, "--implementation", "cp"]
-    for tag in wheel_platforms(machine):
+    constraints = requirements_file.with_name("constraints.txt")
+    if constraints.is_file():
+        args += ["--constraint", str(constraints), "--extra-index-url", TORCH_CPU_INDEX]
+    args += ["--python-version", python, "--implementation", "cp"]
+    for tag in wheel_platforms(machine, glibc_minor):
         args += ["--platform", tag]
     return args
 
 
-def ensure_wheelhouse(root: Path) -> Path:
-    """Downloads the runtime wheels once per requirement set; returns the wheelhouse folder."""
+def ensure_wheelhouse(root: Path, python: str, glibc_minor: int) -> Path:
+    """Downloads the runtime wheels for CPython `python` on glibc 2.<glibc_minor> once per
+    requirement set; returns the wheelhouse folder."""
     wheelhouse = root / ".cache" / "wheelhouse"
     requirements = runtime_requirements(root / "pyproject.toml")
     machine = platform.machine()
-    key = cache_key(requirements, BASE_PYTHON, wheel_platforms(machine))
+    key = cache_key(requirements, python, wheel_platforms(machine, glibc_minor))
     if (wheelhouse / ".key").is_file() and (wheelhouse / ".key").read_text() == key:
         log.info("wheelhouse %s is current", wheelhouse)
         return wheelhouse
@@ -71,9 +107,16 @@ def ensure_wheelhouse(root: Path) -> Path:
     shutil.rmtree(fresh, ignore_errors=True)
     fresh.mkdir(parents=True)
     (fresh / "requirements.txt").write_text("\n".join(requirements) + "\n")
-    args = pip_download_args(fresh / "requirements.txt", fresh, machine)
-    with voice.phase("wheelhouse", f"pip download of {len(requirements)} runtime packages"):
-        run_step("pip download of the wheelhouse", args)
+    constraints = cpu_torch_constraints(requirements, machine)
+    if constraints:
+        (fresh / "constraints.txt").write_text("\n".join(constraints) + "\n")
+    args = pip_download_args(fresh / "requirements.txt", fresh, machine, python, glibc_minor)
+    doing = f"pip download of {len(requirements)} runtime packages for CPython {python}"
+    step = "pip download of the wheelhouse"
+    if constraints:  # what to look at when torch's CPU build was not found
+        step += f" ({', '.join(constraints)}: from {TORCH_CPU_INDEX} or pip's own index)"
+    with voice.phase("wheelhouse", doing):
+        run_step(step, args)
     (fresh / ".key").write_text(key)
     shutil.rmtree(wheelhouse, ignore_errors=True)
     fresh.rename(wheelhouse)
