@@ -59,6 +59,7 @@ def test_a_downlink_is_probed_from_its_fastest_sender_and_every_pair_on_its_own(
 
 class RecordingBackend:
     name, python = "fake", "python"
+    on_this_host = False  # no tc of its own to ask about netem's seed
 
     def __init__(self, count: int):
         from testbed.backends.base import Device
