@@ -178,6 +178,16 @@ def _pairs(
             f"classes ({field_name}) is not supported on tbf; use a rate-only profile "
             "or the serial emulator"
         )
+    duplicating = [
+        rank for rank, (_, hop) in impaired_peers.items() if hop.impairments["duplicate_pct"]
+    ]
+    if duplicating and len(impaired_peers) > 1:
+        raise ShapingError(
+            f"link.pair_impairments: the pair to device {duplicating[0]} duplicates frames "
+            "beside other pairs' impairments of the same sender; the kernel refuses a "
+            "duplicating netem beside any other netem in one tree (recent kernels, Debian's "
+            "6.1.192 among them); use the serial emulator"
+        )
     caps = {rank: (address, float(rate_mbit)) for rank, (address, _) in impaired_peers.items()}
     caps.update(peer_caps_mbit)
     htb = htb_params(rate_mbit, caps, queue_latency_ms)
