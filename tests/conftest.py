@@ -6,6 +6,9 @@ so that a docker or netns test can never look like a pass by being skipped.
 
 - `docker`-marked tests, and any test using `docker_client` / `worker_image`, need an engine.
 - `netns`-marked tests, and any test using `root`, need euid 0 and iproute2's `ip`.
+- `guest`-marked tests, and any test using `netem_guest`, need the netem reference guest
+  (`testbed.kernel.guest`: QEMU, busybox, and Debian's kernel package once);
+  `TESTBED_REQUIRE_GUEST=1` makes its absence a failure.
 
 And what the host took: a VM's hypervisor runs other guests on its vCPUs (steal time in
 /proc/stat), which no emulator, tbf included, can clock through. A failing test's report says
@@ -24,13 +27,14 @@ import functools
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 REQUIRE_DOCKER = "TESTBED_REQUIRE_DOCKER"
 REQUIRE_ROOT = "TESTBED_REQUIRE_ROOT"
+REQUIRE_GUEST = "TESTBED_REQUIRE_GUEST"
 
 
 def require_or_skip(available: bool, why: str, env: str) -> None:
@@ -68,6 +72,14 @@ def root_problem() -> str | None:
     return None
 
 
+@functools.cache
+def guest_problem() -> str | None:
+    """Why the netem reference guest cannot be built or booted here, or None."""
+    from testbed.kernel.guest.build import build_problem
+
+    return build_problem()
+
+
 def stolen_s() -> float:
     """CPU time the hypervisor has taken from this machine's vCPUs since boot (all CPUs'
     steal in /proc/stat), in seconds; 0 where the kernel does not count it."""
@@ -94,7 +106,7 @@ def stolen_share(stolen: float, seconds: float) -> float:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
     """Runs a test of real links and devices again when its call failed while the host stole
     RERUN_SHARE of the CPU or more (see the module docstring); other tests as pytest does."""
-    if not any(item.get_closest_marker(mark) for mark in ("netns", "docker")):
+    if not any(item.get_closest_marker(mark) for mark in ("netns", "docker", "guest")):
         return None
     from _pytest.runner import runtestprotocol
 
@@ -157,6 +169,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("netns") is not None:
         problem = root_problem()
         require_or_skip(problem is None, problem or "", REQUIRE_ROOT)
+    if item.get_closest_marker("guest") is not None:
+        problem = guest_problem()
+        require_or_skip(problem is None, problem or "", REQUIRE_GUEST)
 
 
 @pytest.fixture(scope="session")
@@ -191,3 +206,20 @@ def root() -> None:
     """Gates a test on root and iproute2 (TESTBED_REQUIRE_ROOT)."""
     problem = root_problem()
     require_or_skip(problem is None, problem or "", REQUIRE_ROOT)
+
+
+@pytest.fixture(scope="session")
+def netem_guest() -> Callable[..., list[Any]]:
+    """Runs a batch of commands in one boot of the netem reference guest, its image built
+    (or found in .cache/netem-guest) once per session: `netem_guest(commands, timeout_s=...)`
+    gives each command's `testbed.kernel.guest.boot.Completed` (gated by
+    TESTBED_REQUIRE_GUEST)."""
+    problem = guest_problem()
+    require_or_skip(problem is None, problem or "", REQUIRE_GUEST)
+    from testbed.kernel.guest.boot import run
+    from testbed.kernel.guest.build import build
+
+    began = time.monotonic()
+    image = build()
+    print(f"\nnetem guest: image {image.initramfs.name} ready in {time.monotonic() - began:.1f} s")
+    return functools.partial(run, image=image)

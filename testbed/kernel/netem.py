@@ -7,10 +7,13 @@ netem sits under the root tbf (class 1:1) for an uplink, as the leaf of an htb c
 pair's hop (`testbed.kernel.htb`), and on the ifb for a downlink, under its tbf or as its
 root where the downlink has no rate of its own; a kernel without `sch_netem` cannot have it
 (`testbed.kernel.shaping.check_support` says so rather than dropping the impairment). The
-command goes through `tc` (it names distribution tables, which pyroute2 cannot load), and no
-kernel of this project's machines has `sch_netem`: this path is tested by its argv only. netem
-draws from the kernel's own generator, so unlike the serial emulator's its realisation is not
-repeatable.
+command goes through `tc` (it names distribution tables, which pyroute2 cannot load). No
+kernel of this project's machines has `sch_netem`: the commands are held against Debian's
+kernel in the netem reference guest (`testbed.kernel.guest`,
+tests/integration/test_netem_guest.py), which reports every parameter back as asked. netem
+draws from the kernel's own generator; a `tc` that takes netem's `seed` (iproute2 6.5 and
+later, on a kernel that reads it) is given the hop's seed (`NetemParams.seed`), else its
+realisation is not repeatable, unlike the serial emulator's.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class LinkImpairments:
 class NetemParams:
     limit_packets: int
     impairments: dict[str, Any] = field(default_factory=dict)  # checked, defaults filled
+    seed: int | None = None  # netem's generator's, where tc takes one (`tc_takes_netem_seed`)
 
     @property
     def delay_us(self) -> int:
@@ -76,13 +80,26 @@ def netem_for(
     values = checked(parameters)
     if not impaired(values):
         return None
-    limit = NETEM_DEFAULT_LIMIT_PACKETS
-    if queue is not None:
-        rate_bit_s, limit_bytes = queue
-        flight_ms = values["delay_ms"] + values["jitter_ms"]
-        in_flight_bytes = rate_bit_s / 8 * flight_ms / 1000
-        limit = math.ceil((limit_bytes + in_flight_bytes) / mtu)
-    return NetemParams(limit, values)
+    return NetemParams(_limit_packets(values, queue, mtu), values)
+
+
+def netem_idle(
+    queue: tuple[int, int] | None = None, mtu: int = ETHERNET_FRAME_BYTES
+) -> NetemParams:
+    """A netem that impairs nothing, only queues (`queue` as `netem_for`'s): what a link whose
+    netem is in the kernel gets for a trace's step without impairments, so that the step
+    after it changes that netem in place."""
+    values = checked({})
+    return NetemParams(_limit_packets(values, queue, mtu), values)
+
+
+def _limit_packets(values: dict[str, Any], queue: tuple[int, int] | None, mtu: int) -> int:
+    if queue is None:
+        return NETEM_DEFAULT_LIMIT_PACKETS
+    rate_bit_s, limit_bytes = queue
+    flight_ms = values["delay_ms"] + values["jitter_ms"]
+    in_flight_bytes = rate_bit_s / 8 * flight_ms / 1000
+    return math.ceil((limit_bytes + in_flight_bytes) / mtu)
 
 
 def netem_argv(
@@ -92,11 +109,25 @@ def netem_argv(
     handle: str = "10:",
     action: str = "add",
 ) -> list[str]:
-    """netem as a `tc qdisc add|change` command, by default under the root tbf's class 1:1;
-    `parent` "root" makes it the interface's root qdisc."""
+    """netem as a `tc qdisc add|change|replace` command, by default under the root tbf's
+    class 1:1; `parent` "root" makes it the interface's root qdisc. Every parameter is
+    written, so a `change` sets each one (a left-out one is 0), except the distribution:
+    netem keeps its table until another is named."""
     where = ["root"] if parent == "root" else ["parent", parent]
     argv = ["tc", "qdisc", action, "dev", interface, *where, "handle", handle, "netem"]
-    return argv + ["limit", str(netem.limit_packets)] + netem_options(netem.impairments)
+    seed = [] if netem.seed is None else ["seed", str(netem.seed)]
+    return argv + ["limit", str(netem.limit_packets)] + netem_options(netem.impairments) + seed
+
+
+def tc_takes_netem_seed(usage: str) -> bool:
+    """Whether a `tc` takes netem's `seed`, from what `TC_SEED_PROBE_ARGV` printed (tc reads
+    its words before asking the kernel: "help" stops it either way, and an unknown `seed` is
+    named first)."""
+    return 'What is "seed"' not in usage and "Usage" in usage
+
+
+# tc parses netem's options and stops at "help": no qdisc is added, no kernel is asked
+TC_SEED_PROBE_ARGV = ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "seed", "1", "help"]
 
 
 def netem_options(values: dict[str, Any]) -> list[str]:

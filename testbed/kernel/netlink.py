@@ -1,11 +1,14 @@
-"""Applying a plan: pyroute2 inside the device's network namespace, `ethtool` and `tc` through
-`nsenter` (argument lists, never a shell). A thin layer over `testbed.kernel.shaping`.
+"""Applying a plan: pyroute2 inside the device's network namespace for the root and the
+interface, `tc`, `ip` and `ethtool` through `nsenter` for the rest (argument lists, never a
+shell). A thin layer over `testbed.kernel.shaping`.
 
 A root tbf alone goes through pyroute2 (`ShapingPlan.is_tbf_only`), and so does changing its
-rate in place. Every other plan goes as the plan's own `tc`/`ip` argument lists through
-`nsenter`: netem (whose distribution tables pyroute2 cannot load), per-peer classes and a
-downlink; the same commands the ssh backend and the logs show, where pyroute2's netem
-options, u32 keys and mirred actions would be a second rendering of them to keep in step.
+rate in place; pyroute2 also sets `gso_max_segs` and removes the old root. Every other plan,
+netem included, goes as the plan's own `tc`/`ip` argument lists through `nsenter`: netem
+(whose distribution tables pyroute2 cannot load), per-peer classes and a downlink; the same
+commands the ssh backend and the logs show, and the ones held against a kernel with netem in
+the reference guest (`testbed.kernel.guest`), where pyroute2's netem options, u32 keys and
+mirred actions would be a second rendering of them to keep in step.
 
 A shaped interface also gets offloads off and `gso_max_segs 1`, so that tbf meters, queues
 and drops real frames (see `testbed.kernel.shaping.gso_argv` for what goes wrong otherwise).
@@ -88,8 +91,9 @@ def apply(
 def change(netns_path: str | None, interface: str, shaping: ShapingPlan) -> None:
     """Changes the rate, bucket and limit of the tbf root that `apply` attached, in place
     (`tc qdisc change`): the link is never unshaped between two rates, where a delete and
-    re-add would let a moment of traffic through at line rate. A netem child stays. A plan
-    with per-peer classes or a downlink has each of its rates changed (`change_argvs`)."""
+    re-add would let a moment of traffic through at line rate. A plan with a netem, per-peer
+    classes or a downlink has its netem's parameters and each of its rates changed
+    (`change_argvs`): a trace's step carries its delay and loss with its rate."""
     where = _where(netns_path, interface)
     if not shaping.is_tbf_only:
         for argv in change_argvs(interface, shaping):

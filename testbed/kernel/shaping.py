@@ -32,7 +32,7 @@ at MTU 1500 with TCP timestamps).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from testbed.errors import ShapingError
@@ -51,6 +51,7 @@ from testbed.kernel.netem import (
     NetemParams,
     netem_argv,
     netem_for,
+    netem_idle,
     netem_params,
 )
 from testbed.kernel.tbf import (
@@ -177,6 +178,16 @@ def _pairs(
             f"classes ({field_name}) is not supported on tbf; use a rate-only profile "
             "or the serial emulator"
         )
+    duplicating = [
+        rank for rank, (_, hop) in impaired_peers.items() if hop.impairments["duplicate_pct"]
+    ]
+    if duplicating and len(impaired_peers) > 1:
+        raise ShapingError(
+            f"link.pair_impairments: the pair to device {duplicating[0]} duplicates frames "
+            "beside other pairs' impairments of the same sender; the kernel refuses a "
+            "duplicating netem beside any other netem in one tree (recent kernels, Debian's "
+            "6.1.192 among them); use the serial emulator"
+        )
     caps = {rank: (address, float(rate_mbit)) for rank, (address, _) in impaired_peers.items()}
     caps.update(peer_caps_mbit)
     htb = htb_params(rate_mbit, caps, queue_latency_ms)
@@ -298,19 +309,34 @@ def change_argv(interface: str, shaping: ShapingPlan) -> list[str]:
 
 
 def change_argvs(interface: str, shaping: ShapingPlan) -> list[list[str]]:
-    """Every rate of an applied plan changed in place, as `tc ... change` commands: the root
-    tbf or the htb classes (with their queues), and the downlink's tbf on the ifb. The
-    plan's layout (its peers, whether it has a downlink) must be the applied one's."""
+    """An applied plan changed in place, as `tc ... change` commands: the root tbf and the
+    uplink's netem under it (a `replace`: added where the applied plan had none, changed
+    where it had), or the htb classes with their queues, and the downlink's tbf and netem on
+    the ifb. A trace's step so carries its delay and loss to the kernel with its rate. The
+    plan's layout (its peers, whether it has a downlink) must be the applied one's; a step
+    without impairments after one with them keeps an idle netem (`keeping_netem`)."""
     if shaping.htb is not None:
         commands = htb_change_argv(interface, shaping.htb, _peer_leaves(interface, shaping))
     else:
         commands = [change_argv(interface, shaping)]
+        if shaping.netem is not None:
+            commands.append(netem_argv(interface, shaping.netem, action="replace"))
     if shaping.downlink is not None:
         ifb = ifb_name(interface)
         commands.append(_as_change(tbf_argv(ifb, shaping.downlink)))
         if shaping.downlink_netem is not None:  # its limit follows the rate
             commands.append(netem_argv(ifb, shaping.downlink_netem, action="change"))
     return commands
+
+
+def keeping_netem(shaping: ShapingPlan) -> ShapingPlan:
+    """The plan with an idle netem under its root tbf where it has none: for a link whose
+    netem is in the kernel, a step without impairments sets every one of them to nothing
+    (`change_argvs`) rather than leaving the last step's in force."""
+    if shaping.netem is not None or shaping.htb is not None:
+        return shaping
+    queue = (shaping.tbf.rate_bit_s, shaping.tbf.limit_bytes)
+    return replace(shaping, netem=netem_idle(queue))
 
 
 def _as_change(replace_argv: list[str]) -> list[str]:

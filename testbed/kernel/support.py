@@ -1,4 +1,5 @@
-"""Which qdiscs this kernel can attach: each tried once in a throwaway network namespace.
+"""Which qdiscs this kernel can attach: each tried once in a throwaway network namespace; and
+whether this host's `tc` takes netem's `seed`.
 
 A plan that needs a qdisc the kernel lacks fails with a message saying so
 (`testbed.kernel.shaping.check_support`): an impairment is never dropped silently.
@@ -10,11 +11,13 @@ import errno
 import functools
 import logging
 import os
+import subprocess
 from typing import Any
 
 from testbed.errors import ShapingError
+from testbed.kernel.netem import TC_SEED_PROBE_ARGV, tc_takes_netem_seed
 from testbed.kernel.netns import NETNS_DIR
-from testbed.kernel.processes import pid_alive
+from testbed.kernel.processes import COMMAND_TIMEOUT_S, pid_alive
 from testbed.kernel.tbf import TBF_HANDLE
 
 log = logging.getLogger(__name__)
@@ -119,3 +122,19 @@ def remove_stale_probes() -> list[str]:
             continue
         removed.append(f"netns {name}")
     return removed
+
+
+@functools.cache
+def netem_takes_seed() -> bool:
+    """Whether this host's `tc` takes netem's `seed` (iproute2 6.5 and later): asked once, of
+    tc alone (`TC_SEED_PROBE_ARGV` adds nothing and needs no privilege)."""
+    try:
+        result = subprocess.run(
+            TC_SEED_PROBE_ARGV, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        log.debug("tc's netem seed: cannot ask tc (%s)", error)
+        return False
+    takes = tc_takes_netem_seed(result.stdout + result.stderr)
+    log.debug("tc's netem seed: %s", "taken" if takes else "not known to this tc")
+    return takes

@@ -6,10 +6,12 @@ Each device's interface gets the shaping plan of its rates (`testbed.kernel.shap
 tbf at its uplink, or an htb with a class per capped or impaired peer, and an ifb with a tbf
 for its downlink; netem under the tbf for the uplink's delay, jitter and loss, as a pair's
 class leaf for the pair's, and on the ifb for the downlink's, where the kernel has
-`sch_netem` (this project's machines have not: that path is tested by its `tc` commands).
-The backend applies the plan (netlink into the device's namespace, or tc over ssh on a board).
-A bucket of two frames holds a bulk rate within 0.1 %, but lets a lone small message through
-at line rate.
+`sch_netem` (this project's machines have not: those commands are held against Debian's
+kernel in the netem reference guest, `testbed.kernel.guest`). The rates are shaped and
+probed first, the netems added after the probe; a trace's step changes rates and netem in
+place. The backend applies the plan (netlink into the device's namespace, or tc over ssh on
+a board). A bucket of two frames holds a bulk rate within 0.1 %, but lets a lone small
+message through at line rate.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
+from testbed.kernel.htb import PEER_MINOR_BASE
 from testbed.kernel.netem import LinkImpairments
-from testbed.kernel.shaping import ShapingPlan, plan
-from testbed.link.emulator import Emulator, Refusal
+from testbed.kernel.shaping import ShapingPlan, keeping_netem, plan
+from testbed.link.emulator import Attachment, Emulator, Refusal
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
+from testbed.link.serial.emulator import port_seed
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +88,52 @@ class TokenBucket(Emulator):
             "not have; the serial emulator draws them itself (link: {emulator: serial})",
         )
 
+    def __init__(self, backend: Backend, profile: LinkProfile, run_id: str):
+        super().__init__(backend, profile, run_id)
+        self.applied: dict[int, ShapingPlan] = {}  # what each rank's kernel has, by rank
+        self.seeded = False  # whether netem is given its seed (`start`)
+
+    def start(self) -> dict[int, Attachment]:
+        """Asks this host's `tc` whether netem takes a seed (boards' are not asked: their
+        netem draws unseeded)."""
+        if self.backend.on_this_host:
+            from testbed.kernel.support import netem_takes_seed
+
+            self.seeded = netem_takes_seed()
+        return {}
+
     def set_rates(self, rates: LinkRates, in_place: bool) -> None:
+        """Shaping anew gives every link its rates alone, so that the probe checks the rate
+        alone (the impairments follow in `impair`); a change in place (a trace's step)
+        carries the rates and the step's impairments together (`change_argvs`)."""
+        plans = self._plans(rates, impaired=in_place)
+        self._apply(plans, in_place, every=not in_place)
+
+    def impair(self, rates: LinkRates, step: int = 0) -> None:
+        """After the probe, the links whose plan has netems applied anew with them (a moment
+        unshaped, while nothing is sent); a later `step` (a trace's, a timeline's) changed in
+        place."""
+        self._apply(self._plans(rates, impaired=True), in_place=step > 0, every=False)
+
+    def _apply(self, plans: dict[int, ShapingPlan], in_place: bool, every: bool) -> None:
+        """Each device's plan through the backend: changed in place (a netem in the kernel
+        stays, idle where the plan has none: `keeping_netem`) or applied anew; on `every`
+        device, or on those whose plan differs from what their kernel has."""
+        if in_place:
+            for rank, applied in self.applied.items():
+                if applied.netem is not None and rank in plans:
+                    plans[rank] = keeping_netem(plans[rank])
+        devices = self.devices
+        if not every:
+            devices = [d for d in devices if plans[d.rank] != self.applied.get(d.rank)]
         apply: Callable[[Device, ShapingPlan], None]
         apply = self.backend.change_rate if in_place else self.backend.shape
+        self.backend.for_each(devices, lambda device: apply(device, plans[device.rank]))
+        self.applied.update({device.rank: plans[device.rank] for device in devices})
+
+    def _plans(self, rates: LinkRates, impaired: bool) -> dict[int, ShapingPlan]:
+        """Each rank's plan at `rates`: with its uplink's, downlink's and pairs'
+        impairments (seeded where netem takes a seed), or (`impaired` false) its rates only."""
         devices = self.devices
         paths = self.paths.within(rates.devices)
         plans: dict[int, ShapingPlan] = {}
@@ -95,38 +143,61 @@ class TokenBucket(Emulator):
                 peer: (devices[peer].address, cap)
                 for peer, cap in rates.peer_caps_mbit(rank).items()
             }
-            impaired = {
+            impaired_pairs = {
                 target: (devices[target].address, dict(parameters))
                 for (source, target), parameters in paths.pair.items()
-                if source == rank
+                if source == rank and impaired
             }
             up, down = rates.uplink_mbit[rank], rates.downlink_mbit[rank]
-            what = f"up {up:g}, down {down}, caps {caps} Mbit/s, pairs impaired {impaired}"
+            what = f"up {up:g}, down {down}, caps {caps} Mbit/s, pairs impaired {impaired_pairs}"
             log.debug("shaping %s/%s: %s", device.name, device.interface, what)
             plans[rank] = profile_plan(
                 self.uplink(rank),
                 up,
+                impaired=impaired,
                 peer_caps_mbit=caps,
                 downlink_mbit=down,
-                downlink_impairments=paths.downlink.get(rank),
-                peer_impairments=impaired,
+                downlink_impairments=paths.downlink.get(rank) if impaired else None,
+                peer_impairments=impaired_pairs,
             )
-        self.backend.for_each(devices, lambda device: apply(device, plans[device.rank]))
+            if impaired and self.seeded:
+                plans[rank] = self._seeded(plans[rank], rates, rank)
+        return plans
+
+    def _seeded(self, shaping: ShapingPlan, rates: LinkRates, rank: int) -> ShapingPlan:
+        """The plan's netems with their hops' seeds, as the serial emulator seeds its ports
+        (the profile's seed, the device count, the swept rate, the hop); recorded in
+        `seeds`. netem draws anew from its seed at every change: a step's draws start from
+        the seed of its rate."""
+
+        def seed(base: int, place: int | str) -> int:
+            self.seeds[str(place)] = value = port_seed(base, rates.devices, rates.swept_mbit, place)
+            return value
+
+        netem = shaping.netem and replace(shaping.netem, seed=seed(self.uplink(rank).seed, rank))
+        down = shaping.downlink_netem
+        down = down and replace(down, seed=seed(self.profile.seed, f"down{rank}"))
+        pairs = {}
+        for minor, leaf in shaping.peer_netem.items():
+            place = f"{rank}->{minor - PEER_MINOR_BASE}"
+            pairs[minor] = replace(leaf, seed=seed(self.profile.seed, place))
+        return replace(shaping, netem=netem, downlink_netem=down, peer_netem=pairs)
 
 
 def profile_plan(
     profile: LinkProfile,
     rate_mbit: float | None = None,
     support: Mapping[str, bool] | None = None,
+    impaired: bool = True,
     **hops: Any,
 ) -> ShapingPlan:
     """The kernel's plan (`testbed.kernel.shaping.plan`) for a link profile at a rate (the
     profile's own when None), checked against `support` when given: the profile's impairments
-    handed over as netem's parameters, its queue's bounds as tbf's; `hops`: the plan's
-    per-peer and downlink arguments."""
+    handed over as netem's parameters (none where not `impaired`: its rate and queue alone),
+    its queue's bounds as tbf's; `hops`: the plan's per-peer and downlink arguments."""
     rate = rate_mbit if rate_mbit is not None else profile.rate_mbit
     if rate is None:
         raise ShapingError(f"profile '{profile.name}' has no rate_mbit and no rate was given")
-    impairments = LinkImpairments(profile.name, profile.impairments())
+    impairments = LinkImpairments(profile.name, profile.impairments() if impaired else {})
     bounds = {"queue_latency_ms": profile.queue_latency_ms, "burst_bytes": profile.burst_bytes}
     return plan(impairments, rate, support, **bounds, **hops)

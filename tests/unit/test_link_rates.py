@@ -59,6 +59,7 @@ def test_a_downlink_is_probed_from_its_fastest_sender_and_every_pair_on_its_own(
 
 class RecordingBackend:
     name, python = "fake", "python"
+    on_this_host = False  # no tc of its own to ask about netem's seed
 
     def __init__(self, count: int):
         from testbed.backends.base import Device
@@ -120,3 +121,44 @@ def test_links_shape_each_device_probe_each_direction_and_scale_in_place(monkeyp
     assert [changed[r].rate_mbit for r in range(3)] == [1.0, 5.0, 5.0]
     assert changed[1].downlink is not None and changed[1].downlink.rate_bit_s == 1_500_000
     assert changed[1].htb is not None and changed[1].htb.peers[0].ceil_bit_s == 500_000
+
+
+def test_tbf_probes_the_rates_alone_then_adds_the_netems_and_steps_carry_them(monkeypatch):
+    """The user guide's order: rates shaped, probed, then the impairments added; a trace's
+    step changes rate and netem in place, and a step without impairments leaves the netem
+    idle rather than the last step's."""
+    from testbed.experiment.profiles import LinkProfile
+    from testbed.link import links as links_module
+    from testbed.link.links import Links
+    from testbed.link.probe import WIRE_PER_PAYLOAD
+    from testbed.link.token_bucket import TokenBucket
+
+    backend = RecordingBackend(2)
+    monkeypatch.setattr(TokenBucket, "refusal", classmethod(lambda *_: None))  # no kernel probe
+
+    def probe(_, sender, receiver, __):
+        backend.calls.append(("probe", sender.rank, None))
+        return 10.0 / WIRE_PER_PAYLOAD
+
+    monkeypatch.setattr(links_module, "probe", probe)
+    lossy = LinkProfile(name="lossy", delay_ms=20, loss_pct=1)
+    links = Links(backend, lossy, TokenBucket, "run")  # type: ignore[arg-type]
+    links.shape(10.0, 0.5)
+    kinds = [
+        (kind, shaping is not None and shaping.netem is not None)
+        for kind, _, shaping in backend.calls
+    ]
+    assert kinds == [("shape", False)] * 2 + [("probe", False)] * 2 + [("shape", True)] * 2
+
+    backend.calls.clear()
+    links.set_rate(5.0, {"delay_ms": 40, "loss_pct": 5}, step=1)
+    changed = [shaping for kind, _, shaping in backend.calls]
+    assert [kind for kind, _, _ in backend.calls] == ["change"] * 2  # once each, not twice
+    assert changed[0].netem.impairments["delay_ms"] == 40
+    assert changed[0].netem.impairments["loss_pct"] == 5
+
+    backend.calls.clear()
+    links.set_rate(5.0, {"delay_ms": 0, "loss_pct": 0}, step=2)
+    idle = backend.calls[0][2]
+    assert idle.netem is not None and idle.netem.impairments["delay_ms"] == 0
+    assert idle.netem.impairments["loss_pct"] == 0

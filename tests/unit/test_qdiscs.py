@@ -5,6 +5,8 @@ by its commands only). The rates they are built from: test_link_rates.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from testbed.errors import ShapingError
@@ -13,7 +15,14 @@ from testbed.kernel.fifo import pfifo_argv
 from testbed.kernel.htb import HtbClass, htb_argv, htb_class_argv, htb_params, htb_root_argv
 from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
 from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
-from testbed.kernel.shaping import change_argvs, check_support, downlink_clear_argv, tc_argv
+from testbed.kernel.netem import netem_argv, tc_takes_netem_seed
+from testbed.kernel.shaping import (
+    change_argvs,
+    check_support,
+    downlink_clear_argv,
+    keeping_netem,
+    tc_argv,
+)
 from testbed.kernel.u32 import u32_destination_argv, u32_redirect_argv
 from testbed.link.token_bucket import profile_plan
 
@@ -198,3 +207,41 @@ def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     assert commands[5:] == ["tc qdisc add dev ifb-eth0 root handle 1: netem limit 1000 delay 5ms"]
     assert len(change_argvs("eth0", alone)) == 1  # the uplink's tbf; the ifb has no rate
     assert profile_plan(IDEAL, 10.0, downlink_impairments={"loss_pct": 0}).uplink_only
+
+
+def test_a_steps_in_place_change_carries_its_netem_with_its_rate() -> None:
+    """(10 Mbit/s, 20 ms, 1%) -> (5 Mbit/s, 40 ms, 5%): the tbf changed and the netem under it
+    replaced (changed where it is, added where the last step had none); a step without
+    impairments keeps an idle netem that sets each of them to nothing."""
+    step = LinkProfile(name="step", delay_ms=40, loss_pct=5)
+    changes = [" ".join(argv) for argv in change_argvs("eth0", profile_plan(step, 5.0))]
+    assert changes[0].startswith("tc qdisc change dev eth0 root handle 1: tbf rate 5000000bit")
+    assert changes[1] == (
+        "tc qdisc replace dev eth0 parent 1:1 handle 10: netem limit 40 delay 40ms loss random 5%"
+    )
+    idle = keeping_netem(profile_plan(IDEAL, 5.0))
+    assert [" ".join(argv) for argv in change_argvs("eth0", idle)][1] == (
+        "tc qdisc replace dev eth0 parent 1:1 handle 10: netem limit 23"
+    )
+    assert keeping_netem(profile_plan(step, 5.0)) == profile_plan(step, 5.0)
+
+
+def test_netem_is_given_its_seed_only_where_tc_takes_one() -> None:
+    netem = profile_plan(WIFI, 20.0).netem
+    assert netem is not None and "seed" not in netem_argv("eth0", netem)
+    assert netem_argv("eth0", replace(netem, seed=42))[-2:] == ["seed", "42"]
+    old = 'What is "seed"?\nUsage: ... netem [ limit PACKETS ]\n'
+    assert not tc_takes_netem_seed(old)
+    assert tc_takes_netem_seed("Usage: ... netem [ limit PACKETS ]\n  [ seed SEED ]\n")
+    assert not tc_takes_netem_seed("")  # no tc answered
+
+
+def test_a_duplicating_pair_beside_another_impaired_pair_is_refused() -> None:
+    """The kernel refuses a duplicating netem beside another in one tree (the guest shows
+    it); alone it is a pair's leaf like any other."""
+    duplicating = ("10.0.0.2", {"duplicate_pct": 1})
+    with pytest.raises(ShapingError, match="pair to device 1 duplicates frames"):
+        profile_plan(
+            IDEAL, 10.0, peer_impairments={1: duplicating, 2: ("10.0.0.3", {"delay_ms": 5})}
+        )
+    assert profile_plan(IDEAL, 10.0, peer_impairments={1: duplicating}).peer_netem

@@ -78,7 +78,7 @@ from testbed.experiment.inventory import Inventory
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.shaping import (
     ShapingPlan,
-    change_argv,
+    change_argvs,
     check_support,
     clear_argv,
     gso_argv,
@@ -427,13 +427,14 @@ class SshBackend(Backend):
                 )
 
     def change_rate(self, device: Device, plan: ShapingPlan) -> None:
+        """The plan's rate and netem changed in place (`change_argvs`)."""
         session = self._session(device)
-        argv = change_argv(device.interface, plan)
-        (result,) = run_as_root(session, [argv])
-        if not result.ok:
-            raise ShapingError(
-                f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
-            )
+        commands = change_argvs(device.interface, plan)
+        for argv, result in zip(commands, run_as_root(session, commands), strict=True):
+            if not result.ok:
+                raise ShapingError(
+                    f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
+                )
 
     def qdisc_stats(self, device: Device) -> str:
         session = self._session(device)
