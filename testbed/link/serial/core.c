@@ -570,10 +570,7 @@ int serial_serve(int index) {
         if (port->pending_count || port->up != NULL || port->hops) {  /* impaired */
             int64_t air_end = port->free_at_ns;
             if (shared && air_end > now_ns()) {  /* its slot on the cell first: no reading */
-                int64_t due = port->pending_count && port->pending[0].due < air_end
-                                  ? port->pending[0].due
-                                  : air_end;
-                if (due < air_end) {
+                if (port->pending_count && port->pending[0].due < air_end) {
                     int failed = serve_pending(index, frame, &message, 0);
                     if (failed < 0) return failed;
                 } else {
