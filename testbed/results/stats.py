@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from statistics import NormalDist
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
@@ -184,7 +184,9 @@ def proportion_interval(
     centre = p + z * z / (2 * n_eff)
     spread = z * math.sqrt(p * (1 - p) / n_eff + z * z / (4 * n_eff * n_eff))
     scale = 1 + z * z / n_eff
-    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+    low = 0.0 if successes == 0 else (centre - spread) / scale  # exact at the ends
+    high = 1.0 if successes == n else (centre + spread) / scale
+    return max(0.0, low), min(1.0, high)
 
 
 def _binomial_cdf(n: int, q: float) -> np.ndarray:

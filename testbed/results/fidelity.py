@@ -1,0 +1,435 @@
+"""The fidelity report of a run: per session, device and direction, what the link was configured
+to do against what it did (docs/user-guide.md, The fidelity report).
+
+- rate: the probe's transfer of the direction (`testbed.link.links.LinkState`) against its
+  target, as frames; flagged beyond the probe's own 5% (`RATE_TOLERANCE`).
+- delay: every single-segment message the device sent to a peer in the session (every trial),
+  its link delay being the kernel's receive timestamp of its last byte less its departure less
+  its frame's wire time at the path's rate. Its 10th, 50th and 90th percentiles, each with its
+  99% distribution-free interval (order statistics), against the same percentiles of the
+  configured delay: netem's model (`testbed.link.serial.impairments`) drawn for every hop of
+  the path, with a seed of its own. A percentile is flagged when the configured one lies
+  outside its interval widened by `DELAY_TOLERANCE_MS` (the path's own cost, about 0.2 ms
+  here, and the emulator's wake-ups, up to 0.15 ms). The 90th is judged only on paths that
+  lose nothing: a message whose frame was lost arrives a retransmission later. Multi-segment
+  messages are left out: TCP's window and the queue behind their own frames add to them.
+- loss, duplication and reordering: the serial emulator's counts of the device's port within
+  the session (`testbed.link.emulator.PortCounts`) against the probabilities the parameters
+  give them, flagged when the configured one lies outside the count's 99% Wilson interval
+  (`testbed.results.stats.proportion_interval`). A Gilbert model's losses come in runs: its
+  interval is widened by the chain's design effect. Correlated draws and the 4-state model have
+  no binomial interval, and a port whose frames meet later hops (a pair's or a downlink's
+  impairments) counts their events too: those are shown, not judged.
+- the host's stalls of the port (frames that left more than 1 ms late), shown beside.
+
+`report` makes a session's rows (`testbed.results.columns.FIDELITY_COLUMNS`), `save` writes
+them beside the session and combines every session's into `fidelity.json` and `fidelity.csv`
+in the run directory, and `lines` words the flagged links for the end of a run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from devices.records import DeviceRecords
+from testbed.experiment.impairments import checked
+from testbed.kernel.netem import netem_options
+from testbed.link.links import RATE_TOLERANCE, LinkState
+from testbed.link.probe import WIRE_PER_PAYLOAD
+from testbed.link.serial.impairments import Impairments
+from testbed.link.wire import TCP_MSS_BYTES, tcp_frame_bytes
+from testbed.results.columns import FIDELITY_COLUMNS, FIDELITY_NAMES
+from testbed.results.facts import HostSessionFacts, RunFacts
+from testbed.results.rows import Timeline, arrival_ns
+from testbed.results.stats import proportion_interval, quantile_interval
+from testbed.results.store import write_frame, write_text
+
+CONFIDENCE = 0.99
+DELAY_TOLERANCE_MS = 0.5
+QUANTILES = (10, 50, 90)
+MIN_MESSAGES = 10  # fewer single-segment messages: their percentiles are not judged
+DRAWS = 20_000  # frames of the configured model per path
+SESSION_FILE = "fidelity.json"
+COUNTED = ("lost", "duplicated", "reordered")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A count's probability per draw as the parameters give it, and the variance of the count
+    over the binomial's (None: the draws are not independent enough for an interval)."""
+
+    probability: float
+    design_effect: float | None = 1.0
+
+
+def expected_counts(values: Mapping[str, Any]) -> dict[str, Expected]:
+    """Per count (lost, duplicated, reordered), its probability per draw under checked netem
+    parameters, in the serial emulator's order (`Impairments.frame`): a frame is counted lost
+    when it was not duplicated and lost, duplicated when neither copy was lost; a copy is
+    reordered with r, then not for the next gap - 1 copies."""
+    loss, loss_effect = loss_rate(values)
+    dup = float(values["duplicate_pct"]) / 100
+    dup_independent = not values["duplicate_correlation_pct"] and (dup == 0 or loss_effect == 1)
+    reorder, gap = float(values["reorder_pct"]) / 100, int(values["reorder_gap"] or 1)
+    return {
+        "lost": Expected((1 - dup) * loss, loss_effect),
+        "duplicated": Expected(dup * (1 - loss) ** 2, 1.0 if dup_independent else None),
+        "reordered": Expected(
+            reorder / (1 + (gap - 1) * reorder),
+            None if values["reorder_correlation_pct"] else 1.0,
+        ),
+    }
+
+
+def loss_rate(values: Mapping[str, Any]) -> tuple[float, float | None]:
+    """The long-run share of frames the loss model loses, and the design effect of its count:
+    1 for independent draws, the Gilbert chain's (1 + l) / (1 - l) with l = 1 - p - r where the
+    state alone decides, else None."""
+    if values["loss_model"] == "gemodel":
+        ge = {key: float(value) / 100 for key, value in values["loss_gemodel"].items()}
+        p, r = ge["p_pct"], ge["r_pct"]
+        bad = p / (p + r) if p + r else 0.0
+        rate = (1 - bad) * ge["one_minus_k_pct"] + bad * ge["one_minus_h_pct"]
+        gilbert = ge["one_minus_h_pct"] == 1 and ge["one_minus_k_pct"] == 0 and p + r < 2
+        lag = 1 - p - r
+        return rate, (1 + lag) / (1 - lag) if gilbert else None
+    if values["loss_model"] == "state":
+        return _four_state_rate({key: float(v) / 100 for key, v in values["loss_state"].items()})
+    correlated = bool(values["loss_correlation_pct"])
+    return float(values["loss_pct"]) / 100, None if correlated else 1.0
+
+
+def _four_state_rate(s: Mapping[str, float]) -> tuple[float, None]:
+    """netem's 4-state chain (1 sent in a gap, 2 sent in a burst, 3 lost in a burst, 4 an
+    isolated loss): a frame is lost when the chain enters 3 or 4; its stationary share."""
+    p13, p14, p23, p31, p32 = s["p13_pct"], s["p14_pct"], s["p23_pct"], s["p31_pct"], s["p32_pct"]
+    move = np.array(
+        [
+            [1 - p13 - p14, 0, p13, p14],
+            [0, 1 - p23, p23, 0],
+            [p31, p32, 1 - p31 - p32, 0],
+            [1, 0, 0, 0],
+        ]
+    )
+    share = np.array([1.0, 0, 0, 0])
+    for _ in range(10_000):
+        share = share @ move
+    return float(share[2] + share[3]), None
+
+
+def configured_delays_ms(hops: list[Mapping[str, Any]], draws: int = DRAWS) -> np.ndarray:
+    """The delay a frame meets on a path of `hops` (checked netem parameters each), drawn from
+    netem's model, `draws` frames: the earliest of its copies, the hops' delays added (a
+    reordered copy's is 0); lost frames give none."""
+    if not any(h["delay_ms"] or h["jitter_ms"] for h in hops):
+        return np.zeros(1)
+    models = [Impairments(values, seed=1 + index) for index, values in enumerate(hops)]
+    delays = []
+    for _ in range(draws):
+        arrivals = [0.0]
+        for model in models:
+            arrivals = [before + copy.delay_s for before in arrivals for copy in model.frame()]
+        if arrivals:
+            delays.append(1e3 * min(arrivals))
+    return np.array(delays)
+
+
+def message_delays_ms(
+    runs: Iterable[Mapping[int, DeviceRecords]], link: LinkState, shared_clock: bool
+) -> dict[tuple[int, int], list[float]]:
+    """By (sender, receiver), the link delay of every single-segment message of the session
+    whose arrival the kernel timestamped: arrival less departure (clocks aligned) less its
+    frame's wire time at the path's rate."""
+    delays: dict[tuple[int, int], list[float]] = {}
+    for records in runs:
+        timeline = Timeline(dict(records), shared_clock)
+        for receiver, device in records.items():
+            for arrival in device.arrivals:
+                key = (arrival.peer, arrival.inference, arrival.block)
+                departure = timeline.departures.get(key)
+                small = 0 < arrival.message_bytes <= TCP_MSS_BYTES
+                if departure is None or arrival.kernel_ns is None or not small:
+                    continue
+                arrived = arrival_ns(arrival) + timeline.offset_ns[receiver]
+                rate_mbit = path_mbit(link, arrival.peer, receiver)
+                wire_ms = tcp_frame_bytes(arrival.message_bytes) * 8 / (rate_mbit * 1e3)
+                one_way_ms = (arrived - departure.departed_ns) / 1e6 - wire_ms
+                delays.setdefault((arrival.peer, receiver), []).append(one_way_ms)
+    return delays
+
+
+def path_mbit(link: LinkState, source: int, target: int) -> float:
+    """The rate a frame from `source` to `target` is clocked out at: the least of the sender's
+    uplink, the receiver's downlink and the pair's cap."""
+    limits = [link.uplink_mbit.get(source), link.downlink_mbit.get(target)]
+    limits.append(link.pair_mbit.get(f"{source}->{target}"))
+    return min((limit for limit in limits if limit is not None), default=link.rate_mbit)
+
+
+def report(
+    link: LinkState,
+    session: HostSessionFacts,
+    runs: Iterable[Mapping[int, DeviceRecords]],
+    run: RunFacts,
+    devices: int,
+) -> list[dict[str, Any]]:
+    """A session's rows: per device, its uplink (and its downlink where shaped)."""
+    if devices < 2:
+        return []
+    delays = message_delays_ms(runs, link, run.shared_clock)
+    varied = _varied(session)
+    rows = []
+    for rank in range(devices):
+        base = {
+            "session_id": session.session_id,
+            "devices": devices,
+            "bandwidth_mbit": link.rate_mbit,
+            "emulator": run.emulator,
+            "rank": rank,
+        }
+        notes: list[str] = []
+        row = {**base, "direction": "up", "impairments": _words(link, rank, devices)}
+        row |= _rate(link, link.uplink_probe.get(rank))
+        row |= _delays(link, rank, devices, delays, varied, notes)
+        row |= _counts(link, session, rank, devices, varied, notes)
+        rows.append(_finish(row, notes))
+        if link.downlink_mbit.get(rank) is not None:
+            down = {**base, "direction": "down", "impairments": ""}
+            rows.append(_finish(down | _rate(link, link.downlink_probe.get(rank)), []))
+    return rows
+
+
+def _varied(session: HostSessionFacts) -> bool:
+    """Whether the impairments changed within the session (a trace's steps, a link event)."""
+    replay = session.replay
+    stepped = replay is not None and any(replay.applied_impairments)
+    return stepped or any(event.kind == "link" for event in session.timeline or [])
+
+
+def _later_hops(link: LinkState, rank: int, devices: int) -> list[str]:
+    """The later hops the port's frames may meet: its pairs', the other receivers' downlinks."""
+    pairs = [f"{rank}->{d}" for d in range(devices) if f"{rank}->{d}" in link.parameters]
+    downs = [f"down{d}" for d in range(devices) if d != rank and f"down{d}" in link.parameters]
+    return pairs + downs
+
+
+def _words(link: LinkState, rank: int, devices: int) -> str:
+    words = [link.impairments.get(rank, "")]
+    for hop in _later_hops(link, rank, devices):
+        words.append(f"{hop}: {' '.join(netem_options(link.parameters[hop]))}")
+    return "; ".join(word for word in words if word)
+
+
+def _rate(link: LinkState, key: str | None) -> dict[str, Any]:
+    if key is None or key not in link.transfers:
+        return {}
+    transfer = link.transfers[key]
+    rate = transfer["measured_mbit"] * WIRE_PER_PAYLOAD
+    return {
+        "rate_target_mbit": transfer["target_mbit"],
+        "rate_mbit": rate,
+        "rate_error_pct": 100 * (rate / transfer["target_mbit"] - 1),
+        "rate_flagged": link.transfer_flagged(key),
+    }
+
+
+def _delays(
+    link: LinkState,
+    rank: int,
+    devices: int,
+    delays: Mapping[tuple[int, int], list[float]],
+    varied: bool,
+    notes: list[str],
+) -> dict[str, Any]:
+    """The sender's message delays against the configured ones, over every receiver."""
+    achieved: list[float] = []
+    configured = []
+    lossless = True
+    for receiver in range(devices):
+        if receiver == rank:
+            continue
+        achieved += delays.get((rank, receiver), [])
+        hops = [link.parameters.get(h) for h in (str(rank), f"{rank}->{receiver}")]
+        hops = [h for h in hops + [link.parameters.get(f"down{receiver}")] if h is not None]
+        if hops:
+            configured.append(configured_delays_ms(hops))
+            lossless &= all(expected_counts(h)["lost"].probability == 0 for h in hops)
+    row: dict[str, Any] = {"delay_messages": len(achieved)}
+    drawn = np.concatenate(configured) if configured else np.zeros(1)
+    judged = []
+    for q in QUANTILES:
+        interval = quantile_interval(achieved, q / 100, CONFIDENCE)
+        want = float(np.percentile(drawn, q))
+        row |= {
+            f"delay_p{q}_ms": interval.median,
+            f"delay_p{q}_low_ms": interval.low,
+            f"delay_p{q}_high_ms": interval.high,
+            f"configured_delay_p{q}_ms": want,
+        }
+        if q < 90 or lossless:
+            low, high = interval.low - DELAY_TOLERANCE_MS, interval.high + DELAY_TOLERANCE_MS
+            judged.append(not low <= want <= high)
+    if varied:
+        notes.append("delay not judged: the impairments changed during the session")
+    elif len(achieved) < MIN_MESSAGES:
+        notes.append(f"delay not judged: {len(achieved)} single-segment messages")
+    else:
+        row["delay_flagged"] = any(judged)
+    return row
+
+
+def _counts(
+    link: LinkState,
+    session: HostSessionFacts,
+    rank: int,
+    devices: int,
+    varied: bool,
+    notes: list[str],
+) -> dict[str, Any]:
+    """The port's loss, duplication and reordering against the configured probabilities."""
+    counts = None if session.ports is None else session.ports.get(rank)
+    if counts is None:
+        notes.append("counts: the emulator does not count per port")
+        return {}
+    drawn = counts.frames - counts.duplicated + counts.lost
+    row: dict[str, Any] = {
+        "frames": drawn,
+        "frames_sent": counts.frames,
+        "drops": counts.drops,
+        "stalls": counts.stalls,
+        "stalled_ms": counts.stalled_ms,
+    }
+    expected = expected_counts(link.parameters.get(str(rank)) or checked({}))
+    later = _later_hops(link, rank, devices)
+    for name in COUNTED:
+        count, n = getattr(counts, name), counts.frames if name == "reordered" else drawn
+        want = expected[name]
+        row |= {
+            name: count,
+            f"{name}_pct": 100 * count / n if n else None,
+            f"configured_{name}_pct": 100 * want.probability,
+        }
+        if varied or later or want.design_effect is None or not n:
+            continue
+        low, high = proportion_interval(count, n, CONFIDENCE, want.design_effect)
+        row |= {f"{name}_low_pct": 100 * low, f"{name}_high_pct": 100 * high}
+        row[f"{name}_flagged"] = not low <= want.probability <= high
+    if varied:
+        notes.append("counts not judged: the impairments changed during the session")
+    elif later:
+        notes.append(f"counts not judged: the port counts the later hops' too ({', '.join(later)})")
+    else:
+        untested = [n for n in COUNTED if expected[n].design_effect is None]
+        if untested:
+            notes.append(
+                f"{', '.join(untested)} not judged: correlated draws have no binomial interval"
+            )
+    return row
+
+
+def outside(row: Mapping[str, Any]) -> list[str]:
+    """What of a row lies outside its interval, in words."""
+    words = []
+    if _true(row.get("rate_flagged")):
+        words.append(
+            f"rate {row['rate_mbit']:.2f} of {row['rate_target_mbit']:g} Mbit/s "
+            f"({row['rate_error_pct']:+.1f}%)"
+        )
+    if _true(row.get("delay_flagged")):
+        for q in QUANTILES:
+            want = row[f"configured_delay_p{q}_ms"]
+            low, high = row[f"delay_p{q}_low_ms"], row[f"delay_p{q}_high_ms"]
+            if not low - DELAY_TOLERANCE_MS <= want <= high + DELAY_TOLERANCE_MS:
+                words.append(
+                    f"delay p{q} {row[f'delay_p{q}_ms']:.2f} ms [{low:.2f}, {high:.2f}], "
+                    f"configured {want:.2f} ms"
+                )
+    for name in COUNTED:
+        if _true(row.get(f"{name}_flagged")):
+            frames = row["frames_sent" if name == "reordered" else "frames"]
+            words.append(
+                f"{name} {row[f'{name}_pct']:.2f}% [{row[f'{name}_low_pct']:.2f}, "
+                f"{row[f'{name}_high_pct']:.2f}] of {frames:,} frames, configured "
+                f"{row[f'configured_{name}_pct']:.2f}%"
+            )
+    return words
+
+
+def _true(value: Any) -> bool:
+    return value is not None and not pd.isna(value) and bool(value)
+
+
+def _finish(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    words = outside(row)
+    row["flagged"] = bool(words)
+    row["note"] = "; ".join(words + notes)
+    return row
+
+
+def frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Rows as the report's typed table (`FIDELITY_COLUMNS`)."""
+    table = pd.DataFrame(rows, columns=FIDELITY_NAMES)
+    return table.astype({c.name: c.dtype for c in FIDELITY_COLUMNS})
+
+
+def save(run_dir: Path, session_id: str, rows: list[dict[str, Any]]) -> None:
+    """A session's rows beside its files, then the run's `fidelity.json` and `fidelity.csv`
+    rebuilt from every session's (a resumed run keeps the earlier sessions')."""
+    run_dir = Path(run_dir)
+    session_file = run_dir / "sessions" / session_id / SESSION_FILE
+    write_text(session_file, json.dumps(rows, indent=1, default=_plain))
+    combine(run_dir)
+
+
+def combine(run_dir: Path) -> pd.DataFrame:
+    rows = []
+    for path in sorted(Path(run_dir).glob(f"sessions/*/{SESSION_FILE}")):
+        rows += json.loads(path.read_text())
+    table = frame(rows)
+    summary = {
+        "confidence": CONFIDENCE,
+        "rate_tolerance_pct": 100 * RATE_TOLERANCE,
+        "delay_tolerance_ms": DELAY_TOLERANCE_MS,
+        "links": rows,
+    }
+    write_text(run_dir / "fidelity.json", json.dumps(summary, indent=1, default=_plain))
+    write_frame(table, run_dir / "fidelity.csv")
+    return table
+
+
+def _plain(value: Any) -> Any:
+    """numpy's numbers as JSON's; NaN stays NaN (json writes it)."""
+    return value.item() if isinstance(value, np.generic) else str(value)
+
+
+def lines(run_dir: Path) -> list[str]:
+    """A line per link outside its intervals, or one saying all were within; none without a
+    report (a run of one device, a run from before the report)."""
+    path = Path(run_dir) / "fidelity.json"
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text())["links"]
+    if not rows:
+        return []
+    flagged = [row for row in rows if row.get("flagged")]
+    if not flagged:
+        return ["", f"fidelity: all {len(rows)} links within their intervals ({path.name})"]
+    said = [
+        "",
+        f"fidelity: {len(flagged)} of {len(rows)} links outside their intervals ({path.name}):",
+    ]
+    for row in flagged:
+        stalls = row.get("stalls")
+        held = f"; {stalls} stalls of the host ({row['stalled_ms']:.1f} ms)" if stalls else ""
+        said.append(
+            f"  {row['session_id']} device {row['rank']} {row['direction']}: "
+            f"{'; '.join(outside(row))}{held}"
+        )
+    return said
