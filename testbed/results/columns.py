@@ -323,8 +323,9 @@ FIDELITY_COLUMNS = _table(
                                                 (frames more than 1 ms late)
     stalled_ms                 float64  ms      their length in all
     flagged                    boolean  -       the rate, a delay or a count outside its interval
-    note                       string   -       what is outside, in words, and what was not judged
-                                                and why
+    outside                    string   -       what is outside its interval, in words (the line a
+                                                run prints)
+    note                       string   -       what was not judged, and why
 """
 )
 

@@ -30,7 +30,9 @@ in the run directory, and `lines` words the flagged links for the end of a run.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,15 +113,15 @@ def report(
             "emulator": run.emulator,
             "rank": rank,
         }
-        notes: list[str] = []
+        said = Said()
         row = {**base, "direction": "up", "impairments": _words(link, rank, devices)}
-        row |= _rate(link, link.uplink_probe.get(rank))
-        row |= _delays(link, rank, devices, delays, varied, notes)
-        row |= _counts(link, session, rank, devices, varied, notes)
-        rows.append(_finish(row, notes))
+        row |= _rate(link, link.uplink_probe.get(rank), said)
+        row |= _delays(link, rank, devices, delays, varied, said)
+        row |= _counts(link, session, rank, devices, varied, said)
+        rows.append(_finish(row, said))
         if link.downlink_mbit.get(rank) is not None:
-            down = {**base, "direction": "down", "impairments": ""}
-            rows.append(_finish(down | _rate(link, link.downlink_probe.get(rank)), []))
+            down, said = {**base, "direction": "down", "impairments": ""}, Said()
+            rows.append(_finish(down | _rate(link, link.downlink_probe.get(rank), said), said))
     return rows
 
 
@@ -144,16 +146,31 @@ def _words(link: LinkState, rank: int, devices: int) -> str:
     return "; ".join(word for word in words if word)
 
 
-def _rate(link: LinkState, key: str | None) -> dict[str, Any]:
+@dataclass
+class Said:
+    """What a row's parts found: what lies outside its interval, and what was not judged and
+    why, in words."""
+
+    outside: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _rate(link: LinkState, key: str | None, said: Said) -> dict[str, Any]:
     if key is None or key not in link.transfers:
+        said.notes.append("rate: no probe of this direction")
         return {}
     transfer = link.transfers[key]
-    rate = transfer["measured_mbit"] * WIRE_PER_PAYLOAD
+    rate, target = transfer["measured_mbit"] * WIRE_PER_PAYLOAD, transfer["target_mbit"]
+    flagged = link.transfer_flagged(key)
+    if flagged:
+        said.outside.append(
+            f"rate {rate:.2f} of {target:g} Mbit/s ({100 * (rate / target - 1):+.1f}%)"
+        )
     return {
-        "rate_target_mbit": transfer["target_mbit"],
+        "rate_target_mbit": target,
         "rate_mbit": rate,
-        "rate_error_pct": 100 * (rate / transfer["target_mbit"] - 1),
-        "rate_flagged": link.transfer_flagged(key),
+        "rate_error_pct": 100 * (rate / target - 1),
+        "rate_flagged": flagged,
     }
 
 
@@ -163,7 +180,7 @@ def _delays(
     devices: int,
     delays: Mapping[tuple[int, int], list[float]],
     varied: bool,
-    notes: list[str],
+    said: Said,
 ) -> dict[str, Any]:
     """The sender's message delays against the configured ones, over every receiver."""
     achieved: list[float] = []
@@ -180,7 +197,7 @@ def _delays(
             lossless &= all(expected_counts(h)["lost"].probability == 0 for h in hops)
     row: dict[str, Any] = {"delay_messages": len(achieved)}
     drawn = np.concatenate(configured) if configured else np.zeros(1)
-    judged = []
+    outside = []
     for q in QUANTILES:
         interval = quantile_interval(achieved, q / 100, CONFIDENCE)
         want = float(np.percentile(drawn, q))
@@ -190,15 +207,19 @@ def _delays(
             f"delay_p{q}_high_ms": interval.high,
             f"configured_delay_p{q}_ms": want,
         }
-        if q < 90 or lossless:
-            low, high = interval.low - DELAY_TOLERANCE_MS, interval.high + DELAY_TOLERANCE_MS
-            judged.append(not low <= want <= high)
+        low, high = interval.low - DELAY_TOLERANCE_MS, interval.high + DELAY_TOLERANCE_MS
+        if (q < 90 or lossless) and not low <= want <= high:
+            outside.append(
+                f"delay p{q} {interval.median:.2f} ms [{interval.low:.2f}, "
+                f"{interval.high:.2f}], configured {want:.2f} ms"
+            )
     if varied:
-        notes.append("delay not judged: the impairments changed during the session")
+        said.notes.append("delay not judged: the impairments changed during the session")
     elif len(achieved) < MIN_MESSAGES:
-        notes.append(f"delay not judged: {len(achieved)} single-segment messages")
+        said.notes.append(f"delay not judged: {len(achieved)} single-segment messages")
     else:
-        row["delay_flagged"] = any(judged)
+        row["delay_flagged"] = bool(outside)
+        said.outside += outside
     return row
 
 
@@ -208,12 +229,12 @@ def _counts(
     rank: int,
     devices: int,
     varied: bool,
-    notes: list[str],
+    said: Said,
 ) -> dict[str, Any]:
     """The port's loss, duplication and reordering against the configured probabilities."""
     counts = None if session.ports is None else session.ports.get(rank)
     if counts is None:
-        notes.append("counts: the emulator does not count per port")
+        said.notes.append("counts: none (the emulator does not count per port, or was lost)")
         return {}
     drawn = counts.frames - counts.duplicated + counts.lost
     row: dict[str, Any] = {
@@ -237,57 +258,32 @@ def _counts(
             continue
         low, high = proportion_interval(count, n, CONFIDENCE, want.design_effect)
         row |= {f"{name}_low_pct": 100 * low, f"{name}_high_pct": 100 * high}
-        row[f"{name}_flagged"] = not low <= want.probability <= high
+        row[f"{name}_flagged"] = flagged = not low <= want.probability <= high
+        if flagged:
+            said.outside.append(
+                f"{name} {100 * count / n:.2f}% [{100 * low:.2f}, {100 * high:.2f}] of {n:,} "
+                f"frames, configured {100 * want.probability:.2f}%"
+            )
     if varied:
-        notes.append("counts not judged: the impairments changed during the session")
+        said.notes.append("counts not judged: the impairments changed during the session")
     elif later:
-        notes.append(f"counts not judged: the port counts the later hops' too ({', '.join(later)})")
+        said.notes.append(
+            f"counts not judged: the port counts the later hops' too ({', '.join(later)})"
+        )
     else:
         untested = [n for n in COUNTED if expected[n].design_effect is None]
         if untested:
-            notes.append(
+            said.notes.append(
                 f"{', '.join(untested)} not judged: correlated draws have no binomial interval"
             )
     return row
 
 
-def outside(row: Mapping[str, Any]) -> list[str]:
-    """What of a row lies outside its interval, in words."""
-    words = []
-    if _true(row.get("rate_flagged")):
-        words.append(
-            f"rate {row['rate_mbit']:.2f} of {row['rate_target_mbit']:g} Mbit/s "
-            f"({row['rate_error_pct']:+.1f}%)"
-        )
-    if _true(row.get("delay_flagged")):
-        for q in QUANTILES:
-            want = row[f"configured_delay_p{q}_ms"]
-            low, high = row[f"delay_p{q}_low_ms"], row[f"delay_p{q}_high_ms"]
-            if not low - DELAY_TOLERANCE_MS <= want <= high + DELAY_TOLERANCE_MS:
-                words.append(
-                    f"delay p{q} {row[f'delay_p{q}_ms']:.2f} ms [{low:.2f}, {high:.2f}], "
-                    f"configured {want:.2f} ms"
-                )
-    for name in COUNTED:
-        if _true(row.get(f"{name}_flagged")):
-            frames = row["frames_sent" if name == "reordered" else "frames"]
-            words.append(
-                f"{name} {row[f'{name}_pct']:.2f}% [{row[f'{name}_low_pct']:.2f}, "
-                f"{row[f'{name}_high_pct']:.2f}] of {frames:,} frames, configured "
-                f"{row[f'configured_{name}_pct']:.2f}%"
-            )
-    return words
-
-
-def _true(value: Any) -> bool:
-    return value is not None and not pd.isna(value) and bool(value)
-
-
-def _finish(row: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    words = outside(row)
-    row["flagged"] = bool(words)
-    row["note"] = "; ".join(words + notes)
-    return row
+def _finish(row: dict[str, Any], said: Said) -> dict[str, Any]:
+    """The row with its verdict and words; NaN (an interval of nothing) as None, for JSON."""
+    row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+    row |= {"flagged": bool(said.outside), "outside": "; ".join(said.outside)}
+    return row | {"note": "; ".join(said.notes)}
 
 
 def frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -349,7 +345,6 @@ def lines(run_dir: Path) -> list[str]:
             f"; {stalls} stall{plural} of the host ({row['stalled_ms']:.1f} ms)" if stalls else ""
         )
         said.append(
-            f"  {row['session_id']} device {row['rank']} {row['direction']}: "
-            f"{'; '.join(outside(row))}{held}"
+            f"  {row['session_id']} device {row['rank']} {row['direction']}: {row['outside']}{held}"
         )
     return said

@@ -192,7 +192,7 @@ def test_a_loss_outside_its_interval_is_flagged_and_one_inside_is_not():
     assert up[0]["lost_low_pct"] < 5 < up[0]["lost_high_pct"]
     assert up[0]["lost_flagged"] is False and up[0]["flagged"] is False
     assert up[1]["lost_flagged"] is True and up[1]["flagged"] is True
-    assert up[1]["note"].startswith("lost 13.64% [")
+    assert up[1]["outside"].startswith("lost 13.64% [")
     assert up[1]["stalls"] == 1 and up[1]["stalled_ms"] == 3.0
     for row in up.values():
         assert row["rate_mbit"] == pytest.approx(9.6 * 1514 / 1448)
@@ -212,9 +212,9 @@ def test_a_late_link_and_a_slow_rate_are_flagged():
     rows = fidelity.report(link, session_facts({0: 50, 1: 50}), [session_records(delays)], RUN, 2)
     late, slow = rows
     assert late["delay_flagged"] is True and late["rate_flagged"] is False
-    assert "delay p50 12.00 ms" in late["note"]
+    assert "delay p50 12.00 ms" in late["outside"] and late["note"] == ""
     assert slow["rate_flagged"] is True and slow["delay_flagged"] is False
-    assert slow["note"].startswith("rate 9.00 of 10 Mbit/s (-10.0%)")
+    assert slow["outside"].startswith("rate 9.00 of 10 Mbit/s (-10.0%)")
 
 
 def test_what_cannot_be_judged_is_shown_not_flagged():
