@@ -64,23 +64,29 @@ def message_delays_ms(
     runs: Iterable[Mapping[int, DeviceRecords]], link: LinkState, shared_clock: bool
 ) -> dict[tuple[int, int], list[float]]:
     """By (sender, receiver), the link delay of every single-segment message of the session
-    whose arrival the kernel timestamped: arrival less departure (clocks aligned) less its
-    frame's wire time at the path's rate."""
+    whose arrival the kernel timestamped: arrival less departure (clocks aligned) less the
+    wire time of its frame at the path's rate, and of the copies for peers that it reached
+    before this one (a sender's copies take turns on its line)."""
     delays: dict[tuple[int, int], list[float]] = {}
     for records in runs:
         timeline = Timeline(dict(records), shared_clock)
+        copies: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
         for receiver, device in records.items():
             for arrival in device.arrivals:
                 key = (arrival.peer, arrival.inference, arrival.block)
-                departure = timeline.departures.get(key)
                 small = 0 < arrival.message_bytes <= TCP_MSS_BYTES
-                if departure is None or arrival.kernel_ns is None or not small:
+                if key not in timeline.departures or arrival.kernel_ns is None or not small:
                     continue
                 arrived = arrival_ns(arrival) + timeline.offset_ns[receiver]
-                rate_mbit = path_mbit(link, arrival.peer, receiver)
-                wire_ms = tcp_frame_bytes(arrival.message_bytes) * 8 / (rate_mbit * 1e3)
-                one_way_ms = (arrived - departure.departed_ns) / 1e6 - wire_ms
-                delays.setdefault((arrival.peer, receiver), []).append(one_way_ms)
+                copies.setdefault(key, []).append((arrived, receiver, arrival.message_bytes))
+        for key, arrivals in copies.items():
+            sender, departed = key[0], timeline.departures[key].departed_ns
+            wire_ms = 0.0
+            for arrived, receiver, size in sorted(arrivals):
+                rate_mbit = path_mbit(link, sender, receiver)
+                wire_ms += tcp_frame_bytes(size) * 8 / (rate_mbit * 1e3)
+                delay_ms = (arrived - departed) / 1e6 - wire_ms
+                delays.setdefault((sender, receiver), []).append(delay_ms)
     return delays
 
 
