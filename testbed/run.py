@@ -238,11 +238,12 @@ def _grid(trials) -> str:
 
 def _report(outcome, run_dir: Path) -> None:
     """The answer table, where everything is, and the failures."""
+    from testbed.results import fidelity
     from testbed.results.answer import answer_lines
     from testbed.results.store import load
 
     if (run_dir / "trials.parquet").is_file():
-        for line in answer_lines(load(run_dir)):
+        for line in answer_lines(load(run_dir)) + fidelity.lines(run_dir):
             print(line)
     early = f" ({outcome.ended_early} ended early by a leave)" if outcome.ended_early else ""
     print(

@@ -50,6 +50,36 @@ class LinkCounters:
     sent_bytes: int
     stalls: list[tuple[int, int]] | None = None
     events: list[tuple[int, str]] | None = None
+    # the serial emulator's counters of the port so far (PORT_COUNTED), else None
+    port: dict[str, int] | None = None
+
+
+PORT_COUNTED = ("frames", "lost", "duplicated", "reordered", "drops")
+
+
+@dataclass(frozen=True)
+class PortCounts:
+    """What one device's port of the serial emulator did within a session: the frames it sent
+    (every copy), those its impairments lost, duplicated and reordered, those a full queue
+    dropped, and the machine's stalls of it (frames that left more than 1 ms late)."""
+
+    frames: int
+    lost: int
+    duplicated: int
+    reordered: int
+    drops: int
+    stalls: int
+    stalled_ms: float
+
+
+def port_counts(before: LinkCounters, after: LinkCounters, since_ns: int) -> PortCounts | None:
+    """The port's counts between two readings, its stalls since `since_ns` (the first reading's
+    time); None where the emulator does not count per port."""
+    if before.port is None or after.port is None:
+        return None
+    done = {name: after.port[name] - before.port[name] for name in PORT_COUNTED}
+    stalls = [length for start, length in after.stalls or [] if start + length >= since_ns]
+    return PortCounts(**done, stalls=len(stalls), stalled_ms=sum(stalls) / 1e6)
 
 
 class Emulator(abc.ABC):

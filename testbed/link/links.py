@@ -24,7 +24,7 @@ from typing import Any
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
-from testbed.experiment.impairments import checked
+from testbed.experiment.impairments import checked, impaired
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.netem import netem_options
 from testbed.link.emulator import Emulator, LinkCounters
@@ -66,6 +66,9 @@ class LinkState:
     medium: str = "dedicated"
     airtime_us: float = 0.0
     together_mbit: dict[int, float] = field(default_factory=dict)
+    # by hop as the seeds, netem's parameters in force after the shaping (checked, every
+    # default filled in): every uplink's, and the later hops' that impair
+    parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     # how long setting the rates and probing every transfer took (s): the orchestration's
     shape_s: float = 0.0
     probe_s: float = 0.0
@@ -170,6 +173,7 @@ class Links:
         for device in devices:
             state.impairments[device.rank], state.delay_ms[device.rank] = self._words(device.rank)
         state.impairment_seeds = dict(self.emulator.seeds)
+        state.parameters = self._parameters(len(devices))
         for device in devices:
             state.qdisc[device.rank] = self.backend.qdisc_stats(device)
         state.emulator_stats = self.emulator.stats()
@@ -267,6 +271,20 @@ class Links:
             self.emulator.uplinks[rank] = laid
             self.emulator.impair(self.rates, step=1 + len(self.emulator.seeds))
         return self._words(rank)[0]
+
+    def _parameters(self, devices: int) -> dict[str, dict[str, Any]]:
+        """Every hop's netem parameters in force, by hop: each uplink's, then the receivers'
+        downlinks and the pairs that impair (testbed.link.paths)."""
+        hops = {
+            str(rank): checked(self.emulator.uplink(rank).impairments()) for rank in range(devices)
+        }
+        paths = self.emulator.paths.within(devices)
+        later = {f"down{rank}": p for rank, p in paths.downlink.items()}
+        later |= {f"{source}->{target}": p for (source, target), p in paths.pair.items()}
+        for hop, parameters in later.items():
+            if impaired(values := checked(dict(parameters))):
+                hops[hop] = values
+        return hops
 
     def _words(self, rank: int) -> tuple[str, float]:
         """The rank's uplink impairments as netem's words, and its one-way delay."""

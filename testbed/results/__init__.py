@@ -4,7 +4,10 @@
   from it); `facts`: what is known of a row before the workers measure it; `rows`: the one
   assembler of rows (facts and the devices' records in, typed DataFrames out).
 - `store`: a run directory and its tables (`testbed.results.load(run_dir)`).
-- `stats`: medians with distribution-free intervals, paired ratios.
+- `stats`: medians with distribution-free intervals, paired ratios; a proportion's and a
+  quantile's intervals.
+- `fidelity`: the fidelity report, each link's configured rate, delay and impairments against
+  what it achieved (`fidelity.json`, `fidelity.csv`).
 - `variants`: the names and order of method variants that every table and figure shares.
 - `answer`: the table a run prints.
 

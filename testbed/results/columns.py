@@ -256,8 +256,90 @@ LAYER_COLUMNS = (
     + [c for c in CONTEXT if c.name in ("clock_offset_ms", "kernel_timestamps")]
 )
 
+# The fidelity report (testbed.results.fidelity): configured against achieved per link.
+FIDELITY_COLUMNS = _table(
+    """
+    session_id                 string   -       the worker session whose link this is
+    devices                    Int64    -       P, the device count
+    bandwidth_mbit             float64  Mbit/s  the swept rate
+    emulator                   string   -       tbf or serial
+    rank                       Int64    -       the device
+    direction                  string   -       up: what the device sends (its port, its
+                                                uplink probe, its messages to every peer);
+                                                down: what it receives, where its downlink is
+                                                shaped (the rate only)
+    impairments                string   -       the uplink's impairments as tc-netem's words, and
+                                                the later hops' (down1: ..., 0->1: ...)
+    rate_target_mbit           float64  Mbit/s  the probed direction's target (frames): the least of
+                                                the sender's uplink, the receiver's downlink and
+                                                the pair's rate
+    rate_mbit                  float64  Mbit/s  what the probe achieved, as frames
+    rate_error_pct             float64  %       rate_mbit over the target, less 1
+    rate_flagged               boolean  -       more than 5% off the target
+    delay_messages             Int64    -       single-segment messages timed from this device to
+                                                its peers in the session (every trial)
+    delay_p10_ms               float64  ms      10th percentile of their link delay: kernel arrival
+                                                of the last byte less departure less the frame's
+                                                wire time at the path's rate
+    delay_p10_low_ms           float64  ms      its 99% distribution-free interval (order
+                                                statistics), low end
+    delay_p10_high_ms          float64  ms      high end
+    configured_delay_p10_ms    float64  ms      the same percentile of the configured delay
+                                                (netem's model drawn for every hop of the path)
+    delay_p50_ms               float64  ms      the median, likewise
+    delay_p50_low_ms           float64  ms      its interval, low end
+    delay_p50_high_ms          float64  ms      its interval, high end
+    configured_delay_p50_ms    float64  ms      the configured median
+    delay_p90_ms               float64  ms      the 90th percentile, likewise (judged only where
+                                                nothing is lost: a lost frame's message arrives a
+                                                retransmission later)
+    delay_p90_low_ms           float64  ms      its interval, low end
+    delay_p90_high_ms          float64  ms      its interval, high end
+    configured_delay_p90_ms    float64  ms      the configured 90th percentile
+    delay_flagged              boolean  -       a judged percentile configured outside its interval
+                                                widened by 0.5 ms; empty: not judged
+    frames                     Int64    -       frames the port's impairments drew for in the
+                                                session (sent - duplicated + lost): the draws of
+                                                loss and duplication
+    frames_sent                Int64    -       frames the port sent, every copy: the draws of
+                                                reordering
+    lost                       Int64    -       frames its impairments lost
+    lost_pct                   float64  %       lost / frames
+    lost_low_pct               float64  %       the 99% Wilson interval of lost_pct, low end
+                                                (widened by the chain's design effect for a
+                                                Gilbert model)
+    lost_high_pct              float64  %       high end
+    configured_lost_pct        float64  %       what the parameters make of it: the loss rate (a
+                                                model's stationary one) x (1 - duplication)
+    lost_flagged               boolean  -       configured_lost_pct outside the interval; empty: not
+                                                judged (correlated draws, later hops' counts)
+    duplicated                 Int64    -       frames sent twice
+    duplicated_pct             float64  %       duplicated / frames
+    duplicated_low_pct         float64  %       its 99% Wilson interval, low end
+    duplicated_high_pct        float64  %       high end
+    configured_duplicated_pct  float64  %       duplication x (1 - loss)^2 (a duplicate has its own
+                                                loss draw)
+    duplicated_flagged         boolean  -       configured_duplicated_pct outside the interval
+    reordered                  Int64    -       copies sent ahead of the delayed ones
+    reordered_pct              float64  %       reordered / frames_sent
+    reordered_low_pct          float64  %       its 99% Wilson interval, low end
+    reordered_high_pct         float64  %       high end
+    configured_reordered_pct   float64  %       reordering r with gap g: r / (1 + (g - 1) r)
+    reordered_flagged          boolean  -       configured_reordered_pct outside the interval
+    drops                      Int64    -       frames a full queue of the port dropped
+    stalls                     Int64    -       the machine's stalls of the port in the session
+                                                (frames more than 1 ms late)
+    stalled_ms                 float64  ms      their length in all
+    flagged                    boolean  -       the rate, a delay or a count outside its interval
+    outside                    string   -       what is outside its interval, in words (the line a
+                                                run prints)
+    note                       string   -       what was not judged, and why
+"""
+)
+
 TRIAL_NAMES = [c.name for c in TRIAL_COLUMNS]
 LAYER_NAMES = [c.name for c in LAYER_COLUMNS]
+FIDELITY_NAMES = [c.name for c in FIDELITY_COLUMNS]
 
 
 def markdown(columns: list[Column]) -> str:
@@ -276,6 +358,10 @@ def readme_tables() -> str:
         + "Per block, the timing and volume columns above mean the same for the block's "
         "message; marks are ms from the device's inference start.\n\n"
         + markdown(LAYER_COLUMNS)
+        + "\n\n### `fidelity`: one row per session, device and direction\n\n"
+        + "`fidelity.csv` and `fidelity.json` (docs/user-guide.md, The fidelity report): each "
+        "link's configured rate, delay and impairments against what it achieved.\n\n"
+        + markdown(FIDELITY_COLUMNS)
         + "\n"
     )
 

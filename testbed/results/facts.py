@@ -8,7 +8,7 @@ columns: nothing adds to a row afterwards.
   dry run's plan.csv is made of these.
 - `RunFacts`: where the trial ran (backend, emulator, the devices' allotment, the trace).
 - `HostSessionFacts`: what the worker session around the trial did: its id, wall time, each
-  link's bytes, the emulator's stalls, the trace it replayed.
+  link's bytes, the emulator's stalls and per-port counts, the trace it replayed.
 The link's rates and probes are `testbed.link.links.LinkState`, the accuracy study's table
 `testbed.experiment.level_accuracy.LevelAccuracy`.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from testbed.link.emulator import PortCounts
 from testbed.link.replay import TraceReplay
 
 
@@ -76,6 +77,9 @@ class HostSessionFacts:
     # what the serial emulator's impairments did within the session, (ns, lost / duplicated /
     # reordered) sorted; None where the emulator does not draw them itself
     events: list[tuple[int, str]] | None = None
+    # what each device's port of the serial emulator counted within the session, by rank;
+    # None where the emulator does not count per port (testbed.results.fidelity reads them)
+    ports: dict[int, PortCounts] | None = None
     replay: TraceReplay | None = None  # the trace played on the links during the session
     timeline: list[AppliedEvent] | None = None  # the experiment's timeline as it was applied
 

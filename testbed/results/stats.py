@@ -10,6 +10,10 @@ its lower level is stated, never a narrower interval.
 
 Methods are compared by ratios of repetitions paired in time (a session runs the repetitions
 of its trials interleaved, so repetition i of two methods saw the same state of the host).
+
+A link's counts and delays (testbed.results.fidelity) use two more: the Wilson score interval
+of a proportion (frames lost of frames drawn), and the distribution-free interval of any
+quantile from order statistics, as the median's above with binomial(n, q).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
@@ -161,3 +166,58 @@ def summarize(
     columns = keys + ["n"] + [f"{v}{s}" for v in values for s in ("", "_low", "_high")]
     table = pd.DataFrame(rows, columns=columns + ["level"])
     return table.astype({key: frame[key].dtype for key in keys})
+
+
+def proportion_interval(
+    successes: int, n: int, confidence: float = 0.99, design_effect: float = 1.0
+) -> tuple[float, float]:
+    """The Wilson score interval of a proportion, `successes` of `n` independent draws.
+
+    `design_effect` (>= 1): the variance of the count over the binomial's, for draws that
+    come in runs (a Markov chain's); the interval is then that of n / design_effect draws.
+    (nan, nan) for n = 0."""
+    if n <= 0:
+        return math.nan, math.nan
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    n_eff = n / design_effect
+    p = successes / n
+    centre = p + z * z / (2 * n_eff)
+    spread = z * math.sqrt(p * (1 - p) / n_eff + z * z / (4 * n_eff * n_eff))
+    scale = 1 + z * z / n_eff
+    low = 0.0 if successes == 0 else (centre - spread) / scale  # exact at the ends
+    high = 1.0 if successes == n else (centre + spread) / scale
+    return max(0.0, low), min(1.0, high)
+
+
+def _binomial_cdf(n: int, q: float) -> np.ndarray:
+    """P(B <= k) for k = 0..n, B ~ binomial(n, q), from the terms' logarithms (n of thousands)."""
+    k = np.arange(n + 1)
+    log_terms = np.array(
+        [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in k]
+    )
+    log_terms += k * math.log(q) + (n - k) * math.log1p(-q)
+    return np.minimum(np.cumsum(np.exp(log_terms)), 1.0)
+
+
+def quantile_interval(
+    values: Sequence[float] | np.ndarray, q: float, confidence: float = 0.99
+) -> Interval:
+    """The `q` quantile of `values` (NaNs ignored) with its distribution-free interval
+    [x_(j), x_(k)]: x_(j) <= the quantile <= x_(k) with probability P(j <= B <= k - 1), B ~
+    binomial(n, q), whatever the distribution, each tail at most (1 - confidence) / 2. Where n
+    is too small for that, the bound is the smallest or largest value, and `level` says the
+    coverage the interval has. `median` holds the sample quantile (linear interpolation)."""
+    if not 0 < q < 1:
+        raise ValueError(f"a quantile lies between 0 and 1, not {q}")
+    data = np.sort(np.asarray(values, dtype="float64"))
+    data = data[~np.isnan(data)]
+    n = len(data)
+    if n == 0:
+        return Interval(0, math.nan, math.nan, math.nan, math.nan)
+    cdf, tail = _binomial_cdf(n, q), (1 - confidence) / 2
+    # j: the largest with P(B <= j - 1) <= tail; k: the smallest with P(B >= k) <= tail
+    low = max(1, int(np.searchsorted(cdf, tail, side="right")))
+    high = min(n, max(low + 1, int(np.searchsorted(cdf, 1 - tail, side="left")) + 1))
+    level = float(cdf[high - 1] - cdf[low - 1])
+    sample = float(np.quantile(data, q))
+    return Interval(n, sample, float(data[low - 1]), float(data[min(high, n) - 1]), level)

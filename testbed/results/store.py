@@ -6,6 +6,7 @@
         plan.csv             the trial plan with analytic payloads
         trials.parquet/.csv  one row per device per repetition (testbed.results.columns)
         layers.parquet       one row per device per layer per repetition
+        fidelity.json/.csv   each link configured against achieved (testbed.results.fidelity)
         level_accuracy.csv   the accuracy study's rows matched (report.level_accuracy)
         trials/<trial-id>/   per trial: its rows (written atomically when its session ends)
         sessions/<id>/       per worker session: each device's spec, records and log

@@ -33,6 +33,7 @@ from testbed.link.paths import PathImpairments
 from testbed.link.probe import WIRE_PER_PAYLOAD
 from testbed.link.rates import rate_overrides
 from testbed.link.replay import TraceReplay
+from testbed.results import fidelity
 from testbed.results.facts import AppliedEvent, HostSessionFacts, PlanRow, RunFacts
 from testbed.results.rows import RowFacts, assemble
 from testbed.results.store import (
@@ -288,6 +289,12 @@ class Runner:
             else:
                 outcome.ok += 1
                 outcome.ended_early += bool(unfinished)
+        devices = len(backend.devices)
+        fidelity.save(
+            self.run_dir,
+            name,
+            fidelity.report(link, result.facts, result.runs.values(), run, devices),
+        )
         if result.left:
             voice.say(f"session {name} ended early: {result.left}")
         elif not result.ok:

@@ -29,7 +29,7 @@ from devices.spec import MethodRun, RunSpec
 from testbed.backends.base import Backend, Device, ExecResult, Process
 from testbed.errors import TestbedError
 from testbed.experiment.schema import Experiment
-from testbed.link.emulator import LinkCounters
+from testbed.link.emulator import LinkCounters, PortCounts, port_counts
 from testbed.link.links import LinkState
 from testbed.link.replay import TraceReplay
 from testbed.results.facts import AppliedEvent, HostSessionFacts
@@ -266,6 +266,7 @@ def run_session(
         sent_bytes={rank: after[rank].sent_bytes - before[rank].sent_bytes for rank in after},
         stalls=_session_stalls(after, started_ns) if after else None,
         events=_session_events(after, started_ns) if after else None,
+        ports=_port_counts(before, after, started_ns),
         replay=replay,
         timeline=None if timeline is None else timeline.applied,
     )
@@ -383,6 +384,17 @@ def _session_events(
     if any(log is None for log in logs):
         return None
     return sorted(e for log in logs for e in log or [] if e[0] >= since_ns)
+
+
+def _port_counts(
+    before: dict[int, LinkCounters], after: dict[int, LinkCounters], since_ns: int
+) -> dict[int, PortCounts] | None:
+    """Each port's counts within the session, by rank; None where the emulator does not count
+    per port, or the session lost it (`after` empty)."""
+    counts = {rank: port_counts(before[rank], after[rank], since_ns) for rank in after}
+    if not counts or any(count is None for count in counts.values()):
+        return None
+    return {rank: count for rank, count in counts.items() if count is not None}
 
 
 def _session_stalls(

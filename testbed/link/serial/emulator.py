@@ -24,7 +24,7 @@ from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.addresses import choose_subnet, host_networks
 from testbed.kernel.names import run_tag
-from testbed.link.emulator import Attachment, Emulator, LinkCounters, Refusal
+from testbed.link.emulator import PORT_COUNTED, Attachment, Emulator, LinkCounters, Refusal
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
 from testbed.link.serial.switch import SerialSwitch
@@ -154,7 +154,7 @@ class SerialEmulator(Emulator):
 
     def counters(self) -> dict[int, LinkCounters]:
         """Bytes carried (each device's `sl0` qdisc), every port's stalls and impairment
-        events so far."""
+        events so far, and its counters (`PORT_COUNTED`)."""
         assert self.switch is not None
         ports = self.switch.stats()
         return {
@@ -162,6 +162,7 @@ class SerialEmulator(Emulator):
                 counter.sent_bytes,
                 [(round(start * 1e9), round(ms * 1e6)) for start, ms in ports[rank]["stall_log"]],
                 [(round(at * 1e9), what) for at, what in ports[rank]["event_log"]],
+                {name: ports[rank][name] for name in PORT_COUNTED},
             )
             for rank, counter in super().counters().items()
         }
