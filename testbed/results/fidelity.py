@@ -221,6 +221,8 @@ def _delays(
             )
     if varied:
         said.notes.append("delay not judged: the impairments changed during the session")
+    elif link.medium == "shared":
+        said.notes.append("delay not judged: on a shared cell the others' frames add to it")
     elif len(achieved) < MIN_MESSAGES:
         said.notes.append(f"delay not judged: {len(achieved)} single-segment messages")
     else:
