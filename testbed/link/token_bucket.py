@@ -24,6 +24,7 @@ from typing import Any
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
+from testbed.experiment.impairments import checked, impaired
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.htb import PEER_MINOR_BASE
 from testbed.kernel.netem import LinkImpairments
@@ -63,6 +64,14 @@ class TokenBucket(Emulator):
                 f"per-pair {'rates' if pair_rates else 'impairments'} with profile "
                 f"'{profile.name}' (delay, jitter or loss) are not supported on tbf; use a "
                 "rate-only profile such as 'ideal', or the serial emulator",
+            )
+        if (duplicating := _duplicating_pair(paths)) is not None:
+            return Refusal(
+                "link.pair_impairments",
+                f"the pair {duplicating[0]}->{duplicating[1]} duplicates frames beside other "
+                f"pairs' impairments of device {duplicating[0]}; the kernel refuses a "
+                "duplicating netem beside any other netem in one tree (recent kernels, "
+                "Debian's 6.1.192 among them); use the serial emulator",
             )
         if not backend.on_this_host or os.geteuid() != 0:
             return None  # the boards' kernels, or no probe without root: checked when shaping
@@ -201,3 +210,14 @@ def profile_plan(
     impairments = LinkImpairments(profile.name, profile.impairments() if impaired else {})
     bounds = {"queue_latency_ms": profile.queue_latency_ms, "burst_bytes": profile.burst_bytes}
     return plan(impairments, rate, support, **bounds, **hops)
+
+
+def _duplicating_pair(paths: PathImpairments) -> tuple[int, int] | None:
+    """A pair that duplicates frames while its sender has other impaired pairs (netem leaves
+    of one htb tree), which the kernel refuses (testbed.kernel.shaping says so at plan time)."""
+    impairing = {pair: checked(p) for pair, p in paths.pair.items() if impaired(checked(p))}
+    for (source, target), parameters in sorted(impairing.items()):
+        others = [pair for pair in impairing if pair[0] == source and pair[1] != target]
+        if parameters.get("duplicate_pct") and others:
+            return source, target
+    return None

@@ -422,6 +422,14 @@ CASES: list[tuple[str, str, str]] = [
         exp("link: {trace: step-20-2-20.csv, trace_stretch: 0}\n"),
         "link.trace_stretch: ",
     ),
+    (
+        "tbf-duplicating-pair",
+        exp(
+            "devices: {count: [3]}\nlink: {emulator: tbf, pair_impairments: "
+            "{'0->1': {duplicate_pct: 5}, '0->2': {delay_ms: 5}}}\n"
+        ),
+        "link.pair_impairments: the pair 0->1 duplicates frames beside other pairs'",
+    ),
     # a shared medium (a cell: docs/cell.md)
     (
         "cell-on-tbf",
