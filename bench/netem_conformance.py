@@ -1,0 +1,404 @@
+"""The serial emulator held against the kernel's netem: the same parameters, the same number of
+packets, side by side, with a two-sample test per row at 5 %.
+
+Run from the repository root: `python -m bench.netem_conformance` (about 3 minutes; the netem
+reference guest, `testbed.kernel.guest`, is built first where it is missing). `--csv` names
+the CSV (default docs/netem-conformance.csv); the markdown table goes to stdout.
+
+- netem: one boot of the guest. A bare link's pings first (the guest's own round trip, which
+  TCG makes 0.3-13 ms), then per row `netem_argv` as the root of `va` (the project's own
+  words for the parameters) and `--packets` pings, 2 ms apart, from `va` to its peer: netem
+  acts on the requests only. Per request: lost (no reply), duplicated (two), reordered (a
+  reply faster than half the delay: a reordered request skips it), its delay (the round
+  trip less the bare link's median) and the order of the replies.
+- the serial emulator: the same number of frames drawn from its C core
+  (`testbed.link.serial.core.draw`, the Python loop's draws where it cannot be built: the two
+  agree frame by frame, tests/unit/test_serial_core.py). These draws are what the emulator
+  applies to each frame, so their distributions are the emulator's; the delays get the bare
+  link's deviations from its median added (the guest's overhead, which the netem side
+  carries), so that both samples are "netem's draw + the same noise".
+
+Tests: Fisher's exact test on the counts (lost, duplicated, reordered of N); a chi-square
+test on the burst lengths (bins merged until each holds 10 bursts of both sides together);
+Kolmogorov-Smirnov two-sample on the delays. The draws of a correlated row are not
+independent, which these tests assume: their p-values are indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import logging
+import re
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scipy import stats
+
+from testbed.errors import GuestError
+from testbed.experiment.impairments import ImpairmentError, checked
+from testbed.kernel.guest.boot import Completed, run
+from testbed.kernel.guest.build import LINK_INTERFACE, PEER_ADDRESS
+from testbed.kernel.netem import netem_argv, netem_for, netem_options
+from testbed.link.serial import core
+from testbed.link.serial.impairments import Copy, Impairments
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 0.002
+SIGNIFICANCE = 0.05
+MIN_BIN_BURSTS = 10
+REPLY = re.compile(r"seq=(\d+) ttl=\d+ time=([\d.]+) ms( \(DUP!\))?")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison: netem's parameters (as a profile names them) and what is compared."""
+
+    name: str
+    measure: str  # "loss", "duplicate", "reorder", "delay" or "order"
+    parameters: dict[str, Any]
+
+
+ROWS = (
+    Row("random loss 10%", "loss", {"loss_pct": 10}),
+    Row("correlated loss 10% 25%", "loss", {"loss_pct": 10, "loss_correlation_pct": 25}),
+    Row(
+        "Gilbert-Elliott p 5% r 30% 1-h 80% 1-k 1%",
+        "loss",
+        {"loss_gemodel": {"p_pct": 5, "r_pct": 30, "one_minus_h_pct": 80, "one_minus_k_pct": 1}},
+    ),
+    Row(
+        "4-state p13 3% p31 30% p32 20% p23 50% p14 1%",
+        "loss",
+        {"loss_state": {"p13_pct": 3, "p31_pct": 30, "p32_pct": 20, "p23_pct": 50, "p14_pct": 1}},
+    ),
+    Row("duplicate 10%", "duplicate", {"duplicate_pct": 10}),
+    Row("duplicate 10% 50%", "duplicate", {"duplicate_pct": 10, "duplicate_correlation_pct": 50}),
+    Row(
+        "duplicate 10% 50%, with a loss correlation (tc then sends the correlation)",
+        "duplicate",
+        {
+            "duplicate_pct": 10,
+            "duplicate_correlation_pct": 50,
+            "loss_pct": 0.0001,
+            "loss_correlation_pct": 1,
+        },
+    ),
+    Row("reorder 25%, delay 40 ms", "reorder", {"delay_ms": 40, "reorder_pct": 25}),
+    Row(
+        "reorder 25% 50% gap 5, delay 40 ms",
+        "reorder",
+        {"delay_ms": 40, "reorder_pct": 25, "reorder_correlation_pct": 50, "reorder_gap": 5},
+    ),
+    Row("uniform 50 ms ± 20 ms", "delay", {"delay_ms": 50, "jitter_ms": 20}),
+    Row(
+        "uniform 50 ms ± 20 ms, 75% correlated",
+        "delay",
+        {"delay_ms": 50, "jitter_ms": 20, "delay_correlation_pct": 75},
+    ),
+    *(
+        Row(
+            f"{name} 50 ms, jitter 10 ms",
+            "delay",
+            {"delay_ms": 50, "jitter_ms": 10, "delay_distribution": name},
+        )
+        for name in ("normal", "pareto", "paretonormal")
+    ),
+    Row(
+        "normal 50 ms, jitter 10 ms, 50% correlated",
+        "delay",
+        {
+            "delay_ms": 50,
+            "jitter_ms": 10,
+            "delay_distribution": "normal",
+            "delay_correlation_pct": 50,
+        },
+    ),
+    Row("order under uniform 50 ms ± 20 ms", "order", {"delay_ms": 50, "jitter_ms": 20}),
+)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What one side did to N packets, packet by packet."""
+
+    lost: list[bool]
+    duplicated: list[bool]
+    reordered: list[bool]
+    delays_ms: list[float]  # of the packets that arrived, in the order sent
+    out_of_order: int  # packets that arrived after a later-sent one
+
+
+@dataclass(frozen=True)
+class Result:
+    """One row of the table (and of the CSV: its columns are these fields)."""
+
+    row: str
+    parameters: str
+    packets: int
+    netem: str
+    serial: str
+    test: str
+    p_value: float
+
+    @property
+    def agrees(self) -> bool:
+        return self.p_value >= SIGNIFICANCE
+
+
+# netem in the guest --------------------------------------------------------------------------
+
+
+def guest_commands(rows: Sequence[Row], packets: int) -> list[list[str]]:
+    ping = ["ping", "-c", str(packets), "-i", str(PING_INTERVAL_S), PEER_ADDRESS]
+    commands = [ping]
+    for row in rows:
+        netem = netem_for(row.parameters)
+        assert netem is not None, row
+        commands.append(["tc", "qdisc", "del", "dev", LINK_INTERFACE, "root"])
+        commands.append(netem_argv(LINK_INTERFACE, netem, parent="root", handle="1:"))
+        commands.append(ping)
+    return commands
+
+
+def replies(output: str) -> list[tuple[int, float]]:
+    """(sequence number, round trip ms) of each reply, in the order they arrived."""
+    return [(int(m[1]), float(m[2])) for m in REPLY.finditer(output)]
+
+
+def guest_sample(row: Row, output: str, packets: int, bare_ms: float) -> Sample:
+    arrived = replies(output)
+    counts = [0] * packets
+    first_ms: dict[int, float] = {}
+    out_of_order, latest = 0, -1
+    for seq, rtt_ms in arrived:
+        counts[seq] += 1
+        if seq in first_ms:
+            continue
+        first_ms[seq] = rtt_ms - bare_ms
+        out_of_order += seq < latest
+        latest = max(latest, seq)
+    half_delay_ms = row.parameters.get("delay_ms", 0) / 2
+    return Sample(
+        lost=[c == 0 for c in counts],
+        duplicated=[c > 1 for c in counts],
+        reordered=[seq in first_ms and first_ms[seq] < half_delay_ms for seq in range(packets)],
+        delays_ms=[first_ms[seq] for seq in sorted(first_ms)],
+        out_of_order=out_of_order,
+    )
+
+
+# the serial emulator's draws -----------------------------------------------------------------
+
+
+def serial_draws(parameters: dict[str, Any], seed: int, packets: int) -> list[list[Copy]]:
+    """The copies of `packets` frames, from the C core (the Python loop's where it cannot be
+    built: the same draws)."""
+    drawn = Impairments(parameters, seed)
+    library = core.load()
+    if library is None:
+        return [drawn.frame() for _ in range(packets)]
+    handle = core.impairments(library, drawn)
+    try:
+        return core.draw(library, handle, packets)
+    finally:
+        library.serial_impairments_free(handle)
+
+
+def serial_sample(frames: list[list[Copy]], noise_ms: list[float]) -> Sample:
+    """The draws as the guest's pings would show them, with the guest's noise on the delays.
+    The emulator's schedule keeps frames in order: max(arrival + delay, the previous one's
+    departure)."""
+    arrived = [copies[-1] for copies in frames if copies]
+    return Sample(
+        lost=[not copies for copies in frames],
+        duplicated=[len(copies) > 1 for copies in frames],
+        reordered=[bool(copies) and copies[-1].reordered for copies in frames],
+        delays_ms=[c.delay_s * 1e3 + noise_ms[i % len(noise_ms)] for i, c in enumerate(arrived)],
+        out_of_order=0,
+    )
+
+
+# the tests -----------------------------------------------------------------------------------
+
+
+def bursts(lost: list[bool]) -> list[int]:
+    """The lengths of the runs of consecutive losses."""
+    lengths, run_length = [], 0
+    for gone in [*lost, False]:
+        if gone:
+            run_length += 1
+        elif run_length:
+            lengths.append(run_length)
+            run_length = 0
+    return lengths
+
+
+def burst_test(a: list[int], b: list[int]) -> float:
+    """Chi-square on the two burst-length histograms, lengths merged from the longest down
+    until each bin holds MIN_BIN_BURSTS of both together; 1.0 when one bin is all there is."""
+    top = max([*a, *b, 1])
+    bins: list[list[int]] = []
+    pending = [0, 0]
+    for length in range(top, 0, -1):
+        pending[0] += a.count(length)
+        pending[1] += b.count(length)
+        if sum(pending) >= MIN_BIN_BURSTS:
+            bins.append(pending)
+            pending = [0, 0]
+    if bins:
+        bins[-1] = [bins[-1][0] + pending[0], bins[-1][1] + pending[1]]
+    if len(bins) < 2 or not all(sum(column) for column in zip(*bins, strict=True)):
+        return 1.0
+    return float(stats.chi2_contingency(bins).pvalue)
+
+
+def count_test(a: int, b: int, packets: int) -> float:
+    return float(stats.fisher_exact([[a, packets - a], [b, packets - b]]).pvalue)
+
+
+def share(flags: list[bool]) -> str:
+    return f"{sum(flags)} ({100 * sum(flags) / len(flags):.2f}%)"
+
+
+def quantiles(delays_ms: list[float]) -> str:
+    q = statistics.quantiles(delays_ms, n=20)
+    return "p5/p50/p95 " + "/".join(f"{q[k]:.1f}" for k in (0, 9, 18))
+
+
+def lag1(values: list[float]) -> float:
+    return statistics.correlation(values[:-1], values[1:])
+
+
+def compare(row: Row, packets: int, netem: Sample, serial: Sample) -> Result:
+    words = " ".join(netem_options(checked(row.parameters)))
+    if row.measure == "loss":
+        a, b = bursts(netem.lost), bursts(serial.lost)
+        p_count = count_test(sum(netem.lost), sum(serial.lost), packets)
+        p_burst = burst_test(a, b)
+        return Result(
+            row.name,
+            words,
+            packets,
+            f"lost {share(netem.lost)}, mean burst {statistics.fmean(a or [0]):.2f}",
+            f"lost {share(serial.lost)}, mean burst {statistics.fmean(b or [0]):.2f}",
+            f"Fisher p {p_count:.3f}; bursts chi-square p {p_burst:.3f}",
+            min(p_count, p_burst),
+        )
+    if row.measure in ("duplicate", "reorder"):
+        field = "duplicated" if row.measure == "duplicate" else "reordered"
+        a_flags, b_flags = getattr(netem, field), getattr(serial, field)
+        p = count_test(sum(a_flags), sum(b_flags), packets)
+        return Result(
+            row.name,
+            words,
+            packets,
+            f"{field} {share(a_flags)}",
+            f"{field} {share(b_flags)}",
+            "Fisher",
+            p,
+        )
+    if row.measure == "order":
+        p = count_test(netem.out_of_order, serial.out_of_order, packets)
+        return Result(
+            row.name,
+            words,
+            packets,
+            f"{netem.out_of_order} arrived after a later one",
+            f"{serial.out_of_order} arrived after a later one",
+            "Fisher",
+            p,
+        )
+    p = float(stats.ks_2samp(netem.delays_ms, serial.delays_ms).pvalue)
+    return Result(
+        row.name,
+        words,
+        packets,
+        f"{quantiles(netem.delays_ms)} ms, lag-1 r {lag1(netem.delays_ms):.2f}",
+        f"{quantiles(serial.delays_ms)} ms, lag-1 r {lag1(serial.delays_ms):.2f}",
+        "Kolmogorov-Smirnov",
+        p,
+    )
+
+
+# the command ---------------------------------------------------------------------------------
+
+
+def conformance(rows: Sequence[Row], packets: int, seed: int) -> list[Result]:
+    results = run(guest_commands(rows, packets), timeout_s=900)
+    failed = [r for r in results if not r.ok and r.argv[2] != "del"]
+    if failed:
+        raise GuestError(f"in the guest: `{' '.join(failed[0].argv)}`: {failed[0].stderr.strip()}")
+    pings: list[Completed] = [r for r in results if r.argv[0] == "ping"]
+    bare = [rtt for _, rtt in replies(pings[0].stdout)]
+    bare_ms = statistics.median(bare)
+    noise_ms = [rtt - bare_ms for rtt in bare]
+    log.info("bare link: %d round trips, median %.2f ms", len(bare), bare_ms)
+    table = []
+    for index, (row, ping) in enumerate(zip(rows, pings[1:], strict=True)):
+        netem = guest_sample(row, ping.stdout, packets, bare_ms)
+        serial = serial_sample(serial_draws(row.parameters, seed + index, packets), noise_ms)
+        table.append(compare(row, packets, netem, serial))
+    return table
+
+
+def markdown(results: Sequence[Result]) -> str:
+    lines = [
+        "| row | netem | serial emulator | test | p | at 5% |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        verdict = "agrees" if r.agrees else "**differs**"
+        lines.append(
+            f"| {r.row} (`{r.parameters}`) | {r.netem} | {r.serial} | {r.test} "
+            f"| {r.p_value:.3f} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(results: Sequence[Result], path: Path) -> None:
+    names = [f.name for f in dataclasses.fields(Result)]
+    with path.open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=[*names, "agrees"])
+        writer.writeheader()
+        for r in results:
+            writer.writerow({**dataclasses.asdict(r), "agrees": r.agrees})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.netem_conformance", description=__doc__)
+    parser.add_argument("--packets", type=int, default=3000, help="per row, on each side")
+    parser.add_argument("--seed", type=int, default=1, help="the emulator's first row's seed")
+    parser.add_argument("--rows", nargs="+", metavar="MEASURE", help="loss duplicate ...")
+    parser.add_argument("--csv", type=Path, default=Path("docs/netem-conformance.csv"))
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    measures = {row.measure for row in ROWS}
+    wanted = set(options.rows or measures)
+    if not 100 <= options.packets <= 20_000 or not wanted <= measures:
+        what = f"--packets {options.packets}" if wanted <= measures else f"--rows {options.rows}"
+        print(
+            f"netem_conformance: {what}: packets 100-20000, rows of {sorted(measures)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        results = conformance(
+            [r for r in ROWS if r.measure in wanted], options.packets, options.seed
+        )
+        write_csv(results, options.csv)
+    except (GuestError, ImpairmentError, OSError) as error:
+        print(f"netem_conformance: {error}", file=sys.stderr)
+        return 1
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
