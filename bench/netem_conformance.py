@@ -42,7 +42,7 @@ from scipy import stats
 
 from testbed.errors import GuestError
 from testbed.experiment.impairments import ImpairmentError, checked
-from testbed.kernel.guest.boot import Completed, run
+from testbed.kernel.guest.boot import run
 from testbed.kernel.guest.build import LINK_INTERFACE, PEER_ADDRESS
 from testbed.kernel.netem import netem_argv, netem_for, netem_options
 from testbed.link.serial import core
@@ -104,18 +104,18 @@ ROWS = (
     ),
     *(
         Row(
-            f"{name} 50 ms, jitter 10 ms",
+            f"{name} 100 ms, jitter 20 ms",
             "delay",
-            {"delay_ms": 50, "jitter_ms": 10, "delay_distribution": name},
+            {"delay_ms": 100, "jitter_ms": 20, "delay_distribution": name},
         )
         for name in ("normal", "pareto", "paretonormal")
     ),
     Row(
-        "normal 50 ms, jitter 10 ms, 50% correlated",
+        "normal 100 ms, jitter 20 ms, 50% correlated",
         "delay",
         {
-            "delay_ms": 50,
-            "jitter_ms": 10,
+            "delay_ms": 100,
+            "jitter_ms": 20,
             "delay_distribution": "normal",
             "delay_correlation_pct": 50,
         },
@@ -161,14 +161,17 @@ class Result:
 
 
 def guest_commands(rows: Sequence[Row], packets: int) -> list[list[str]]:
+    """Per row: netem as `va`'s root, and the pings; a delay row's after its own baseline's
+    (the guest's overhead drifts with the host's load)."""
     ping = ["ping", "-c", str(packets), "-i", str(PING_INTERVAL_S), PEER_ADDRESS]
     commands = []
-    for row in (BASELINE, *rows):
-        netem = netem_for(row.parameters)
-        assert netem is not None, row
-        commands.append(["tc", "qdisc", "del", "dev", LINK_INTERFACE, "root"])
-        commands.append(netem_argv(LINK_INTERFACE, netem, parent="root", handle="1:"))
-        commands.append(ping)
+    for row in rows:
+        for each in [BASELINE, row] if row.measure == "delay" else [row]:
+            netem = netem_for(each.parameters)
+            assert netem is not None, each
+            commands.append(["tc", "qdisc", "del", "dev", LINK_INTERFACE, "root"])
+            commands.append(netem_argv(LINK_INTERFACE, netem, parent="root", handle="1:"))
+            commands.append(ping)
     return commands
 
 
@@ -340,18 +343,24 @@ def conformance(rows: Sequence[Row], packets: int, seed: int) -> list[Result]:
     failed = [r for r in results if not r.ok and r.argv[2] != "del"]
     if failed:
         raise GuestError(f"in the guest: `{' '.join(failed[0].argv)}`: {failed[0].stderr.strip()}")
-    pings: list[Completed] = [r for r in results if r.argv[0] == "ping"]
-    baseline = [rtt for _, rtt in replies(pings[0].stdout)]
-    median_ms = statistics.median(baseline)
-    overhead_ms = median_ms - BASELINE.parameters["delay_ms"]
-    noise_ms = [rtt - median_ms for rtt in baseline]
-    log.info("baseline: %d round trips, the guest's own %.2f ms", len(baseline), overhead_ms)
+    pings = iter(r.stdout for r in results if r.argv[0] == "ping")
     table = []
-    for index, (row, ping) in enumerate(zip(rows, pings[1:], strict=True)):
-        netem = guest_sample(row, ping.stdout, packets, overhead_ms)
+    for index, row in enumerate(rows):
+        overhead_ms, noise_ms = baseline(next(pings)) if row.measure == "delay" else (0.0, [0.0])
+        netem = guest_sample(row, next(pings), packets, overhead_ms)
         serial = serial_sample(serial_draws(row.parameters, seed + index, packets), noise_ms)
         table.append(compare(row, packets, netem, serial))
     return table
+
+
+def baseline(output: str) -> tuple[float, list[float]]:
+    """The guest's overhead (the median round trip less the baseline's delay), and each
+    round trip's deviation from the median."""
+    round_trips = [rtt for _, rtt in replies(output)]
+    median_ms = statistics.median(round_trips)
+    overhead_ms = median_ms - BASELINE.parameters["delay_ms"]
+    log.info("baseline: %d round trips, the guest's own %.2f ms", len(round_trips), overhead_ms)
+    return overhead_ms, [rtt - median_ms for rtt in round_trips]
 
 
 def markdown(results: Sequence[Result]) -> str:
