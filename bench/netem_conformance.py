@@ -1,27 +1,32 @@
 """The serial emulator held against the kernel's netem: the same parameters, the same number of
 packets, side by side, with a two-sample test per row at 5 %.
 
-Run from the repository root: `python -m bench.netem_conformance` (about 3 minutes; the netem
+Run from the repository root: `python -m bench.netem_conformance` (about 4 minutes; the netem
 reference guest, `testbed.kernel.guest`, is built first where it is missing). `--csv` names
-the CSV (default docs/netem-conformance.csv); the markdown table goes to stdout.
+the CSV (default docs/netem-conformance.csv); the markdown table goes to stdout;
+docs/netem-conformance.md reads it.
 
-- netem: one boot of the guest. A bare link's pings first (the guest's own round trip, which
-  TCG makes 0.3-13 ms), then per row `netem_argv` as the root of `va` (the project's own
+- netem: one boot of the guest. Per row, `netem_argv` as the root of `va` (the project's own
   words for the parameters) and `--packets` pings, 2 ms apart, from `va` to its peer: netem
   acts on the requests only. Per request: lost (no reply), duplicated (two), reordered (a
-  reply faster than half the delay: a reordered request skips it), its delay (the round
-  trip less the bare link's median) and the order of the replies.
+  reply faster than half the delay: a reordered request skips it), its delay and the order
+  of the replies. A delay row is preceded by a baseline, the same pings through a netem of a
+  constant 50 ms: the guest's own overhead (TCG's round trip, 0.3-13 ms, and netem's timer
+  firing late) is its median less 50 ms, taken off the row's round trips.
 - the serial emulator: the same number of frames drawn from its C core
   (`testbed.link.serial.core.draw`, the Python loop's draws where it cannot be built: the two
   agree frame by frame, tests/unit/test_serial_core.py). These draws are what the emulator
-  applies to each frame, so their distributions are the emulator's; the delays get the bare
-  link's deviations from its median added (the guest's overhead, which the netem side
-  carries), so that both samples are "netem's draw + the same noise".
+  applies to each frame, so their distributions are the emulator's. Its delays get the
+  baseline's deviations from its median added (shuffled), the noise the netem side carries,
+  so that both samples are "the draw + the same noise". Its order is its schedule's: a frame
+  leaves at max(its arrival + its delay, the previous one's departure), never before an
+  earlier one.
 
-Tests: Fisher's exact test on the counts (lost, duplicated, reordered of N); a chi-square
-test on the burst lengths (bins merged until each holds 10 bursts of both sides together);
-Kolmogorov-Smirnov two-sample on the delays. The draws of a correlated row are not
-independent, which these tests assume: their p-values are indicative.
+Tests: Fisher's exact test on the counts (lost, duplicated, reordered, out of order, of N);
+a chi-square test on the burst lengths (bins merged from the longest down until each holds
+10 bursts of both sides together); Kolmogorov-Smirnov two-sample on the delays. A row's p is
+the smallest of its tests. The draws of a correlated row are not independent, which these
+tests assume: their p-values are indicative.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ import argparse
 import csv
 import dataclasses
 import logging
+import random
 import re
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +48,7 @@ from scipy import stats
 
 from testbed.errors import GuestError
 from testbed.experiment.impairments import ImpairmentError, checked
-from testbed.kernel.guest.boot import run
+from testbed.kernel.guest.boot import Completed, run
 from testbed.kernel.guest.build import LINK_INTERFACE, PEER_ADDRESS
 from testbed.kernel.netem import netem_argv, netem_for, netem_options
 from testbed.link.serial import core
@@ -338,29 +344,38 @@ def compare(row: Row, packets: int, netem: Sample, serial: Sample) -> Result:
 # the command ---------------------------------------------------------------------------------
 
 
-def conformance(rows: Sequence[Row], packets: int, seed: int) -> list[Result]:
-    results = run(guest_commands(rows, packets), timeout_s=900)
+def conformance(
+    rows: Sequence[Row], packets: int, seed: int, boot: Callable[..., list[Completed]] = run
+) -> list[Result]:
+    """Every row through netem in one boot of the guest (`boot`: `testbed.kernel.guest.boot.run`
+    or a caller's with its image) and through the emulator's draws, compared."""
+    results = boot(guest_commands(rows, packets), timeout_s=900)
     failed = [r for r in results if not r.ok and r.argv[2] != "del"]
     if failed:
         raise GuestError(f"in the guest: `{' '.join(failed[0].argv)}`: {failed[0].stderr.strip()}")
     pings = iter(r.stdout for r in results if r.argv[0] == "ping")
     table = []
     for index, row in enumerate(rows):
-        overhead_ms, noise_ms = baseline(next(pings)) if row.measure == "delay" else (0.0, [0.0])
+        overhead_ms, noise_ms = (
+            baseline(next(pings), seed) if row.measure == "delay" else (0.0, [0.0])
+        )
         netem = guest_sample(row, next(pings), packets, overhead_ms)
         serial = serial_sample(serial_draws(row.parameters, seed + index, packets), noise_ms)
         table.append(compare(row, packets, netem, serial))
     return table
 
 
-def baseline(output: str) -> tuple[float, list[float]]:
+def baseline(output: str, seed: int) -> tuple[float, list[float]]:
     """The guest's overhead (the median round trip less the baseline's delay), and each
-    round trip's deviation from the median."""
+    round trip's deviation from the median, shuffled (a slow spell of the guest spans several
+    pings: in order, it would lend the emulator's delays a correlation of its own)."""
     round_trips = [rtt for _, rtt in replies(output)]
     median_ms = statistics.median(round_trips)
     overhead_ms = median_ms - BASELINE.parameters["delay_ms"]
     log.info("baseline: %d round trips, the guest's own %.2f ms", len(round_trips), overhead_ms)
-    return overhead_ms, [rtt - median_ms for rtt in round_trips]
+    noise_ms = [rtt - median_ms for rtt in round_trips]
+    random.Random(seed).shuffle(noise_ms)
+    return overhead_ms, noise_ms
 
 
 def markdown(results: Sequence[Result]) -> str:
