@@ -1,7 +1,7 @@
 """The serial emulator held against the kernel's netem: the same parameters, the same number of
 packets, side by side, with a two-sample test per row at 5 %.
 
-Run from the repository root: `python -m bench.netem_conformance` (about 4 minutes; the netem
+Run from the repository root: `python -m bench.netem_conformance [--netns]` (3-4 minutes; the netem
 reference guest, `testbed.kernel.guest`, is built first where it is missing). `--csv` names
 the CSV (default docs/netem-conformance.csv); the markdown table goes to stdout;
 docs/netem-conformance.md reads it.
@@ -20,7 +20,9 @@ docs/netem-conformance.md reads it.
   baseline's deviations from its median added (shuffled), the noise the netem side carries,
   so that both samples are "the draw + the same noise". Its order is its schedule's: a frame
   leaves at max(its arrival + its delay, the previous one's departure), never before an
-  earlier one.
+  earlier one. With `--netns` (root), the row NETNS_ROW is also measured through the real
+  switch in two network namespaces (bench/netem_switch_delays.py): its one-way delays by
+  the kernel's receive timestamps, against netem's.
 
 Tests: Fisher's exact test on the counts (lost, duplicated, reordered, out of order, of N);
 a chi-square test on the burst lengths (bins merged from the longest down until each holds
@@ -46,7 +48,7 @@ from typing import Any
 
 from scipy import stats
 
-from testbed.errors import GuestError
+from testbed.errors import GuestError, TestbedError
 from testbed.experiment.impairments import ImpairmentError, checked
 from testbed.kernel.guest.boot import Completed, run
 from testbed.kernel.guest.build import LINK_INTERFACE, PEER_ADDRESS
@@ -133,6 +135,8 @@ ROWS = (
 # the guest's own overhead, read through a netem that adds a constant delay (so that its
 # timer's lateness under TCG is in it, which a bare link's round trip lacks)
 BASELINE = Row("baseline", "delay", {"delay_ms": 50})
+NETNS_ROW = "uniform 50 ms ± 20 ms"  # `--netns` measures its delays through the real switch
+NETNS_MESSAGES = 1000
 
 
 @dataclass(frozen=True)
@@ -345,10 +349,15 @@ def compare(row: Row, packets: int, netem: Sample, serial: Sample) -> Result:
 
 
 def conformance(
-    rows: Sequence[Row], packets: int, seed: int, boot: Callable[..., list[Completed]] = run
+    rows: Sequence[Row],
+    packets: int,
+    seed: int,
+    boot: Callable[..., list[Completed]] = run,
+    netns: bool = False,
 ) -> list[Result]:
     """Every row through netem in one boot of the guest (`boot`: `testbed.kernel.guest.boot.run`
-    or a caller's with its image) and through the emulator's draws, compared."""
+    or a caller's with its image) and through the emulator's draws, compared; with `netns`,
+    NETNS_ROW's netem delays also against the switch's in namespaces (root)."""
     results = boot(guest_commands(rows, packets), timeout_s=900)
     failed = [r for r in results if not r.ok and r.argv[2] != "del"]
     if failed:
@@ -362,7 +371,22 @@ def conformance(
         netem = guest_sample(row, next(pings), packets, overhead_ms)
         serial = serial_sample(serial_draws(row.parameters, seed + index, packets), noise_ms)
         table.append(compare(row, packets, netem, serial))
+        if netns and row.name == NETNS_ROW:
+            table.append(switch_row(row, packets, seed + index, netem, noise_ms))
     return table
+
+
+def switch_row(row: Row, packets: int, seed: int, netem: Sample, noise_ms: list[float]) -> Result:
+    """netem's delays against those the serial switch delivers in namespaces (the guest's
+    noise added, as to the draws)."""
+    from bench.netem_switch_delays import switch_delays_ms
+
+    count = min(packets, NETNS_MESSAGES)
+    delays = switch_delays_ms(row.parameters, seed, count)
+    noisy = [d + noise_ms[i % len(noise_ms)] for i, d in enumerate(delays)]
+    switch = Sample([], [], [], noisy, 0)
+    name = f"{row.name}, the switch in namespaces ({count:,} messages 40 ms apart)"
+    return compare(Row(name, row.measure, row.parameters), packets, netem, switch)
 
 
 def baseline(output: str, seed: int) -> tuple[float, list[float]]:
@@ -407,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="the emulator's first row's seed")
     parser.add_argument("--rows", nargs="+", metavar="MEASURE", help="loss duplicate ...")
     parser.add_argument("--csv", type=Path, default=Path("docs/netem-conformance.csv"))
+    parser.add_argument(
+        "--netns", action="store_true", help=f"{NETNS_ROW}: also the switch in namespaces (root)"
+    )
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     measures = {row.measure for row in ROWS}
@@ -419,11 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        results = conformance(
-            [r for r in ROWS if r.measure in wanted], options.packets, options.seed
-        )
+        chosen = [r for r in ROWS if r.measure in wanted]
+        results = conformance(chosen, options.packets, options.seed, netns=options.netns)
         write_csv(results, options.csv)
-    except (GuestError, ImpairmentError, OSError) as error:
+    except (TestbedError, ImpairmentError, OSError, RuntimeError) as error:
         print(f"netem_conformance: {error}", file=sys.stderr)
         return 1
     print(markdown(results))
