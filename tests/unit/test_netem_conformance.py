@@ -73,3 +73,10 @@ def test_bad_arguments_are_refused_in_one_line(capsys, argv, says) -> None:
     assert conformance.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err
+
+
+def test_a_count_is_judged_against_the_emulators_own_runs() -> None:
+    runs = [90, 95, 100, 100, 105, 110] * 10  # mean 100
+    assert conformance.monte_carlo_p(100, runs) == 1.0
+    assert conformance.monte_carlo_p(108, runs) == pytest.approx(21 / 61)  # 95/105 are closer
+    assert conformance.monte_carlo_p(130, runs) == pytest.approx(1 / 61)  # never 0
