@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from bench import netem_conformance as conformance
+from bench import netem_verdicts as verdicts
 
 pytestmark = [pytest.mark.guest, pytest.mark.slow]
 
@@ -24,7 +25,7 @@ def test_random_loss_and_uniform_jitter_agree_with_the_kernels_netem(
 ) -> None:
     assert len(ROWS) == 2
     results = conformance.conformance(ROWS, PACKETS, seed=3, boot=netem_guest)
-    print("\n" + conformance.markdown(results))
+    print("\n" + verdicts.markdown(results))
     for result in results:
         assert result.p_value >= P_FLOOR, f"{result.row}: {result.netem} against {result.serial}"
     lost = int(results[0].netem.split()[1])  # "lost 103 (10.30%), ..."

@@ -1,12 +1,14 @@
 """The conformance command's reading of both sides (bench/netem_conformance.py): busybox ping's
 replies as lost, duplicated, reordered and delayed requests, the emulator's copies as the same,
-burst lengths and their test, and bad arguments refused in one line before any guest boots."""
+and bad arguments refused in one line before any guest boots; its verdicts
+(bench/netem_verdicts.py): burst lengths and their test, a count against the emulator's runs."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench import netem_conformance as conformance
+from bench import netem_verdicts as verdicts
 from testbed.link.serial.impairments import Copy
 
 PING_OUTPUT = """PING 10.9.0.2 (10.9.0.2): 56 data bytes
@@ -19,7 +21,7 @@ PING_OUTPUT = """PING 10.9.0.2 (10.9.0.2): 56 data bytes
 --- 10.9.0.2 ping statistics ---
 6 packets transmitted, 4 packets received, 1 duplicates, 33% packet loss
 """
-REORDER_ROW = conformance.Row("r", "reorder", {"delay_ms": 40, "reorder_pct": 25})
+REORDER_ROW = verdicts.Row("r", "reorder", {"delay_ms": 40, "reorder_pct": 25})
 
 
 def test_ping_replies_become_each_requests_fate() -> None:
@@ -42,19 +44,19 @@ def test_the_emulators_copies_become_the_same_fates_with_the_guests_noise() -> N
 
 
 def test_bursts_are_runs_of_losses() -> None:
-    assert conformance.bursts([True, True, False, True, False, False, True]) == [2, 1, 1]
-    assert conformance.bursts([False, False]) == []
+    assert verdicts.bursts([True, True, False, True, False, False, True]) == [2, 1, 1]
+    assert verdicts.bursts([False, False]) == []
 
 
 def test_the_burst_test_tells_single_losses_from_long_bursts() -> None:
     singles = [1] * 80 + [2] * 20
-    assert conformance.burst_test(singles, list(singles)) == pytest.approx(1.0)
-    assert conformance.burst_test(singles, [1] * 20 + [3] * 40 + [6] * 40) < 1e-6
-    assert conformance.burst_test([1, 1], [1]) == 1.0  # one bin: nothing to compare
+    assert verdicts.burst_test(singles, list(singles)) == pytest.approx(1.0)
+    assert verdicts.burst_test(singles, [1] * 20 + [3] * 40 + [6] * 40) < 1e-6
+    assert verdicts.burst_test([1, 1], [1]) == 1.0  # one bin: nothing to compare
 
 
 def test_a_delay_row_is_preceded_by_its_baseline_in_the_projects_words() -> None:
-    delay = conformance.Row("d", "delay", {"delay_ms": 50, "jitter_ms": 20})
+    delay = verdicts.Row("d", "delay", {"delay_ms": 50, "jitter_ms": 20})
     commands = conformance.guest_commands([REORDER_ROW, delay], packets=100)
     adds = [c[c.index("netem") + 1 :] for c in commands if c[2] == "add"]
     assert adds == [
@@ -77,6 +79,6 @@ def test_bad_arguments_are_refused_in_one_line(capsys, argv, says) -> None:
 
 def test_a_count_is_judged_against_the_emulators_own_runs() -> None:
     runs = [90, 95, 100, 100, 105, 110] * 10  # mean 100
-    assert conformance.monte_carlo_p(100, runs) == 1.0
-    assert conformance.monte_carlo_p(108, runs) == pytest.approx(21 / 61)  # 95/105 are closer
-    assert conformance.monte_carlo_p(130, runs) == pytest.approx(1 / 61)  # never 0
+    assert verdicts.monte_carlo_p(100, runs) == 1.0
+    assert verdicts.monte_carlo_p(108, runs) == pytest.approx(21 / 61)  # 95/105 are closer
+    assert verdicts.monte_carlo_p(130, runs) == pytest.approx(1 / 61)  # never 0
