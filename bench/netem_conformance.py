@@ -1,10 +1,10 @@
 """The serial emulator held against the kernel's netem: the same parameters, the same number of
 packets, side by side, with a two-sample test per row at 5 %.
 
-Run from the repository root: `python -m bench.netem_conformance [--netns]` (3-4 minutes; the netem
-reference guest, `testbed.kernel.guest`, is built first where it is missing). `--csv` names
-the CSV (default docs/netem-conformance.csv); the markdown table goes to stdout;
-docs/netem-conformance.md reads it.
+Run from the repository root: `python -m bench.netem_conformance [--netns]` (3-4 minutes;
+the netem reference guest, `testbed.kernel.guest`, is built first where it is missing).
+`--csv` names the CSV (default docs/netem-conformance.csv); the markdown table goes to
+stdout; docs/netem-conformance.md reads it. The verdicts are bench/netem_verdicts.py's.
 
 - netem: one boot of the guest. Per row, `netem_argv` as the root of `va` (the project's own
   words for the parameters) and `--packets` pings, 2 ms apart, from `va` to its peer: netem
