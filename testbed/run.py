@@ -15,6 +15,7 @@ the host, backend and files it names (testbed.sweep.preflight), then `--out`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -221,19 +222,29 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_FAILED if outcome.failed else EXIT_OK
 
 
+PLURALS = {"medium": "media"}
+
+
 def _grid(trials) -> str:
-    """'5 method variants x 5 rates x 1 device count' (x 'n impairment variants' and 'n fleet
-    variants' where link.impairments and devices.variants sweep them)."""
+    """'5 method variants x 5 rates x 1 device count' (x 'n impairment variants', 'n media'
+    and 'n fleet variants' where link.impairments, link.medium and devices.variants sweep
+    them)."""
     sizes = [
         (len({(t.method, t.params) for t in trials}), "method variant"),
         (len({t.bandwidth_mbit for t in trials}), "rate"),
     ]
     if any(t.impairment for t in trials):
-        sizes.append((len({t.impairment for t in trials}), "impairment variant"))
+        media = {t.impairments.get("medium") for t in trials}
+        impairments = {json.dumps({**t.impairments, "medium": None}) for t in trials}
+        if any(set(t.impairments) - {"medium"} for t in trials):
+            sizes.append((len(impairments), "impairment variant"))
+        if len(media) > 1:
+            sizes.append((len(media), "medium"))
     if any(t.fleet for t in trials):
         sizes.append((len({t.fleet for t in trials}), "fleet variant"))
     sizes.append((len({t.devices for t in trials}), "device count"))
-    return " x ".join(f"{n} {what}{'s' if n != 1 else ''}" for n, what in sizes)
+    words = [f"{n} {what if n == 1 else PLURALS.get(what, what + 's')}" for n, what in sizes]
+    return " x ".join(words)
 
 
 def _report(outcome, run_dir: Path) -> None:
