@@ -98,6 +98,8 @@ def uplinks() -> dict[str, ShapingPlan]:
     plans = {name: profile_plan(profile(**fields), 10.0) for name, fields in cases.items()}
     for name in available_profiles():
         shipped = load_profile(name)
+        if shipped.medium == "shared":  # a cell: the serial emulator's, refused on tbf
+            continue
         plans[f"profile {name}"] = profile_plan(shipped, shipped.rate_mbit or 10.0)
     return plans
 
