@@ -201,10 +201,14 @@ def test_a_fractional_device_gets_a_cpu_quota(make_backend: Callable[..., LocalB
     assert int((cpu / "cpu.cfs_period_us").read_text()) == 100_000
 
 
+# written whole (a new file renamed over the old): a reader, or a freeze between the
+# truncation and the write, never leaves it empty
 COUNTER = """
-import sys, time
+import os, sys, time
 for n in range(100000):
-    open(sys.argv[1], "w").write(str(n))
+    with open(sys.argv[1] + ".new", "w") as out:
+        out.write(str(n))
+    os.replace(sys.argv[1] + ".new", sys.argv[1])
     time.sleep(0.01)
 """
 

@@ -346,10 +346,11 @@ def check_plan(shaping: ShapingPlan, case: Case) -> None:
 
 
 def check_tbf(options: dict[str, Any], tbf: TbfParams) -> None:
-    """tc reports the rate in bytes/s, the bucket in bytes (less one, from its time in
-    ticks), the queue as the latency it adds at the rate."""
+    """tc reports the rate in bytes/s, the bucket in bytes (from its time in ticks of about a
+    microsecond: off by up to a microsecond's bytes at the rate, 3 at 26 Mbit/s), the queue
+    as the latency it adds at the rate."""
     assert options["rate"] * 8 == tbf.rate_bit_s
-    assert abs(options["burst"] - tbf.burst_bytes) <= 2
+    assert abs(options["burst"] - tbf.burst_bytes) <= 2 + tbf.rate_bit_s / 8 / 1e6
     latency_us = (tbf.limit_bytes - tbf.burst_bytes) / (tbf.rate_bit_s / 8) * 1e6
     assert options["lat"] == pytest.approx(latency_us, rel=0.01)
 

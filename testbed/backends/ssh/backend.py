@@ -184,6 +184,8 @@ class SshBackend(Backend):
         that failed (rank order: a DeviceError, or the first error's own kind when it is the
         only one), or the first error that is no TestbedError as it is."""
         sessions = self.sessions if sessions is None else sessions
+        if not sessions:  # nothing to do (a change that no board's plan needs)
+            return
         with ThreadPoolExecutor(len(sessions), thread_name_prefix="board") as pool:
             futures = [pool.submit(action, session) for session in sessions]
         errors = [error for future in futures if (error := future.exception()) is not None]
