@@ -73,6 +73,21 @@ class LinkState:
     shape_s: float = 0.0
     probe_s: float = 0.0
 
+    def rates(self, devices: int) -> LinkRates:
+        """The rates shaped, as `LinkRates` (each uplink the swept rate where none is
+        recorded: a run without links)."""
+        ranks = range(devices)
+        pairs = {}
+        for key, cap in self.pair_mbit.items():
+            source, target = key.split("->")
+            pairs[(int(source), int(target))] = cap
+        return LinkRates(
+            self.rate_mbit,
+            tuple(self.uplink_mbit.get(rank, self.rate_mbit) for rank in ranks),
+            tuple(self.downlink_mbit.get(rank) for rank in ranks),
+            pairs,
+        )
+
     def wire_mbit(self, rank: int) -> float | None:
         """The uplink probe's payload rate as the frame rate tbf enforces (headers included)."""
         return _wire(self.measured_mbit.get(rank))

@@ -44,6 +44,7 @@ from testbed.experiment.impairments import checked
 from testbed.kernel.netem import netem_options
 from testbed.link.links import RATE_TOLERANCE, LinkState
 from testbed.link.probe import WIRE_PER_PAYLOAD
+from testbed.link.rates import LinkRates
 from testbed.link.wire import TCP_MSS_BYTES, tcp_frame_bytes
 from testbed.results.columns import FIDELITY_COLUMNS, FIDELITY_NAMES
 from testbed.results.expected import configured_delays_ms, expected_counts
@@ -61,7 +62,7 @@ COUNTED = ("lost", "duplicated", "reordered")
 
 
 def message_delays_ms(
-    runs: Iterable[Mapping[int, DeviceRecords]], link: LinkState, shared_clock: bool
+    runs: Iterable[Mapping[int, DeviceRecords]], rates: LinkRates, shared_clock: bool
 ) -> dict[tuple[int, int], list[float]]:
     """By (sender, receiver), the link delay of every single-segment message of the session
     whose arrival the kernel timestamped: arrival less departure (clocks aligned) less the
@@ -83,19 +84,11 @@ def message_delays_ms(
             sender, departed = key[0], timeline.departures[key].departed_ns
             wire_ms = 0.0
             for arrived, receiver, size in sorted(arrivals):
-                rate_mbit = path_mbit(link, sender, receiver)
+                rate_mbit = rates.path_mbit(sender, receiver)
                 wire_ms += tcp_frame_bytes(size) * 8 / (rate_mbit * 1e3)
                 delay_ms = (arrived - departed) / 1e6 - wire_ms
                 delays.setdefault((sender, receiver), []).append(delay_ms)
     return delays
-
-
-def path_mbit(link: LinkState, source: int, target: int) -> float:
-    """The rate a frame from `source` to `target` is clocked out at: the least of the sender's
-    uplink, the receiver's downlink and the pair's cap."""
-    limits = [link.uplink_mbit.get(source), link.downlink_mbit.get(target)]
-    limits.append(link.pair_mbit.get(f"{source}->{target}"))
-    return min((limit for limit in limits if limit is not None), default=link.rate_mbit)
 
 
 def report(
@@ -108,7 +101,7 @@ def report(
     """A session's rows: per device, its uplink (and its downlink where shaped)."""
     if devices < 2:
         return []
-    delays = message_delays_ms(runs, link, run.shared_clock)
+    delays = message_delays_ms(runs, link.rates(devices), run.shared_clock)
     varied = _varied(session)
     rows = []
     for rank in range(devices):
