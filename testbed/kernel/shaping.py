@@ -155,6 +155,17 @@ def plan(
     return shaping
 
 
+def duplicating_peer(peer_impairments: Mapping[int, Mapping[str, Any]]) -> int | None:
+    """Of one sender's peers' impairments (netem leaves of one htb tree), the first peer whose
+    netem duplicates frames beside another impaired peer's: the kernel refuses a duplicating
+    netem beside any other netem in one tree (Debian's 6.1.192: "cannot mix duplicating
+    netems with other netems in tree"). None where there is none."""
+    impairing = {r: hop for r, p in peer_impairments.items() if (hop := netem_for(p)) is not None}
+    if len(impairing) < 2:
+        return None
+    return next((r for r, hop in impairing.items() if hop.impairments["duplicate_pct"]), None)
+
+
 def _pairs(
     name: str,
     rate_mbit: float,
@@ -178,12 +189,10 @@ def _pairs(
             f"classes ({field_name}) is not supported on tbf; use a rate-only profile "
             "or the serial emulator"
         )
-    duplicating = [
-        rank for rank, (_, hop) in impaired_peers.items() if hop.impairments["duplicate_pct"]
-    ]
-    if duplicating and len(impaired_peers) > 1:
+    duplicating = duplicating_peer({rank: p for rank, (_, p) in peer_impairments.items()})
+    if duplicating is not None:
         raise ShapingError(
-            f"link.pair_impairments: the pair to device {duplicating[0]} duplicates frames "
+            f"link.pair_impairments: the pair to device {duplicating} duplicates frames "
             "beside other pairs' impairments of the same sender; the kernel refuses a "
             "duplicating netem beside any other netem in one tree (recent kernels, Debian's "
             "6.1.192 among them); use the serial emulator"

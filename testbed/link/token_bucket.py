@@ -24,11 +24,10 @@ from typing import Any
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
-from testbed.experiment.impairments import checked, impaired
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.htb import PEER_MINOR_BASE
 from testbed.kernel.netem import LinkImpairments
-from testbed.kernel.shaping import ShapingPlan, keeping_netem, plan
+from testbed.kernel.shaping import ShapingPlan, duplicating_peer, keeping_netem, plan
 from testbed.link.emulator import Attachment, Emulator, Refusal
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
@@ -213,11 +212,10 @@ def profile_plan(
 
 
 def _duplicating_pair(paths: PathImpairments) -> tuple[int, int] | None:
-    """A pair that duplicates frames while its sender has other impaired pairs (netem leaves
-    of one htb tree), which the kernel refuses (testbed.kernel.shaping says so at plan time)."""
-    impairing = {pair: checked(p) for pair, p in paths.pair.items() if impaired(checked(p))}
-    for (source, target), parameters in sorted(impairing.items()):
-        others = [pair for pair in impairing if pair[0] == source and pair[1] != target]
-        if parameters.get("duplicate_pct") and others:
+    """A pair whose sender's htb tree the kernel would refuse (`duplicating_peer`), the
+    first by sender."""
+    for source in sorted({source for source, _ in paths.pair}):
+        peers = {t: p for (s, t), p in sorted(paths.pair.items()) if s == source}
+        if (target := duplicating_peer(peers)) is not None:
             return source, target
     return None
