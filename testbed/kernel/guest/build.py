@@ -43,19 +43,26 @@ MODULES = ("veth", "ifb", "sch_tbf", "sch_netem", "sch_htb", "sch_ingress", "cls
 MODULE_PARAMETERS = {"ifb": ["numifbs=0"]}  # no ifb0/ifb1: a plan makes its own
 HOST_TOOLS = ("tc", "ip")  # the host's, at /sbin/NAME in the guest (busybox has applets of both)
 # the guest's link, up before a batch runs: a veth from `va` in the guest's own namespace to
-# `vb` in namespace `b`
-LINK_INTERFACE, LINK_ADDRESS = "va", "10.9.0.1"
-PEER_INTERFACE, PEER_ADDRESS, PEER_NETNS = "vb", "10.9.0.2", "b"
+# `vb` in namespace `b`. Each end knows the other's address for good (a permanent neighbour):
+# no ARP crosses the link, so a netem on it never loses or delays a resolution (a lost ARP
+# request held the first pings a second, and the queue behind it dropped hundreds).
+LINK_INTERFACE, LINK_ADDRESS, LINK_MAC = "va", "10.9.0.1", "02:00:0a:09:00:01"
+PEER_INTERFACE, PEER_ADDRESS, PEER_MAC, PEER_NETNS = "vb", "10.9.0.2", "02:00:0a:09:00:02", "b"
 LINK_SETUP = (
     ["/sbin/ip", "link", "set", "lo", "up"],
     ["/sbin/ip", "netns", "add", PEER_NETNS],
-    ["/sbin/ip", "link", "add", LINK_INTERFACE, "type", "veth", "peer", "name", PEER_INTERFACE],
+    ["/sbin/ip", "link", "add", LINK_INTERFACE, "address", LINK_MAC, "type", "veth"]
+    + ["peer", "name", PEER_INTERFACE, "address", PEER_MAC],
     ["/sbin/ip", "link", "set", PEER_INTERFACE, "netns", PEER_NETNS],
     ["/sbin/ip", "addr", "add", f"{LINK_ADDRESS}/24", "dev", LINK_INTERFACE],
     ["/sbin/ip", "-n", PEER_NETNS, "addr", "add", f"{PEER_ADDRESS}/24", "dev", PEER_INTERFACE],
     ["/sbin/ip", "link", "set", LINK_INTERFACE, "up"],
     ["/sbin/ip", "-n", PEER_NETNS, "link", "set", PEER_INTERFACE, "up"],
     ["/sbin/ip", "-n", PEER_NETNS, "link", "set", "lo", "up"],
+    ["/sbin/ip", "neigh", "replace", PEER_ADDRESS, "lladdr", PEER_MAC]
+    + ["dev", LINK_INTERFACE, "nud", "permanent"],
+    ["/sbin/ip", "-n", PEER_NETNS, "neigh", "replace", LINK_ADDRESS, "lladdr", LINK_MAC]
+    + ["dev", PEER_INTERFACE, "nud", "permanent"],
 )
 RESULTS_PORT = "/dev/ttyS1"  # the second serial port; the console is the first
 IMAGE_FORMAT = 2  # raised when the initramfs's layout changes: every cached one is rebuilt
