@@ -15,167 +15,47 @@ line, the cell (testbed.link.serial.program, "Shared medium").
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
-from testbed.link.serial.switch import SerialSwitch
+from bench.cell import CELL_MBIT, PORT, WINDOW_S, Cell, bulk_on_the_cell, cell_of, jain
 from tests.integration.conftest import SUBNET, namespaces
 
 pytestmark = pytest.mark.netns
 
 MBIT = 1_000_000
-CELL_MBIT = 20.0
-WARM_S, WINDOW_S = 1.0, 3.0
-PORT = 5321
-# How bulk is sent: "udp" keeps a port's queue full; TCP with a congestion control ("cubic",
-# Linux's default; "bbr", this machine's) shares the cell as that control shares a
-# bottleneck: on a quiet machine cubic's Jain index read 0.99-1.00, BBR's 0.88-0.95, and a
-# busy one (other jobs on both cores) once brought cubic to 0.96 (bench/cell.py)
-BULK = ("udp", "cubic", "bbr")
 FRAME_PAYLOAD = 1000  # a UDP datagram: 1042-byte frames (Ethernet 14, IP 20, UDP 8)
 FRAME_BYTES = FRAME_PAYLOAD + 42
 SLOW_MBIT = 1.0  # a frame time of 8.3 ms, far above the senders' start-up difference
 SLACK_S = 0.5e-3  # beyond its wire time, what a frame may take: the path, the wake-ups
 
 
-@dataclass(frozen=True)
-class Cell:
-    names: list[str]
-    switch: SerialSwitch
-
-    def exec_in(self, rank: int, script: str, *args: str) -> list[str]:
-        return ["ip", "netns", "exec", self.names[rank], sys.executable, "-c", script, *args]
-
-
-GREET = """
-import socket, sys, time
-sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-for peer in sys.argv[1:]:
-    sock.sendto(b"hello", (peer, 9))
-time.sleep(0.1)
-"""
-
-
-def cell_of(count: int) -> Iterator[Cell]:
-    """`count` namespaces on a switch (the C core) at CELL_MBIT, its medium shared; every pair
-    greeted once (a UDP datagram), so that every MAC is learned and every ARP answered before
-    a test times."""
-    tag = f"{(os.getpid() + count) & 0xFFFFFFFF:08x}"
-    names = [f"tbcell-{os.getpid()}-{rank}" for rank in range(count)]
-    switch = None
+def cell_for_a_test(count: int) -> Iterator[Cell]:
+    cells = cell_of(count, SUBNET)
+    cell = next(cells)
     try:
-        for name in names:
-            subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
-            subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, timeout=10)
-        paths = [f"/var/run/netns/{name}" for name in names]
-        switch = SerialSwitch(tag, paths, SUBNET, rate_mbit=CELL_MBIT, core="c").start()
-        switch.set_medium(True)
-        cell = Cell(names, switch)
-        for rank in range(count):
-            peers = [switch.address(peer) for peer in range(count) if peer != rank]
-            subprocess.run(cell.exec_in(rank, GREET, *peers), check=True, timeout=10)
-        time.sleep(0.2)  # the last answers (ARP's, ICMP's) cross
         yield cell
     finally:
-        if switch is not None:
-            switch.stop()
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
-        assert not set(names) & namespaces(), "device namespaces left behind"
+        cells.close()
+    assert not set(cell.names) & namespaces(), "device namespaces left behind"
 
 
 @pytest.fixture
 def cell2(root: None) -> Iterator[Cell]:
-    yield from cell_of(2)
+    yield from cell_for_a_test(2)
 
 
 @pytest.fixture
 def cell3(root: None) -> Iterator[Cell]:
-    yield from cell_of(3)
+    yield from cell_for_a_test(3)
 
 
 @pytest.fixture
 def cell4(root: None) -> Iterator[Cell]:
-    yield from cell_of(4)
-
-
-RECEIVER = """
-import socket, sys
-server = socket.create_server((sys.argv[1], int(sys.argv[2])))
-print("ready", flush=True)
-conn, _ = server.accept()
-buffer = bytearray(1 << 16)
-try:
-    while conn.recv_into(buffer):
-        pass
-except ConnectionResetError:  # its sender is killed at the end
-    pass
-"""
-
-SENDER = """
-import socket, sys, time
-conn = socket.socket()
-conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, sys.argv[4].encode())
-conn.settimeout(15)
-conn.connect((sys.argv[1], int(sys.argv[2])))
-chunk, end = bytes(1 << 16), time.time() + float(sys.argv[3])
-while time.time() < end:
-    conn.send(chunk)
-"""
-
-BLAST = """
-import socket, sys, time
-sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-datagram, end = bytes(1472), time.time() + float(sys.argv[3])  # a full frame each
-while time.time() < end:
-    try:
-        sock.sendto(datagram, (sys.argv[1], int(sys.argv[2])))
-    except OSError:  # the device's queue is full: ENOBUFS
-        time.sleep(0.0005)
-"""
-
-
-def bulk_on_the_cell(cell: Cell, bulk: str = "udp") -> dict[int, int]:
-    """Every device sends bulk (one of BULK) to the next at once: each port's bytes over the
-    window."""
-    count, switch = len(cell.names), cell.switch
-    started: list[subprocess.Popen[str]] = []
-    try:
-        for rank in range(count if bulk != "udp" else 0):
-            address = [switch.address(rank), str(PORT)]
-            receiver = subprocess.Popen(
-                cell.exec_in(rank, RECEIVER, *address), stdout=subprocess.PIPE, text=True
-            )
-            started.append(receiver)
-            assert receiver.stdout is not None and receiver.stdout.readline().strip() == "ready"
-        seconds = str(WARM_S + WINDOW_S + 1.0)
-        for rank in range(count):
-            to = [switch.address((rank + 1) % count), str(PORT), seconds]
-            script = BLAST if bulk == "udp" else SENDER
-            started.append(subprocess.Popen(cell.exec_in(rank, script, *to, bulk)))
-        time.sleep(WARM_S)
-        before, began = switch.stats(), time.time()
-        time.sleep(WINDOW_S)
-        after, ended = switch.stats(), time.time()
-        scale = WINDOW_S / (ended - began)  # the answers' own latency is not the cell's
-        return {
-            rank: round((after[rank]["bytes"] - before[rank]["bytes"]) * scale)
-            for rank in range(count)
-        }
-    finally:
-        for process in started:
-            process.kill()
-            process.wait()
-
-
-def jain(values: list[float]) -> float:
-    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+    yield from cell_for_a_test(4)
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -301,19 +181,17 @@ def test_impairments_follow_the_air_and_a_rate_change_holds_for_the_whole_cell(
     cell3: Cell,
 ) -> None:
     """A delay comes after the air: a frame takes its wire time and the delay; a new rate (a
-    trace's step: every port's) is the cell's."""
+    trace's step: every port's) is the cell's. Each from the first frame after the change,
+    although the port's thread was already waiting for it (unimpaired, then impaired)."""
     switch = cell3.switch
     for rank in range(3):
         switch.set_rate(rank, SLOW_MBIT)
         switch.impair(rank, {"delay_ms": 20.0}, seed=rank)
-    # a port's thread already waiting for a frame serves it by the rules it had: one each first
-    frames_at_once(cell3, [0, 1], 2)
     frame_s = FRAME_BYTES * 8 / (SLOW_MBIT * MBIT)
     delayed = [arrival - left for left, arrival in frames_at_once(cell3, [0], 2)]
     for rank in range(3):
         switch.impair(rank, {}, seed=0)
         switch.set_rate(rank, 2 * SLOW_MBIT)
-    frames_at_once(cell3, [0, 1], 2)
     faster = [arrival - left for left, arrival in frames_at_once(cell3, [0], 2)]
     print(f"\ndelayed {delayed}, at twice the rate {faster}")
     assert frame_s + 0.02 <= delayed[0] < frame_s + 0.02 + SLACK_S

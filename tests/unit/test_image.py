@@ -175,6 +175,10 @@ def test_pip_download_follows_a_noble_base_and_holds_torch_to_its_cpu_build(
     assert args[args.index("--platform") + 1] == "manylinux_2_39_x86_64"
     assert args[args.index("--constraint") + 1] == str(tmp_path / "constraints.txt")
     assert args[args.index("--extra-index-url") + 1] == TORCH_CPU_INDEX
+    own = pip_download_args(
+        tmp_path / "requirements.txt", tmp_path, "x86_64", "3.12", 39, torch_index=False
+    )
+    assert "--constraint" in own and "--extra-index-url" not in own  # pip's own indexes first
 
 
 def test_cpu_constraint_only_for_an_exact_torch_pin_where_pypi_has_cuda() -> None:

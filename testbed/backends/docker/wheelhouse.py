@@ -4,8 +4,9 @@
 `[project].dependencies` plus its build backend) for the base image's CPython and glibc
 (bookworm's 3.11 and 2.36, noble's 3.12 and 2.39 ...), whatever the host's Python; the testbed
 extra (pandas, docker ...) stays host-only. torch is the CPU build: PyPI's x86_64 torch is the
-CUDA one, with gigabytes of nvidia wheels a CPU device never loads. The folder is downloaded
-again only when that requirement set or its target changes.
+CUDA one, with gigabytes of nvidia wheels a CPU device never loads: taken from pip's own
+indexes where they have it (a mirror, a wheel folder), else from torch's CPU index. The folder
+is downloaded again only when that requirement set or its target changes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from testbed import voice
 from testbed.backends.docker.image_steps import cache_key, run_step
+from testbed.errors import ImageError
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +78,25 @@ def cpu_torch_constraints(requirements: list[str], machine: str) -> list[str]:
 
 
 def pip_download_args(
-    requirements_file: Path, dest: Path, machine: str, python: str, glibc_minor: int
+    requirements_file: Path,
+    dest: Path,
+    machine: str,
+    python: str,
+    glibc_minor: int,
+    torch_index: bool = True,
 ) -> list[str]:
     """The `pip download` command for the base image's Python, whatever the host's Python.
 
-    The requirement file's folder may hold `constraints.txt` (`cpu_torch_constraints`).
+    The requirement file's folder may hold `constraints.txt` (`cpu_torch_constraints`);
+    `torch_index` then adds torch's CPU index to pip's own.
     """
     args = [sys.executable, "-m", "pip", "download", "--dest", str(dest)]
     args += ["--requirement", str(requirements_file), "--only-binary=:all:"]
     constraints = requirements_file.with_name("constraints.txt")
     if constraints.is_file():
-        args += ["--constraint", str(constraints), "--extra-index-url", TORCH_CPU_INDEX]
+        args += ["--constraint", str(constraints)]
+        if torch_index:
+            args += ["--extra-index-url", TORCH_CPU_INDEX]
     args += ["--python-version", python, "--implementation", "cp"]
     for tag in wheel_platforms(machine, glibc_minor):
         args += ["--platform", tag]
@@ -110,14 +120,39 @@ def ensure_wheelhouse(root: Path, python: str, glibc_minor: int) -> Path:
     constraints = cpu_torch_constraints(requirements, machine)
     if constraints:
         (fresh / "constraints.txt").write_text("\n".join(constraints) + "\n")
-    args = pip_download_args(fresh / "requirements.txt", fresh, machine, python, glibc_minor)
     doing = f"pip download of {len(requirements)} runtime packages for CPython {python}"
-    step = "pip download of the wheelhouse"
-    if constraints:  # what to look at when torch's CPU build was not found
-        step += f" ({', '.join(constraints)}: from {TORCH_CPU_INDEX} or pip's own index)"
     with voice.phase("wheelhouse", doing):
-        run_step(step, args)
+        if constraints:
+            _download_cpu_torch(fresh, machine, python, glibc_minor, constraints)
+        else:
+            args = pip_download_args(
+                fresh / "requirements.txt", fresh, machine, python, glibc_minor
+            )
+            run_step("pip download of the wheelhouse", args)
     (fresh / ".key").write_text(key)
     shutil.rmtree(wheelhouse, ignore_errors=True)
     fresh.rename(wheelhouse)
     return wheelhouse
+
+
+def _download_cpu_torch(
+    fresh: Path, machine: str, python: str, glibc_minor: int, constraints: list[str]
+) -> None:
+    """From pip's own indexes first: a mirror or a wheel folder that has torch's CPU build
+    needs nothing else, and a machine without internet access would otherwise wait on every
+    package's retries at torch's index (2 min 20 s here); then, where they lack it, with
+    torch's CPU index added (what was downloaded stays)."""
+    requirements = fresh / "requirements.txt"
+    try:
+        run_step(
+            "pip download from pip's own indexes",
+            pip_download_args(requirements, fresh, machine, python, glibc_minor, False),
+        )
+        return
+    except ImageError:
+        log.info("pip's own indexes lack %s: adding %s", ", ".join(constraints), TORCH_CPU_INDEX)
+    run_step(  # what to look at when torch's CPU build was not found
+        f"pip download of the wheelhouse ({', '.join(constraints)}: from {TORCH_CPU_INDEX} "
+        "or pip's own index)",
+        pip_download_args(requirements, fresh, machine, python, glibc_minor),
+    )

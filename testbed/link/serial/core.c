@@ -465,14 +465,11 @@ static int hop_delays(int index, int egress, int64_t arrival, int64_t delays[MAX
     return count;
 }
 
-/* One frame from the socket, scheduled as port.py's Port._read does: each copy it is sent as
- * gets its time in the heap. Returns 0, or -errno where the socket or memory fails. */
-static int read_impaired(int index, unsigned char *frame, struct msghdr *message) {
+/* A frame read (`size` bytes, its ancillary data in `message`), scheduled as port.py's
+ * Port._read does: each copy it is sent as gets its time in the heap, by the rules in force
+ * now. Returns 0, or -ENOMEM. */
+static int schedule_impaired(int index, unsigned char *frame, ssize_t size, struct msghdr *message) {
     struct port *port = &ports[index];
-    ssize_t size = recvmsg(port->fd, message, 0);
-    if (size < 0) return errno == EINTR ? 0 : -errno;
-    struct sockaddr_ll *from = message->msg_name;
-    if (from->sll_pkttype == PACKET_OUTGOING || size < 14) return 0;
     int64_t arrival = arrival_ns(message, port);
     int egress = egress_of(frame);
     double rate = frame_rate(index, egress);
@@ -516,6 +513,17 @@ static int read_impaired(int index, unsigned char *frame, struct msghdr *message
             if (push(port, send + after[f], queued, frame, (int)size) < 0) return -ENOMEM;
     }
     return 0;
+}
+
+/* One frame from the socket, scheduled (schedule_impaired). Returns 0, or -errno where the
+ * socket or memory fails. */
+static int read_impaired(int index, unsigned char *frame, struct msghdr *message) {
+    struct port *port = &ports[index];
+    ssize_t size = recvmsg(port->fd, message, 0);
+    if (size < 0) return errno == EINTR ? 0 : -errno;
+    struct sockaddr_ll *from = message->msg_name;
+    if (from->sll_pkttype == PACKET_OUTGOING || size < 14) return 0;
+    return schedule_impaired(index, frame, size, message);
 }
 
 /* Sleeps until `end` (CLOCK_REALTIME ns), polling its last spin_ns where `poll`. */
@@ -589,6 +597,12 @@ int serial_serve(int index) {
             return -errno;
         }
         if (from.sll_pkttype == PACKET_OUTGOING || size < 14) continue;
+        /* impairments given while this thread waited for the frame are its rules already */
+        if (__atomic_load_n(&port->up, __ATOMIC_ACQUIRE) != NULL || port->hops) {
+            int failed = schedule_impaired(index, frame, size, &message);
+            if (failed < 0) return failed;
+            continue;
+        }
         int64_t arrival = arrival_ns(&message, port);
         double rate = frame_rate(index, egress_of(frame));
         int64_t start, end = take_line(port, arrival, (int64_t)((double)size * 8e9 / rate), &start);

@@ -36,7 +36,10 @@ SPIN_ENV = "TESTBED_SERIAL_SPIN_US"  # the program's --spin-us, to measure polli
 
 def port_seed(seed: int, devices: int, rate_mbit: float, place: int | str) -> int:
     """A hop's seed: 63 bits of SHA-256 over what identifies its session and its place (a
-    port's rank for its uplink, "down1" for a downlink, "0->1" for a pair)."""
+    port's rank for its uplink, "down1" for a downlink, "0->1" for a pair). Not the
+    impairment variant: the variants of one session draw the same random numbers (common
+    random numbers), so that two variants differ by their parameters, not by their luck; a
+    run's `seed` gives other draws."""
     text = f"{seed}:{devices}:{rate_mbit!r}:{place}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
