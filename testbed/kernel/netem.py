@@ -19,6 +19,7 @@ realisation is not repeatable, unlike the serial emulator's.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,3 +181,35 @@ def _tc_time(milliseconds: float) -> str:
     if microseconds % 1000 == 0:
         return f"{microseconds // 1000}ms"
     return f"{microseconds}us"
+
+
+@dataclass(frozen=True)
+class NetemCounters:
+    """What an interface's netem qdiscs did so far, by their statistics (`tc -s qdisc show`):
+    the packets they let through (sent on, or held in their queue) and those they dropped.
+    The kernel counts a loss draw and a full queue's drop alike, and neither a duplicate nor
+    a reordering at all."""
+
+    passed: int
+    dropped: int
+
+
+NETEM_STATISTICS = re.compile(
+    r"^qdisc netem .*\n\s*Sent \d+ bytes (?P<sent>\d+) pkt \(dropped (?P<dropped>\d+),.*\n"
+    r"\s*backlog \S+ (?P<backlog>\d+)p",
+    re.M,
+)
+
+
+def netem_counters(text: str) -> NetemCounters | None:
+    """The netem qdiscs' counters, summed, in the `tc -s qdisc show` text of one interface (a
+    `downlink (...)` section after it, `testbed.kernel.netlink.qdisc_stats`'s, is not this
+    interface's); None where it has no netem."""
+    own = text.split("\ndownlink (", 1)[0]
+    found = list(NETEM_STATISTICS.finditer(own))
+    if not found:
+        return None
+    return NetemCounters(
+        passed=sum(int(m["sent"]) + int(m["backlog"]) for m in found),
+        dropped=sum(int(m["dropped"]) for m in found),
+    )

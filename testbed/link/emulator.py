@@ -50,7 +50,8 @@ class LinkCounters:
     sent_bytes: int
     stalls: list[tuple[int, int]] | None = None
     events: list[tuple[int, str]] | None = None
-    # the serial emulator's counters of the port so far (PORT_COUNTED), else None
+    # the device's counters so far (of PORT_COUNTED: the serial emulator's port has all, tbf's
+    # netem "frames" and "lost"), else None
     port: dict[str, int] | None = None
 
 
@@ -59,27 +60,44 @@ PORT_COUNTED = ("frames", "lost", "duplicated", "reordered", "drops")
 
 @dataclass(frozen=True)
 class PortCounts:
-    """What one device's port of the serial emulator did within a session: the frames it sent
-    (every copy), those its impairments lost, duplicated and reordered, those a full queue
-    dropped, and the machine's stalls of it (frames that left more than 1 ms late)."""
+    """What one device's link did within a session: the frames it sent (every copy), those
+    its impairments lost, duplicated and reordered, those a full queue dropped, and the
+    machine's stalls of it (frames that left more than 1 ms late). The serial emulator's port
+    counts them all; tbf's netem (`testbed.kernel.netem.netem_counters`) the frames and the
+    losses, with its full queue's drops among them; None: not counted."""
 
     frames: int
     lost: int
-    duplicated: int
-    reordered: int
-    drops: int
-    stalls: int
-    stalled_ms: float
+    duplicated: int | None
+    reordered: int | None
+    drops: int | None
+    stalls: int | None
+    stalled_ms: float | None
 
 
 def port_counts(before: LinkCounters, after: LinkCounters, since_ns: int) -> PortCounts | None:
-    """The port's counts between two readings, its stalls since `since_ns` (the first reading's
-    time); None where the emulator does not count per port."""
+    """The link's counts between two readings, its stalls since `since_ns` (the first
+    reading's time); None where the emulator does not count, or where a counter went back
+    (its qdisc made anew between the readings)."""
     if before.port is None or after.port is None:
         return None
-    done = {name: after.port[name] - before.port[name] for name in PORT_COUNTED}
-    stalls = [length for start, length in after.stalls or [] if start + length >= since_ns]
-    return PortCounts(**done, stalls=len(stalls), stalled_ms=sum(stalls) / 1e6)
+    done = {
+        name: after.port[name] - before.port[name] for name in after.port if name in before.port
+    }
+    if "frames" not in done or "lost" not in done or min(done.values()) < 0:
+        return None
+    stalls = None
+    if after.stalls is not None:
+        stalls = [length for start, length in after.stalls if start + length >= since_ns]
+    return PortCounts(
+        frames=done["frames"],
+        lost=done["lost"],
+        duplicated=done.get("duplicated"),
+        reordered=done.get("reordered"),
+        drops=done.get("drops"),
+        stalls=None if stalls is None else len(stalls),
+        stalled_ms=None if stalls is None else sum(stalls) / 1e6,
+    )
 
 
 class Emulator(abc.ABC):

@@ -26,9 +26,9 @@ from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.htb import PEER_MINOR_BASE
-from testbed.kernel.netem import LinkImpairments
+from testbed.kernel.netem import LinkImpairments, netem_counters
 from testbed.kernel.shaping import ShapingPlan, duplicating_peer, keeping_netem, plan
-from testbed.link.emulator import Attachment, Emulator, Refusal
+from testbed.link.emulator import Attachment, Emulator, LinkCounters, Refusal, qdisc_sent_bytes
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
 from testbed.link.serial.emulator import port_seed
@@ -122,6 +122,17 @@ class TokenBucket(Emulator):
         unshaped, while nothing is sent); a later `step` (a trace's, a timeline's) changed in
         place."""
         self._apply(self._plans(rates, impaired=True), in_place=step > 0, every=False)
+
+    def counters(self) -> dict[int, LinkCounters]:
+        """Bytes carried, and, on a link with a netem, its frames and losses by netem's own
+        statistics (`netem_counters`: its full queue's drops among the losses)."""
+        counters = {}
+        for device in self.devices:
+            text = self.backend.qdisc_stats(device)
+            netem = netem_counters(text)
+            port = None if netem is None else {"frames": netem.passed, "lost": netem.dropped}
+            counters[device.rank] = LinkCounters(qdisc_sent_bytes(text), port=port)
+        return counters
 
     def _apply(self, plans: dict[int, ShapingPlan], in_place: bool, every: bool) -> None:
         """Each device's plan through the backend: changed in place (a netem in the kernel

@@ -300,7 +300,7 @@ FIDELITY_COLUMNS = _table(
                                                 widened by 0.5 ms; empty: not judged
     frames                     Int64    -       frames the port's impairments drew for in the
                                                 session (sent - duplicated + lost): the draws of
-                                                loss and duplication
+                                                loss and duplication (tbf: netem's passed + dropped)
     frames_sent                Int64    -       frames the port sent, every copy: the draws of
                                                 reordering
     lost                       Int64    -       frames its impairments lost
@@ -311,9 +311,11 @@ FIDELITY_COLUMNS = _table(
     lost_high_pct              float64  %       high end
     configured_lost_pct        float64  %       what the parameters make of it: the loss rate (a
                                                 model's stationary one) x (1 - duplication)
-    lost_flagged               boolean  -       configured_lost_pct outside the interval; empty: not
-                                                judged (correlated draws, later hops' counts)
-    duplicated                 Int64    -       frames sent twice
+    lost_flagged               boolean  -       configured_lost_pct outside the interval (on tbf:
+                                                above it, netem's drops counting its full queue's);
+                                                empty: not judged (correlated draws, later hops'
+                                                counts, tbf beside duplication)
+    duplicated                 Int64    -       frames sent twice (empty on tbf: netem counts none)
     duplicated_pct             float64  %       duplicated / frames
     duplicated_low_pct         float64  %       its 99% Wilson interval, low end
     duplicated_high_pct        float64  %       high end

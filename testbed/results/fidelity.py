@@ -19,7 +19,11 @@ to do against what it did (docs/user-guide.md, The fidelity report).
   (`testbed.results.stats.proportion_interval`). A Gilbert model's losses come in runs: its
   interval is widened by the chain's design effect. Correlated draws and the 4-state model have
   no binomial interval, and a port whose frames meet later hops (a pair's or a downlink's
-  impairments) counts their events too: those are shown, not judged.
+  impairments) counts their events too: those are shown, not judged. On tbf, netem's own
+  statistics give the frames and the losses (`testbed.kernel.netem.netem_counters`), its
+  full queue's drops among the losses: a loss count is flagged only when the configured
+  rate lies above its interval (too few lost: the netem in force is not the one asked for),
+  and not beside duplication (netem draws a duplicate's loss anew).
 - the host's stalls of the port (frames that left more than 1 ms late), shown beside.
 
 `report` makes a session's rows (`testbed.results.columns.FIDELITY_COLUMNS`), `save` writes
@@ -235,9 +239,10 @@ def _counts(
     """The port's loss, duplication and reordering against the configured probabilities."""
     counts = None if session.ports is None else session.ports.get(rank)
     if counts is None:
-        said.notes.append("counts: none (the emulator does not count per port, or was lost)")
+        said.notes.append("counts: none (the emulator does not count this link, or was lost)")
         return {}
-    drawn = counts.frames - counts.duplicated + counts.lost
+    netem = counts.duplicated is None  # tbf's netem: frames and losses (`PortCounts`)
+    drawn = counts.frames - (counts.duplicated or 0) + counts.lost
     row: dict[str, Any] = {
         "frames": drawn,
         "frames_sent": counts.frames,
@@ -245,21 +250,26 @@ def _counts(
         "stalls": counts.stalls,
         "stalled_ms": counts.stalled_ms,
     }
-    expected = expected_counts(link.parameters.get(str(rank)) or checked({}))
+    parameters = link.parameters.get(str(rank)) or checked({})
+    expected = expected_counts(parameters)
     later = _later_hops(link, rank, devices)
     for name in COUNTED:
         count, n = getattr(counts, name), counts.frames if name == "reordered" else drawn
         want = expected[name]
         row |= {
             name: count,
-            f"{name}_pct": 100 * count / n if n else None,
+            f"{name}_pct": 100 * count / n if n and count is not None else None,
             f"configured_{name}_pct": 100 * want.probability,
         }
-        if varied or later or want.design_effect is None or not n:
+        if count is None or varied or later or want.design_effect is None or not n:
+            continue
+        if netem and parameters["duplicate_pct"]:  # a duplicate draws its own loss in netem
             continue
         low, high = proportion_interval(count, n, CONFIDENCE, want.design_effect)
         row |= {f"{name}_low_pct": 100 * low, f"{name}_high_pct": 100 * high}
-        row[f"{name}_flagged"] = flagged = not low <= want.probability <= high
+        # netem's drops count its full queue's with its losses: only too few can be told
+        flagged = want.probability > high if netem else not low <= want.probability <= high
+        row[f"{name}_flagged"] = flagged
         if flagged:
             said.outside.append(
                 f"{name} {100 * count / n:.2f}% [{100 * low:.2f}, {100 * high:.2f}] of {n:,} "
@@ -277,6 +287,12 @@ def _counts(
             said.notes.append(
                 f"{', '.join(untested)} not judged: correlated draws have no binomial interval"
             )
+    if netem:
+        said.notes.append(
+            "netem's statistics count no duplicates or reorders, and its full queue's drops "
+            "among its losses: loss judged for too few only"
+            + (", and not beside duplication" if parameters["duplicate_pct"] else "")
+        )
     return row
 
 

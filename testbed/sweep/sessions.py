@@ -389,12 +389,10 @@ def _session_events(
 def _port_counts(
     before: dict[int, LinkCounters], after: dict[int, LinkCounters], since_ns: int
 ) -> dict[int, PortCounts] | None:
-    """Each port's counts within the session, by rank; None where the emulator does not count
-    per port, or the session lost it (`after` empty)."""
+    """Each link's counts within the session, by rank (those the emulator counts: tbf's where
+    a netem is); None where it counts none, or the session lost it (`after` empty)."""
     counts = {rank: port_counts(before[rank], after[rank], since_ns) for rank in after}
-    if not counts or any(count is None for count in counts.values()):
-        return None
-    return {rank: count for rank, count in counts.items() if count is not None}
+    return {rank: count for rank, count in counts.items() if count is not None} or None
 
 
 def _session_stalls(

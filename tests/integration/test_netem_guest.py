@@ -32,7 +32,7 @@ from testbed.experiment.profiles import available_profiles, load_profile, parse_
 from testbed.kernel.guest.build import LINK_INTERFACE, PEER_ADDRESS, PEER_MAC
 from testbed.kernel.htb import HtbClass
 from testbed.kernel.ifb import ifb_name
-from testbed.kernel.netem import NetemParams
+from testbed.kernel.netem import NetemCounters, NetemParams, netem_counters
 from testbed.kernel.shaping import (
     ShapingPlan,
     change_argvs,
@@ -529,17 +529,20 @@ def traffic(netem_guest: Callable[..., list[Any]]) -> dict[str, Any]:
         "duplicate": profile_plan(profile(duplicate_pct=20), 100.0),
     }
     neighbours = ["/sbin/ip", "neigh", "show", "dev", LINK_INTERFACE]
+    statistics = ["/sbin/tc", "-s", "qdisc", "show", "dev", LINK_INTERFACE]
     commands = [neighbours, ping(200, 0.01, quiet=False)]
     for name, shaping in plans.items():
         commands += applied(shaping)
-        commands.append(ping(PINGS, 0.01, quiet=name != "delay"))
+        commands += [statistics, ping(PINGS, 0.01, quiet=name != "delay"), statistics]
     commands.append(neighbours)
     results = netem_guest(commands, timeout_s=240)
     refused = [r.stderr for r in results if not r.ok and "del" not in r.argv]  # del: clearing
     assert not refused
     pings = [r.stdout for r in results if r.argv[0] == "ping"]
+    shown = [r.stdout for r in results if list(r.argv) == statistics]
     return {
         **dict(zip(["bare", *plans], pings, strict=True)),
+        "statistics": dict(zip(plans, zip(shown[::2], shown[1::2], strict=True), strict=True)),
         "neighbours": [results[0].stdout, results[-1].stdout],
     }
 
@@ -582,3 +585,18 @@ def test_a_real_netem_loses_and_duplicates_in_their_binomial_intervals(
     assert low <= counted <= high
     if name == "duplicate":
         assert received == sent
+
+
+def test_netems_statistics_count_every_loss_and_every_frame_through(
+    traffic: dict[str, Any],
+) -> None:
+    """What the tbf emulator reads for the fidelity report (`netem_counters`, each session's
+    difference of two readings): the pings netem lost are its drops, and those it let
+    through its frames, exactly (the link carries nothing else: no ARP, no IPv6)."""
+    before, after = (netem_counters(text) for text in traffic["statistics"]["loss"])
+    assert before is not None and after is not None
+    sent, received, _ = summary(traffic["loss"])
+    print(f"\nnetem: {before} -> {after}; pings {sent} sent, {received} answered")
+    assert after.dropped - before.dropped == sent - received
+    assert after.passed - before.passed == received
+    assert netem_counters(traffic["statistics"]["duplicate"][0]) == NetemCounters(0, 0)

@@ -14,7 +14,7 @@ from scipy import stats as scipy_stats
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
 from testbed.experiment.impairments import checked
-from testbed.link.emulator import LinkCounters, port_counts
+from testbed.link.emulator import LinkCounters, PortCounts, port_counts
 from testbed.link.links import LinkState
 from testbed.link.serial.impairments import Impairments
 from testbed.link.wire import tcp_frame_bytes
@@ -229,7 +229,58 @@ def test_what_cannot_be_judged_is_shown_not_flagged():
     assert "delay not judged: 4 single-segment messages" in rows[0]["note"]
     tbf = RunFacts("run", "local", "tbf", 1, {0: 1, 1: 1}, False, shared_clock=True)
     rows = fidelity.report(link, HostSessionFacts("s"), [session_records(few)], tbf, 2)
-    assert "frames" not in rows[0] and "per port" in rows[0]["note"]
+    assert "frames" not in rows[0] and "does not count this link" in rows[0]["note"]
+
+
+def netem_facts(lost: dict[int, int]) -> HostSessionFacts:
+    """tbf's netems in a session: 1,000 loss draws each, `lost[rank]` of them dropped (its
+    statistics: passed and dropped, read before and after)."""
+    ports = {
+        rank: port_counts(
+            LinkCounters(0, port={"frames": 0, "lost": 0}),
+            LinkCounters(10**6, port={"frames": 1000 - count, "lost": count}),
+            START_NS,
+        )
+        for rank, count in lost.items()
+    }
+    return HostSessionFacts("p2-10mbit-delay10ms-loss5pct", ports=ports)  # type: ignore[arg-type]
+
+
+def test_netems_counts_on_tbf_flag_too_few_losses_only():
+    """5% configured. netem's drops count its full queue's too: 150 of 1,000 is shown, not
+    flagged; 10 of 1,000 (the netem in force loses less than asked) is flagged.
+    Duplicates, reorders and stalls are not counted there."""
+    link = link_state({"delay_ms": 10, "loss_pct": 5})
+    delays = {0: [10.0] * 40, 1: [10.0] * 40}
+    tbf = RunFacts("run", "local", "tbf", 1, {0: 1, 1: 1}, False, shared_clock=True)
+    rows = fidelity.report(link, netem_facts({0: 150, 1: 10}), [session_records(delays)], tbf, 2)
+    many, few = rows
+    assert many["frames"] == 1000 and many["lost"] == 150 and many["lost_flagged"] is False
+    assert many["lost_high_pct"] > 15 > many["lost_low_pct"] > 5
+    assert few["lost_flagged"] is True and few["outside"].startswith("lost 1.00% [")
+    for row in rows:
+        assert row["duplicated"] is None and "duplicated_flagged" not in row
+        assert row["stalls"] is None and row["drops"] is None
+        assert "loss judged for too few only" in row["note"]
+    dup = link_state({"delay_ms": 10, "loss_pct": 5, "duplicate_pct": 1})
+    rows = fidelity.report(dup, netem_facts({0: 10, 1: 10}), [session_records(delays)], tbf, 2)
+    assert all("lost_flagged" not in row and row["flagged"] is False for row in rows)
+    assert "not beside duplication" in rows[0]["note"]
+
+
+def test_a_counter_that_went_back_counts_nothing():
+    """A qdisc made anew between two readings: its counters start again, no count."""
+    before = LinkCounters(0, port={"frames": 500, "lost": 20})
+    assert port_counts(before, LinkCounters(0, port={"frames": 100, "lost": 2}), 0) is None
+    assert port_counts(before, LinkCounters(0, port={"frames": 600, "lost": 25}), 0) == PortCounts(
+        frames=100,
+        lost=5,
+        duplicated=None,
+        reordered=None,
+        drops=None,
+        stalls=None,
+        stalled_ms=None,
+    )
 
 
 def test_the_report_is_saved_with_the_run_and_printed_when_outside(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.interfaces import offload_argv
-from testbed.kernel.netem import LinkImpairments, netem_params
+from testbed.kernel.netem import LinkImpairments, NetemCounters, netem_counters, netem_params
 from testbed.kernel.shaping import (
     ShapingPlan,
     check_support,
@@ -191,3 +191,43 @@ def test_importing_shaping_loads_neither_pyroute2_nor_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# `tc -s qdisc show` of the netem reference guest's link, as `netlink.qdisc_stats` gives it
+# (its lines' trailing spaces taken off): an uplink's tbf with its netem after 100 pings,
+# then the downlink's ifb with its own
+NETEM_BLOCK = """\
+qdisc netem 10: parent 1:1 limit 48 delay 5ms loss 10%
+ Sent 8820 bytes 90 pkt (dropped 10, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+"""
+UPLINK_STATISTICS = (
+    """\
+qdisc tbf 1: root refcnt 2 rate 10Mbit burst 3027b lat 50ms
+ Sent 8820 bytes 90 pkt (dropped 10, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+"""
+    + NETEM_BLOCK
+    + """\
+qdisc ingress ffff: parent ffff:fff1 ----------------
+ Sent 7768 bytes 93 pkt (dropped 0, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+downlink (ifb-va):
+qdisc tbf 1: root refcnt 2 rate 8Mbit burst 3027b lat 50ms
+ Sent 7698 bytes 79 pkt (dropped 14, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+qdisc netem 10: parent 1:1 limit 38 delay 4ms loss 5%
+ Sent 7698 bytes 79 pkt (dropped 14, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+"""
+)
+
+
+def test_netems_counters_are_the_interfaces_own_with_what_it_holds():
+    """The uplink's netem, not the downlink's; what its queue holds counts as let through;
+    two netems (a pair's leaves) summed; none where the interface has no netem."""
+    assert netem_counters(UPLINK_STATISTICS) == NetemCounters(passed=90, dropped=10)
+    holding = NETEM_BLOCK.replace("backlog 0b 0p", "backlog 196b 2p")
+    assert netem_counters(holding) == NetemCounters(passed=92, dropped=10)
+    assert netem_counters(NETEM_BLOCK + holding) == NetemCounters(passed=182, dropped=20)
+    assert netem_counters(UPLINK_STATISTICS.replace(NETEM_BLOCK, "")) is None
