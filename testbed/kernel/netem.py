@@ -132,13 +132,30 @@ TC_SEED_PROBE_ARGV = ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "seed"
 
 
 def netem_options(values: dict[str, Any]) -> list[str]:
-    """tc's words for checked impairments, in tc-netem(8)'s order."""
+    """tc's words for checked impairments, in tc-netem(8)'s order.
+
+    iproute2 6.1's `tc` sends netem's correlations (TCA_NETEM_CORR, the duplication's among
+    them) only when it has read a delay or a random loss correlation: `duplicate 10% 50%`
+    alone reaches the kernel as `duplicate 10%`. A duplication correlation without either is
+    therefore carried by a delay correlation of 0% (`delay D 0ms 0%`, or `delay 0ms 0ms 0%`),
+    which changes nothing: netem draws a correlation of 0 independently, and a jitter of 0
+    leaves the delay as it is."""
     words: list[str] = []
-    if values["delay_ms"] or values["jitter_ms"]:
+    carried = bool(
+        values["duplicate_pct"]
+        and values["duplicate_correlation_pct"]
+        and not (values["jitter_ms"] and values["delay_correlation_pct"])
+        and not (
+            values["loss_model"] == "random"
+            and values["loss_pct"]
+            and values["loss_correlation_pct"]
+        )
+    )
+    if values["delay_ms"] or values["jitter_ms"] or carried:
         words += ["delay", _tc_time(values["delay_ms"])]
-        if values["jitter_ms"]:
+        if values["jitter_ms"] or carried:
             words.append(_tc_time(values["jitter_ms"]))
-            if values["delay_correlation_pct"]:
+            if values["delay_correlation_pct"] or carried:
                 words.append(_pct(values["delay_correlation_pct"]))
         if values["delay_distribution"] != "uniform":
             words += ["distribution", values["delay_distribution"]]

@@ -78,6 +78,14 @@ def uplinks() -> dict[str, ShapingPlan]:
         "queue and bucket asked for": {"queue_latency_ms": 12.5, "burst_bytes": 20000},
         "loss alone": {"loss_pct": 0.5},
         "duplication alone": {"duplicate_pct": 4},
+        # a duplication correlation that iproute2 6.1's tc would not send by itself
+        "correlated duplication alone": {"duplicate_pct": 10, "duplicate_correlation_pct": 50},
+        "correlated duplication, a delay and loss": {
+            "delay_ms": 20,
+            "loss_pct": 1,
+            "duplicate_pct": 10,
+            "duplicate_correlation_pct": 50,
+        },
         "reorder without a gap": {"delay_ms": 10, "reorder_pct": 25},
         "gemodel": {"loss_gemodel": {"p_pct": 1, "r_pct": 20, "one_minus_h_pct": 70}},
         "gemodel as 1-k": {

@@ -174,6 +174,26 @@ def test_every_impairment_has_its_tc_words() -> None:
     )
 
 
+def test_a_duplication_correlation_alone_is_carried_by_a_delay_correlation_of_zero():
+    """iproute2 6.1's tc sends the duplication's correlation only beside a delay or a loss
+    correlation (the guest's kernel reads it back: tests/integration/test_netem_guest.py)."""
+
+    def words(**fields: float) -> str:
+        shaping = profile_plan(LinkProfile(name="d", reorder_pct=0, **fields), rate_mbit=1)
+        return " ".join(tc_argv("eth0", shaping)[1][12:])
+
+    assert words(duplicate_pct=10, duplicate_correlation_pct=50) == (
+        "delay 0ms 0ms 0% duplicate 10% 50%"
+    )
+    assert words(delay_ms=20, loss_pct=1, duplicate_pct=10, duplicate_correlation_pct=50) == (
+        "delay 20ms 0ms 0% loss random 1% duplicate 10% 50%"
+    )
+    assert words(
+        loss_pct=1, loss_correlation_pct=5, duplicate_pct=10, duplicate_correlation_pct=50
+    ) == ("loss random 1% 5% duplicate 10% 50%")
+    assert words(duplicate_pct=10) == "duplicate 10%"
+
+
 def test_plan_as_dict_is_plain_data() -> None:
     data = profile_plan(IDEAL, rate_mbit=5).as_dict()
     assert data["tbf"] == {"rate_bit_s": 5_000_000, "burst_bytes": 3028, "limit_bytes": 34_278}
