@@ -29,7 +29,13 @@ import pytest
 
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import available_profiles, load_profile, parse_profile
-from testbed.kernel.guest.build import LINK_INTERFACE, PEER_ADDRESS, PEER_MAC
+from testbed.kernel.guest.build import (
+    LINK_INTERFACE,
+    PEER_ADDRESS,
+    PEER_INTERFACE,
+    PEER_MAC,
+    PEER_NETNS,
+)
 from testbed.kernel.htb import HtbClass
 from testbed.kernel.ifb import ifb_name
 from testbed.kernel.netem import NetemCounters, NetemParams, netem_counters
@@ -543,6 +549,17 @@ def traffic(netem_guest: Callable[..., list[Any]]) -> dict[str, Any]:
         commands += applied(shaping)
         commands += [statistics, ping(PINGS, 0.01, quiet=name != "delay"), statistics]
     commands.append(neighbours)
+    commands += [  # IPv6 off at both ends
+        ["cat", f"/proc/sys/net/ipv6/conf/{LINK_INTERFACE}/disable_ipv6"],
+        [
+            "/sbin/ip",
+            "netns",
+            "exec",
+            PEER_NETNS,
+            "cat",
+            f"/proc/sys/net/ipv6/conf/{PEER_INTERFACE}/disable_ipv6",
+        ],
+    ]
     results = netem_guest(commands, timeout_s=240)
     refused = [r.stderr for r in results if not r.ok and "del" not in r.argv]  # del: clearing
     assert not refused
@@ -551,7 +568,8 @@ def traffic(netem_guest: Callable[..., list[Any]]) -> dict[str, Any]:
     return {
         **dict(zip(["bare", *plans], pings, strict=True)),
         "statistics": dict(zip(plans, zip(shown[::2], shown[1::2], strict=True), strict=True)),
-        "neighbours": [results[0].stdout, results[-1].stdout],
+        "neighbours": [results[0].stdout, results[-3].stdout],
+        "ipv6 off": [results[-2].stdout.strip(), results[-1].stdout.strip()],
     }
 
 
@@ -560,9 +578,11 @@ def test_no_arp_crosses_the_link_so_netem_never_drops_a_resolution(
 ) -> None:
     """The peer is a permanent neighbour before the first ping and after every plan: a netem
     that loses 10% of the frames would otherwise lose an ARP request in ten boots and, with
-    it, the pings queued behind it for a second (a CI run lost 397 of 1,000 at 10%)."""
+    it, the pings queued behind it for a second (a CI run lost 397 of 1,000 at 10%). IPv6 is
+    off at both ends, so nothing else crosses either."""
     for shown in traffic["neighbours"]:
         assert f"{PEER_ADDRESS} lladdr {PEER_MAC} PERMANENT" in shown
+    assert traffic["ipv6 off"] == ["1", "1"]
 
 
 def test_a_real_netem_delays_by_its_delay_and_uniform_jitter(traffic: dict[str, Any]) -> None:

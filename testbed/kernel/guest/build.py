@@ -46,8 +46,8 @@ HOST_TOOLS = ("tc", "ip")  # the host's, at /sbin/NAME in the guest (busybox has
 # `vb` in namespace `b`. Each end knows the other's address for good (a permanent neighbour):
 # no ARP crosses the link, so a netem on it never loses or delays a resolution (a lost ARP
 # request held the first pings a second, and the queue behind it dropped hundreds). Nor does
-# IPv6's (no address, so no neighbour discovery, router solicitation or MLD): the link
-# carries what a batch sends and nothing else.
+# IPv6's, off in both namespaces (no address, so no neighbour discovery, router solicitation
+# or MLD): the link carries what a batch sends and nothing else, either way.
 LINK_INTERFACE, LINK_ADDRESS, LINK_MAC = "va", "10.9.0.1", "02:00:0a:09:00:01"
 PEER_INTERFACE, PEER_ADDRESS, PEER_MAC, PEER_NETNS = "vb", "10.9.0.2", "02:00:0a:09:00:02", "b"
 LINK_SETUP = (
@@ -55,6 +55,9 @@ LINK_SETUP = (
     ["sysctl", "-w", "net.ipv6.conf.default.disable_ipv6=1"],
     ["/sbin/ip", "link", "set", "lo", "up"],
     ["/sbin/ip", "netns", "add", PEER_NETNS],
+    ["/sbin/ip", "netns", "exec", PEER_NETNS, "sysctl", "-w", "net.ipv6.conf.all.disable_ipv6=1"],
+    ["/sbin/ip", "netns", "exec", PEER_NETNS]
+    + ["sysctl", "-w", "net.ipv6.conf.default.disable_ipv6=1"],
     ["/sbin/ip", "link", "add", LINK_INTERFACE, "address", LINK_MAC, "type", "veth"]
     + ["peer", "name", PEER_INTERFACE, "address", PEER_MAC],
     ["/sbin/ip", "link", "set", PEER_INTERFACE, "netns", PEER_NETNS],
