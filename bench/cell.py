@@ -149,6 +149,11 @@ def bulk_on_the_cell(cell: Cell, bulk: str = "udp") -> dict[int, int]:
             process.wait()
 
 
+def mbit(carried_bytes: float) -> float:
+    """Bytes carried over the window, as Mbit/s."""
+    return carried_bytes * 8 / WINDOW_S / MBIT
+
+
 def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
@@ -172,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                     carried = bulk_on_the_cell(next(cells), bulk)
                 finally:
                     cells.close()  # stops the switch, deletes the namespaces
-                total = sum(carried.values()) * 8 / WINDOW_S / 1e6
+                total = mbit(sum(carried.values()))
                 totals.append(total)
                 fairness.append(jain(list(carried.values())))
-                shares = " ".join(f"{8 * b / WINDOW_S / 1e6:.2f}" for b in carried.values())
+                shares = " ".join(f"{mbit(b):.2f}" for b in carried.values())
                 print(
                     f"P={count} {bulk} #{repeat}: {total:.3f} Mbit/s in all "
                     f"({100 * (total / CELL_MBIT - 1):+.2f} %), Jain {fairness[-1]:.4f}; {shares}"

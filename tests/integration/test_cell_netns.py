@@ -21,12 +21,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.cell import CELL_MBIT, PORT, WINDOW_S, Cell, bulk_on_the_cell, cell_of, jain
+from bench.cell import CELL_MBIT, MBIT, PORT, Cell, bulk_on_the_cell, cell_of, jain, mbit
 from tests.integration.conftest import SUBNET, namespaces
 
 pytestmark = pytest.mark.netns
 
-MBIT = 1_000_000
 FRAME_PAYLOAD = 1000  # a UDP datagram: 1042-byte frames (Ethernet 14, IP 20, UDP 8)
 FRAME_BYTES = FRAME_PAYLOAD + 42
 SLOW_MBIT = 1.0  # a frame time of 8.3 ms, far above the senders' start-up difference
@@ -64,7 +63,7 @@ def test_devices_sending_at_once_share_the_cell_fairly(
 ) -> None:
     cell = request.getfixturevalue(f"cell{count}")
     carried = bulk_on_the_cell(cell)
-    total_mbit = sum(carried.values()) * 8 / WINDOW_S / MBIT
+    total_mbit = mbit(sum(carried.values()))
     fairness = jain(list(carried.values()))
     stats = cell.switch.stats()
     print(f"\nP = {count}: {total_mbit:.3f} Mbit/s in all, Jain {fairness:.4f}, ports {carried}")

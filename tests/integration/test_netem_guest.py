@@ -543,11 +543,11 @@ def traffic(netem_guest: Callable[..., list[Any]]) -> dict[str, Any]:
         "duplicate": profile_plan(profile(duplicate_pct=20), 100.0),
     }
     neighbours = ["/sbin/ip", "neigh", "show", "dev", LINK_INTERFACE]
-    statistics = ["/sbin/tc", "-s", "qdisc", "show", "dev", LINK_INTERFACE]
+    counters = ["/sbin/tc", "-s", "qdisc", "show", "dev", LINK_INTERFACE]  # netem's
     commands = [neighbours, ping(200, 0.01, quiet=False)]
     for name, shaping in plans.items():
         commands += applied(shaping)
-        commands += [statistics, ping(PINGS, 0.01, quiet=name != "delay"), statistics]
+        commands += [counters, ping(PINGS, 0.01, quiet=name != "delay"), counters]
     commands.append(neighbours)
     commands += [  # IPv6 off at both ends
         ["cat", f"/proc/sys/net/ipv6/conf/{LINK_INTERFACE}/disable_ipv6"],
@@ -564,7 +564,7 @@ def traffic(netem_guest: Callable[..., list[Any]]) -> dict[str, Any]:
     refused = [r.stderr for r in results if not r.ok and "del" not in r.argv]  # del: clearing
     assert not refused
     pings = [r.stdout for r in results if r.argv[0] == "ping"]
-    shown = [r.stdout for r in results if list(r.argv) == statistics]
+    shown = [r.stdout for r in results if list(r.argv) == counters]
     return {
         **dict(zip(["bare", *plans], pings, strict=True)),
         "statistics": dict(zip(plans, zip(shown[::2], shown[1::2], strict=True), strict=True)),
