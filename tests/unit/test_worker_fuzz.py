@@ -669,6 +669,17 @@ def test_text_a_peer_controls_is_escaped(tmp_path, model, bundle_path, where):
     assert "\\x1b]0;owned\\x07\\x1b[2K\\rworker 0: all good" in text, text
 
 
+def accepted_until_the_first_ping(worker: Any, sock: socket.socket) -> None:
+    """As the scripted device 0 of a worker that is device 1: hello and verdict exchanged,
+    then the worker's first clock ping read."""
+    sock.settimeout(TIME_LIMIT_S)
+    sock.sendall(frame(valid_hello(worker, 0)))
+    sock.sendall(frame({"ok": True, "error": None}))
+    conn = CountingSocket(sock)
+    conn.recv_frame(), conn.recv_frame()  # its hello and its verdict
+    assert conn.recv_exact(len(ping(0))) == ping(0)
+
+
 @pytest.mark.parametrize(
     ("answer", "expected"),
     [
@@ -683,12 +694,7 @@ def test_clock_answers_that_are_not_times_are_refused(
     """The worker is device 1 and drives the clock ping-pong with the scripted device 0,
     whose first answer is not a time: refused before it becomes an offset."""
     with connecting_worker(tmp_path, model, bundle_path) as (worker, sock, peers):
-        sock.settimeout(TIME_LIMIT_S)
-        sock.sendall(frame(valid_hello(worker, 0)))
-        sock.sendall(frame({"ok": True, "error": None}))
-        conn = CountingSocket(sock)
-        conn.recv_frame(), conn.recv_frame()  # its hello and its verdict
-        assert conn.recv_exact(len(ping(0))) == ping(0)
+        accepted_until_the_first_ping(worker, sock)
         sock.sendall(clock_answer(0, *answer(time.time_ns())))
         error = worker.outcome()
     assert isinstance(error, ProtocolError), repr(error)
@@ -779,12 +785,7 @@ def test_a_peer_that_answers_out_of_step_is_refused_at_once(tmp_path, model, bun
     """The worker is device 1 and drives the clock rounds; the scripted device 0 answers round
     0 with a large answer (round 1's size): the worker refuses it at round 1's first byte."""
     with connecting_worker(tmp_path, model, bundle_path) as (worker, sock, peers):
-        sock.settimeout(TIME_LIMIT_S)
-        sock.sendall(frame(valid_hello(worker, 0)))
-        sock.sendall(frame({"ok": True, "error": None}))
-        conn = CountingSocket(sock)
-        conn.recv_frame(), conn.recv_frame()  # its hello and its verdict
-        assert conn.recv_exact(len(ping(0))) == ping(0)
+        accepted_until_the_first_ping(worker, sock)
         now = time.time_ns()
         large = clock_answer(1, now, now)
         sock.sendall(round_mark(0) + large[1:])
