@@ -1,22 +1,31 @@
-"""A device's speed, emulated by dilation: every stretch of compute takes 1/speed times the CPU
-it used.
+"""A device's speed, emulated by pacing: every stretch of compute takes its reference cost /
+speed in wall time.
 
 The worker computes at the speed of the core it runs on. To make it a device of speed s (a
 fraction of that core), the compute thread, after each stretch of compute (an embedding, a
 block's local projections, its attention, its FFN, the head), sleeps until the stretch's wall
-time is its CPU time / s. A block that needs 10 ms of CPU then takes 20 ms at s = 0.5, every
-time, and the core is free for others while the device sleeps, as it would be while a slower
-core worked. A CPU quota gives the same mean but not the same blocks (docs/devices.md, Speed:
-at Docker's 100 ms period most blocks run at full speed and some wait 50 ms).
+time is its cost / s, and the core is free for others while the device sleeps, as it would be
+while a slower core worked. A CPU quota gives the same mean but not the same blocks
+(docs/devices.md, Speed).
 
-With one compute thread (torch's intra-op threads = 1, a device of one CPU), CPU time, not
-wall time, measures the stretch: when devices that share the host's cores compute at once
-(sequence parallelism makes them), each one's stretch takes longer in wall time than its CPU
-time, and the sleep shrinks by as much, so the device still takes what its speed says as long
-as the contention leaves it at least its speed of a core. The clock is the compute thread's
-own (`time.thread_time`: the senders' and receivers' threads do not count). With several
-threads the stretch's wall time is the measure (their CPU time would count a GEMM's parallel
-threads, and its serial parts once): the device sleeps (1/speed - 1) times it.
+The cost of a stretch is its *reference*, not the CPU time it happened to take: a stretch's
+CPU time moves with the host (a cold core after a sleep, the neighbours' cache pressure, a
+busy process on the other core), and a device's time must not. `Pace` learns each kind of
+stretch (`key`: the run and the stretch's name) from the session's warm-ups, as CPU time
+per unit of its size (`size`: rows, or keys attended where the work follows the data, as
+Trace's unique remote keys do), and takes a low percentile of those samples
+(REFERENCE_PERCENTILE) as the stretch's cost from then on: a warm core's, without the slow
+tail. A stretch the host could not deliver by its target (its own CPU time already past
+cost / s, more than OVERRUN_TOLERANCE) is an *overrun*, counted per inference. A stretch with
+no key, or one not learned yet, costs its own CPU time, as before.
+
+With one compute thread (torch's intra-op threads = 1, a device of one CPU) CPU time is the
+compute thread's own (`time.thread_time`: the senders' and receivers' threads do not count).
+With several threads the stretch's wall time is the measure (their CPU time would count a
+GEMM's parallel threads, and its serial parts once).
+
+The testbed's virtual time (docs/devices.md, Virtual time) gives the worker speed s / d, the
+dilation d making room on the host for the fleet: the worker itself knows nothing of d.
 
 The speed can change while the worker runs: the orchestrator writes it into the device's
 control file (`Control`), which the worker maps and reads at every stretch (no system call).
@@ -112,6 +121,18 @@ class Control:
         self.map.close()
 
 
+REFERENCE_PERCENTILE = 10  # of a stretch's warm samples: its cost from then on
+LEAST_SAMPLES = 4  # a stretch is learned once it has this many samples
+OVERRUN_TOLERANCE = 0.05  # of a stretch's target, and at least OVERRUN_MIN_S
+OVERRUN_MIN_S = 0.0003
+
+
+def low_percentile(samples: list[float], percent: float = REFERENCE_PERCENTILE) -> float:
+    """The sample below which `percent` % of them lie (the nearest rank)."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * percent / 100))]
+
+
 class Pace:
     """Stretches of compute at the device's speed (1.0: as fast as the core)."""
 
@@ -120,19 +141,52 @@ class Pace:
         clock = time.thread_time if threads == 1 else time.perf_counter
         self.cpu_clock: Callable[[], float] = clock
         self.slept_s = 0.0  # in all, for the session's facts
+        self.samples: dict[tuple[str, ...], list[float]] = {}  # CPU s per unit, by stretch
+        self.reference: dict[tuple[str, ...], float] = {}  # learned: cost per unit
+        self.learning = True  # the warm-ups: samples are taken, no reference used
+        self.overruns = 0  # stretches that ended late, since the session began
 
     @property
     def speed(self) -> float:
         return self.control.speed if self.control is not None else self.fixed
 
+    def learned(self) -> None:
+        """The warm-ups are over: every stretch sampled enough has its reference from now on."""
+        self.learning = False
+        for key, samples in self.samples.items():
+            if len(samples) >= LEAST_SAMPLES:
+                self.reference[key] = low_percentile(samples)
+
+    def cost_s(self, key: tuple[str, ...] | None, size: float, used_s: float) -> float:
+        """What the stretch costs: its reference times its size, or its own CPU time where
+        it has none yet (then it is a sample)."""
+        if key is None:
+            return used_s
+        per_unit = self.reference.get(key)
+        if per_unit is not None:
+            return per_unit * size
+        samples = self.samples.setdefault(key, [])
+        samples.append(used_s / size)
+        if not self.learning and len(samples) >= LEAST_SAMPLES:
+            self.reference[key] = low_percentile(samples)
+        return used_s
+
     @contextmanager
-    def stretch(self) -> Iterator[None]:
+    def stretch(
+        self, key: tuple[str, ...] | None = None, size: Callable[[], float] | None = None
+    ) -> Iterator[None]:
+        """A stretch of compute; `key` names its kind (None: paced by its own CPU time) and
+        `size()`, read once it is done, its work in the kind's units (1 without)."""
         cpu, wall = self.cpu_clock(), time.perf_counter()
         yield
         speed = self.speed
         if speed >= 1.0:
             return
-        remaining = wall + (self.cpu_clock() - cpu) / speed - time.perf_counter()
+        units = 1.0 if size is None else max(float(size()), 1e-9)
+        target_s = self.cost_s(key, units, self.cpu_clock() - cpu) / speed
+        remaining = wall + target_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
             self.slept_s += remaining
+        elif -remaining > max(OVERRUN_TOLERANCE * target_s, OVERRUN_MIN_S):
+            self.overruns += 1

@@ -107,6 +107,8 @@ class InferenceRecord:
     correct: how many matched the labels (when the inputs have labels). tcp_retransmits: TCP
     segments this device's kernel retransmitted to its peers during the inference (TCP_INFO).
     speed: the device's speed when the inference started (devices.pace; 1.0: its cores').
+    overruns: its stretches of compute that ended later than their reference cost / speed
+    allowed (devices.pace): the host could not give the device its speed.
     """
 
     run: str
@@ -124,6 +126,7 @@ class InferenceRecord:
     correct: int | None = None
     tcp_retransmits: int | None = None  # segments the kernel resent to every peer meanwhile
     speed: float = 1.0
+    overruns: int = 0  # stretches of compute the host did not deliver by their target
 
 
 @dataclass

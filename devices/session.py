@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +33,12 @@ from tracevq.methods import Method
 from tracevq.partition import partition_sizes
 
 LOSS_GRACE_S = 0.3
+
+
+def keys(device_run: DeviceRun) -> float:
+    """What a block's attention works on: the keys each query attended, its own and the
+    peers' (Trace's unique remote keys: fewer where the codewords repeat)."""
+    return device_run.keys_attended
 
 
 def stamped(method: Method) -> bool:
@@ -82,8 +89,12 @@ class Session:
         """One inference; `label` ("inference 3 of run x", "warm-up 0 ...") names it in errors."""
         now = self.clock.now_ns
         resent = self._retransmits()
-        start, speed, stretch = now(), self.pace.speed, self.pace.stretch
-        with stretch():
+        start, speed, overruns = now(), self.pace.speed, self.pace.overruns
+
+        def stretch(name: str, size: Callable[[], float] | None = None) -> Any:
+            return self.pace.stretch((run, name), size)
+
+        with stretch("embed"):
             device_run = DeviceRun(
                 self.method, self.rank, self.devices, inputs, self.peer_names, self.sizes
             )
@@ -92,21 +103,21 @@ class Session:
         for block in range(self.depth):
             context = f"block {block} of {label}"
             block_start = now()
-            with stretch():
+            with stretch("begin"):
                 message = device_run.begin_block(block)
             self._post(outgoing, block, message, context)
-            with stretch():  # while the peers' messages for this block travel
+            with stretch("project"):  # while the peers' messages for this block travel
                 device_run.project_local(block)
             wait_start = now()
             incoming = self._collect(context) if device_run.exchanges_at(block) else {}
             wait_end = now() if incoming else wait_start
             messages = {peer: item.message for peer, item in incoming.items()}
-            with blaming(label), stretch():
+            with blaming(label), stretch("attend", lambda: keys(device_run)):
                 message = device_run.attend(block, messages)
             self._post(outgoing, block + 1, message, context)
             unique_keys.append(device_run.unique_remote_keys)
             ffn_start = now()
-            with blaming(label), stretch():  # a peer's keys and values can overflow the FFN
+            with blaming(label), stretch("ffn"):  # a peer's keys and values can overflow it
                 device_run.finish_block(block)
             ffn_end = now()
             marks.append((block_start, wait_start, wait_end, ffn_start, ffn_end))
@@ -124,7 +135,7 @@ class Session:
                 )
                 for peer, m in incoming.items()
             ]
-        with stretch():
+        with stretch("head"):
             logits = device_run.logits() if self.rank == 0 else None
         end = now()
         self._await_sends(outgoing, label)
@@ -136,6 +147,7 @@ class Session:
             record.unique_remote_keys = count
         record = self._inference_record(run, index, start, end, blocks)
         record.speed = speed
+        record.overruns = self.pace.overruns - overruns
         after = self._retransmits()
         if resent is not None and after is not None:
             record.tcp_retransmits = after - resent

@@ -72,6 +72,7 @@ class DeviceRun:
         self.z: Tensor | None = None
         self.local: tuple[Tensor, Tensor, Tensor] | None = None  # this block's own Q, K, V
         self.unique_remote_keys: int | None = None  # last attend's distinct remote rows (dedup)
+        self.keys_attended = 0  # last attend's keys per query, own and remote (its work)
         self._remote: dict[int, RemoteKV] = {}  # this block's peers' keys and values, by peer
 
     @property
@@ -115,6 +116,7 @@ class DeviceRun:
         if rows:
             remotes.append(self._unique_kv(block, rows))
         keys = torch.cat([k, *(r.k for r in remotes)], dim=2)  # (B, H, n_keys, d)
+        self.keys_attended = keys.shape[2]
         values = torch.cat([v, *(r.v for r in remotes)], dim=2)
         bias = None
         if any(r.bias is not None for r in remotes):  # log(count) per mean key or unique row
