@@ -207,6 +207,8 @@ def _run(args: argparse.Namespace) -> int:
         args.run_dir = run_dir
         prepare_run_dir(experiment, run_dir, trials, rows)
         print_plan(rows)
+        for count, dilation in checked.dilations.items():
+            print(f"P={count}: virtual time, {dilation.describe()}")
         print(f"plan written to {run_dir / 'plan.csv'}")
         return EXIT_OK
     args.run_dir = run_dir

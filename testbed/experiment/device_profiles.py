@@ -31,7 +31,7 @@ class DeviceProfile(Strict):
     cpus: float = Field(1.0, gt=0, le=1024, description="its cores")
     memory_mb: int | None = Field(None, ge=128, le=1_048_576, description="its memory")
     speed: float | None = Field(
-        None, gt=0, le=1, description="each core's speed, a fraction of a host core"
+        None, gt=0, le=100, description="each core's speed, a fraction of a host core"
     )
     gflops: float | None = Field(
         None, gt=0, le=1e6, description="or its fp32 GEMM rate on all its cores, GFLOP/s"

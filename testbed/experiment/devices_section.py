@@ -24,6 +24,7 @@ from testbed.experiment.link_section import rank_of
 from testbed.experiment.names import check_slug
 from testbed.experiment.strict import Strict, as_list, distinct
 
+MAX_SPEED = 100.0  # a host core's multiple: beyond 1 in virtual time (experiment.dilation)
 MAX_DEVICES = 254  # hosts of one /24 (the local backend's network)
 DEFAULT_CPUS, DEFAULT_MEMORY_MB, DEFAULT_SPEED = 1.0, 2048, 1.0
 PARTITIONS = ("even", "by_speed")
@@ -62,12 +63,9 @@ def _each(value: Any, where: str, check: Any) -> Any:
 def _speed(value: Any, where: str) -> None:
     _number(value, where, -math.inf, math.inf)
     if value <= 0:
-        raise ValueError(f"{where}: a speed is a fraction of a host core in (0, 1], got {value!r}")
-    if value > 1:
-        raise ValueError(
-            f"{where}: {value:g} is faster than the host's core (speed 1), which a device "
-            "here cannot be"
-        )
+        raise ValueError(f"{where}: a speed is a positive multiple of a host core, got {value!r}")
+    if value > MAX_SPEED:
+        raise ValueError(f"{where}: {value:g} is more than {MAX_SPEED:g} host cores per core")
 
 
 def _profile_name(value: Any, where: str) -> None:
@@ -163,11 +161,11 @@ class DevicesSection(FleetVariant):
     speed: Any = Field(
         None,
         json_schema_extra=PER_NUMBER,
-        description="each device's speed, a fraction of one host core in (0, 1] (default 1), "
-        "e.g. {1: 0.5}: "
+        description="each device's speed, a fraction of one host core (default 1; above 1 "
+        "in virtual time, `dilation`), e.g. {1: 0.5}: "
         + PER_DEVICE
         + "; a slower device's every stretch of compute takes 1/speed times as long "
-        "(dilation in the worker: docs/devices.md)",
+        "(docs/devices.md)",
     )
     gflops: Any = Field(
         None,

@@ -10,7 +10,8 @@ variants; this module resolves it for one device count and one variant:
 - A speed is a fraction of one host core per core. `gflops` (and a profile's) is an absolute
   rate on all the device's cores, turned into a speed with this host's core rate (measured
   once, `testbed.sweep.host_rate`): speed = gflops / (cpus x the host core's GFLOP/s). A
-  device faster than that cannot be emulated here and is refused, naming both rates.
+  device faster than a host core (a speed above 1) runs in virtual time, with a dilation
+  that makes it fit (testbed.experiment.dilation).
 - The partition: even, by_speed (tokens proportional to each device's rate: its measured
   GEMM rate at full speed times its speed; equal rates where none is measured yet, as in the
   plan) or the given token counts.
@@ -181,11 +182,4 @@ def _speed_of(gflops: float, cpus: float, rank: int, host_gflops: float | None) 
             f"devices.gflops: device {rank} asks for {gflops:g} GFLOP/s, and this host's core "
             "rate is not known (it is measured before the run)"
         )
-    speed = gflops / (cpus * host_gflops)
-    if speed > 1:
-        raise ConfigError(
-            f"devices.gflops: device {rank} asks for {gflops:g} GFLOP/s on {cpus:g} CPUs, where "
-            f"this host gives {cpus * host_gflops:.1f} GFLOP/s ({host_gflops:.1f} per core): a "
-            "device faster than the host cannot be emulated"
-        )
-    return speed
+    return gflops / (cpus * host_gflops)  # above 1: the dilation makes room for it

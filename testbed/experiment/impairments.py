@@ -44,7 +44,13 @@ NUMBERS: dict[str, tuple[float, float]] = {  # flat parameters: their ranges
 }
 GEMODEL = ("p_pct", "r_pct", "one_minus_h_pct", "one_minus_k_pct")
 STATE = ("p13_pct", "p31_pct", "p32_pct", "p23_pct", "p14_pct")
+TIMES_MS = ("delay_ms", "jitter_ms")  # what a dilation multiplies (testbed.experiment.dilation)
 NAMES = (*NUMBERS, "delay_distribution", "loss_gemodel", "loss_state", "reorder_gap")
+
+
+def dilated(parameters: Mapping[str, Any], factor: float) -> dict[str, Any]:
+    """netem's parameters with every time in them `factor` times as long."""
+    return {k: v * factor if k in TIMES_MS and v else v for k, v in parameters.items()}
 
 
 class ImpairmentError(ValueError):

@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from testbed.errors import ConfigError
 from testbed.experiment.impairments import NAMES as IMPAIRMENTS
-from testbed.experiment.impairments import ImpairmentError, checked, impaired
+from testbed.experiment.impairments import ImpairmentError, checked, dilated, impaired
 from testbed.experiment.strict import Strict, describe
 from testbed.experiment.yamlfile import load_yaml, named_file, names_in
 from testbed.source import PROFILES_DIR
@@ -156,6 +156,14 @@ class LinkProfile(Strict):
         merged = {**base, **variant}
         checked({k: v for k, v in merged.items() if k in IMPAIRMENTS})
         return LinkProfile.model_validate(merged)
+
+    def dilated(self, factor: float) -> LinkProfile:
+        """The profile on the host's clock in a session of dilation `factor`: every time in
+        it (delay, jitter, airtime, the queue's bound) `factor` times as long."""
+        if factor == 1:
+            return self
+        times = {name: getattr(self, name) * factor for name in ("airtime_us", "queue_latency_ms")}
+        return self.model_copy(update={**dilated(self.impairments(), factor), **times})
 
     @property
     def needs_netem(self) -> bool:

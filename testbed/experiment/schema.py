@@ -141,6 +141,10 @@ class ReportSection(Strict):
         return variant
 
 
+DEFAULT_DILATION = 1.0
+MAX_DILATION = 100.0
+
+
 class Experiment(Strict):
     """An experiment: what runs where, over which links, how often."""
 
@@ -178,12 +182,29 @@ class Experiment(Strict):
         le=MAX_TIMEOUT_S,
         description="per trial: a session gets this times its trials before its workers are killed",
     )
+    dilation: float | Literal["auto"] = Field(
+        DEFAULT_DILATION,
+        description="virtual time: every session runs d times slower on the host (link rates "
+        "/ d, delays, timeouts and the devices' compute x d) and its rows are divided back "
+        "by d, so that devices faster than the host, or more than its cores, keep their "
+        "own time; a number >= 1 or auto (the smallest d that leaves the fleet the host's "
+        "safe load; docs/devices.md, Virtual time)",
+    )
     timeline: list[Event] = Field(
         default_factory=list,
         description="what happens to a device during every session: each event at_s (seconds "
         "from the session's first measured inference) or at_inference, on a device, one of "
         "speed, pause_s, leave, link (see Event below; docs/devices.md)",
     )
+
+    @field_validator("dilation")
+    @classmethod
+    def _dilation(cls, value: float | str) -> float | str:
+        if value != "auto" and not 1 <= float(value) <= MAX_DILATION:
+            raise ValueError(
+                f"{value!r} is no dilation: a number in 1..{MAX_DILATION:g} (1: real time) or auto"
+            )
+        return value
 
     @field_validator("name")
     @classmethod

@@ -16,7 +16,7 @@ inference i), on one device (`device`: its rank), and is one of:
 Every session plays the whole timeline. Events on a device beyond a trial's count do not
 happen in that trial's sessions. What is refused here, before anything starts: an unknown
 device, an inference past the session's repeats, a time past the session's timeout, a speed
-outside (0, 1], a pause that overlaps a leave or anything after a device left, two events at
+outside (0, 100], a pause that overlaps a leave or anything after a device left, two events at
 the same moment on one device.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from testbed.experiment.devices_section import MAX_SPEED
 from testbed.experiment.impairments import ImpairmentError, checked
 from testbed.experiment.link_section import RATE_RANGE_MBIT
 from testbed.experiment.strict import Strict
@@ -50,7 +51,9 @@ class Event(Strict):
         "the trials of a session interleave, so all of them see it at the same round)",
     )
     device: int = Field(ge=0, description="the device's rank")
-    speed: float | None = Field(None, description="the device's new speed, in (0, 1]")
+    speed: float | None = Field(
+        None, description="the device's new speed, a fraction of a host core (as devices.speed)"
+    )
     pause_s: float | None = Field(None, gt=0, le=MAX_PAUSE_S, description="frozen this long")
     leave: bool | None = Field(None, description="true: the device stops")
     link: dict[str, Any] | None = Field(
@@ -62,10 +65,10 @@ class Event(Strict):
     @field_validator("speed")
     @classmethod
     def _speed(cls, speed: float | None) -> float | None:
-        if speed is not None and not 0 < speed <= 1:
+        if speed is not None and not 0 < speed <= MAX_SPEED:
             raise ValueError(
-                f"{speed:g} is not a speed in (0, 1]: a device here is at most as fast as the "
-                "host's core"
+                f"{speed:g} is not a speed in (0, {MAX_SPEED:g}]: a fraction of a host core "
+                "(above 1 in virtual time, experiment.dilation)"
             )
         return speed
 

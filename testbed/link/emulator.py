@@ -120,6 +120,7 @@ class Emulator(abc.ABC):
         self.uplinks: dict[int, LinkProfile] = {}  # a device's own (link.uplink_impairments)
         self.paths = PathImpairments()  # the later hops (impairs_paths emulators only)
         self.step: dict[str, float] = {}  # a replayed trace's step: its delay and loss
+        self.dilation = 1.0  # the sessions' (testbed.experiment.dilation): times x it
         self.seeds = {}
         self.attachments: dict[int, Attachment] = {}  # what `start` gave, by rank (Links)
 
@@ -129,11 +130,15 @@ class Emulator(abc.ABC):
         emulator gave each (`start`), else their own."""
         return [_attached(d, self.attachments.get(d.rank)) for d in self.backend.devices]
 
-    def uplink(self, rank: int) -> LinkProfile:
+    def virtual_uplink(self, rank: int) -> LinkProfile:
         """What the device of `rank` sends through: its own profile, else the link's, with
         the impairments of the trace's step in force laid over it."""
         profile = self.uplinks.get(rank, self.profile)
         return profile.with_impairments(self.step) if self.step else profile
+
+    def uplink(self, rank: int) -> LinkProfile:
+        """The same on the host's clock (its times x the dilation): what the emulator makes."""
+        return self.virtual_uplink(rank).dilated(self.dilation)
 
     @classmethod
     def refusal(

@@ -134,8 +134,12 @@ class Links:
         run_id: str,
         overrides: RateOverrides | None = None,
         paths: PathImpairments | None = None,
+        dilation: float = 1.0,
     ):
-        self.backend, self.profile = backend, profile
+        """`dilation`: the sessions' (testbed.experiment.dilation): everything here is in
+        virtual time, the emulator is given rates / dilation and times x dilation, and what
+        the probe measures is multiplied back."""
+        self.backend, self.profile, self.dilation = backend, profile, dilation
         self.overrides = overrides or RateOverrides()
         self.rates: LinkRates | None = None  # what `shape` set last
         paths = paths or PathImpairments()
@@ -143,8 +147,10 @@ class Links:
         refused = emulator.refusal(profile, type(backend), pair_rates, paths)
         if refused is not None:
             raise ShapingError(f"{refused.field}: {refused.why}")
+        self.paths = paths  # virtual; the emulator's are on the host's clock
         self.emulator = emulator(backend, profile, run_id)
-        self.emulator.paths = paths
+        self.emulator.dilation = dilation
+        self.emulator.paths = paths.dilated(dilation)
         self.emulator.attachments = self.emulator.start()
 
     @property
@@ -170,7 +176,7 @@ class Links:
         devices = self.devices
         rates = self.overrides.resolve(rate_mbit, len(devices))
         began = time.monotonic()
-        self.emulator.set_rates(rates, in_place=False)
+        self.emulator.set_rates(self.wall(rates), in_place=False)
         shaped = time.monotonic()
         self.rates = rates
         state = LinkState(
@@ -184,7 +190,7 @@ class Links:
         if state.medium == "shared" and len(devices) > 1:
             state.together_mbit = self._probe_together(rates, probe_seconds)
         state.shape_s, state.probe_s = shaped - began, time.monotonic() - shaped
-        self.emulator.impair(rates)  # after the probe, which checks the rate alone
+        self.emulator.impair(self.wall(rates))  # after the probe, which checks the rate alone
         for device in devices:
             state.impairments[device.rank], state.delay_ms[device.rank] = self._words(device.rank)
         state.impairment_seeds = dict(self.emulator.seeds)
@@ -201,7 +207,9 @@ class Links:
             key = f"{source}->{target}"
             target_mbit = with_airtime(rates.path_mbit(source, target), self.profile.airtime_us)
             byte_count = probe_bytes(target_mbit, probe_seconds)
-            measured = probe(self.backend, devices[source], devices[target], byte_count)
+            measured = self.dilation * probe(
+                self.backend, devices[source], devices[target], byte_count
+            )
             state.transfers[key] = {"target_mbit": target_mbit, "measured_mbit": measured}
             if state.transfer_flagged(key):
                 log.warning(
@@ -229,7 +237,7 @@ class Links:
             share_mbit = with_airtime(rates.uplink_mbit[rank], self.profile.airtime_us) / count
             receiver = devices[(rank + 1) % count]
             byte_count = probe_bytes(share_mbit, probe_seconds)
-            return probe(self.backend, devices[rank], receiver, byte_count, at_s)
+            return self.dilation * probe(self.backend, devices[rank], receiver, byte_count, at_s)
 
         with ThreadPoolExecutor(count) as pool:
             return dict(enumerate(pool.map(one, range(count))))
@@ -263,9 +271,9 @@ class Links:
         if impairments is not None:
             self.emulator.step = dict(impairments)
         rates = self.rates.scaled(rate_mbit)
-        self.emulator.set_rates(rates, in_place=True)
+        self.emulator.set_rates(self.wall(rates), in_place=True)
         if changed:
-            self.emulator.impair(rates, step)
+            self.emulator.impair(self.wall(rates), step)
         return {rank: self._words(rank)[0] for rank in range(rates.devices)}
 
     def set_device(self, rank: int, change: dict[str, object]) -> str:
@@ -280,20 +288,21 @@ class Links:
             uplinks = list(self.rates.uplink_mbit)
             uplinks[rank] = float(rate)
             self.rates = dataclasses.replace(self.rates, uplink_mbit=tuple(uplinks))
-            self.emulator.set_rates(self.rates, in_place=True)
+            self.emulator.set_rates(self.wall(self.rates), in_place=True)
         if impairments:
             laid = self.emulator.uplinks.get(rank, self.profile).with_impairments(impairments)
             self.emulator.uplinks[rank] = laid
-            self.emulator.impair(self.rates, step=1 + len(self.emulator.seeds))
+            self.emulator.impair(self.wall(self.rates), step=1 + len(self.emulator.seeds))
         return self._words(rank)[0]
 
     def _parameters(self, devices: int) -> dict[str, dict[str, Any]]:
         """Every hop's netem parameters in force, by hop: each uplink's, then the receivers'
         downlinks and the pairs that impair (testbed.link.paths)."""
         hops = {
-            str(rank): checked(self.emulator.uplink(rank).impairments()) for rank in range(devices)
+            str(rank): checked(self.emulator.virtual_uplink(rank).impairments())
+            for rank in range(devices)
         }
-        paths = self.emulator.paths.within(devices)
+        paths = self.paths.within(devices)
         later = {f"down{rank}": p for rank, p in paths.downlink.items()}
         later |= {f"{source}->{target}": p for (source, target), p in paths.pair.items()}
         for hop, parameters in later.items():
@@ -303,8 +312,12 @@ class Links:
 
     def _words(self, rank: int) -> tuple[str, float]:
         """The rank's uplink impairments as netem's words, and its one-way delay."""
-        values = checked(self.emulator.uplink(rank).impairments())
+        values = checked(self.emulator.virtual_uplink(rank).impairments())
         return " ".join(netem_options(values)), values["delay_ms"]
+
+    def wall(self, rates: LinkRates) -> LinkRates:
+        """`rates` on the host's clock: each divided by the dilation."""
+        return rates if self.dilation == 1 else rates.scaled(rates.swept_mbit / self.dilation)
 
     def counters(self) -> dict[int, LinkCounters]:
         """Per rank, what its link has done so far: bytes carried (its egress qdisc's counter)

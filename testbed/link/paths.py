@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from testbed.experiment.impairments import dilated
+
 if TYPE_CHECKING:
     from testbed.experiment.link_section import LinkSection
 
@@ -39,6 +41,13 @@ class PathImpairments:
         """What the two later hops add to the one-way delay from `source` to `target`."""
         hops = [self.pair.get((source, target), {}), self.downlink.get(target, {})]
         return sum(float(hop.get("delay_ms") or 0.0) for hop in hops)
+
+    def dilated(self, factor: float) -> PathImpairments:
+        """The same hops with every delay and jitter `factor` times as long (virtual time)."""
+        return PathImpairments(
+            {rank: dilated(p, factor) for rank, p in self.downlink.items()},
+            {pair: dilated(p, factor) for pair, p in self.pair.items()},
+        )
 
     def within(self, devices: int) -> PathImpairments:
         """Those of a trial of `devices` devices (ranks beyond it unused)."""

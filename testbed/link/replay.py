@@ -18,10 +18,11 @@ from testbed.link.traces import RateTrace
 
 
 class TraceReplay:
-    def __init__(self, set_rate: Callable[..., None], trace: RateTrace):
+    def __init__(self, set_rate: Callable[..., None], trace: RateTrace, dilation: float = 1.0):
         """`set_rate(rate_mbit)`, or for a trace with impairments `set_rate(rate_mbit,
-        impairments, step)` (`Links.set_rate`)."""
-        self.set_rate, self.trace = set_rate, trace
+        impairments, step)` (`Links.set_rate`); `dilation`: the session's, which makes
+        every step that many times as long on the host."""
+        self.set_rate, self.trace, self.dilation = set_rate, trace, dilation
         self.asked_ns: list[int] = []  # when each change was started
         self.applied_ns: list[int] = []  # when each rate was in force (the change returned)
         self.applied_mbit: list[float] = []
@@ -57,7 +58,7 @@ class TraceReplay:
         next(steps)  # applied by start()
         try:
             for at_s, rate in steps:
-                delay = self.start_ns / 1e9 + at_s - time.time()
+                delay = self.start_ns / 1e9 + at_s * self.dilation - time.time()
                 if self._stop.wait(max(delay, 0.0)):
                     return
                 self._apply(at_s, rate)

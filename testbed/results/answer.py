@@ -79,7 +79,7 @@ def answer_lines(results: Results) -> list[str]:
     for devices in sorted(ok["devices"].unique()):
         at = effective.loc[devices]
         n = int(at["n"].max())
-        title = f"P={devices} {model} ({n} repetitions)"
+        title = f"P={devices} {model} ({n} repetitions{_dilation(ok, devices)})"
         heads = "".join(f"{head:>{EXTRA_WIDTH}}" for head in extra)
         lines += [
             "",
@@ -122,7 +122,45 @@ def answer_lines(results: Results) -> list[str]:
         ]
     lines += _impairment_lines(ok) + _delay_lines(results) + fleet_lines(results)
     lines += cell_lines(results)
-    return lines + _stall_lines(ok)
+    return lines + _stall_lines(ok) + _overrun_lines(ok) + _lossy_dilation_lines(ok)
+
+
+def _dilation(ok: pd.DataFrame, devices: int) -> str:
+    """', virtual time d = 2.5' where the device count's sessions were dilated."""
+    if "dilation" not in ok:
+        return ""
+    factors = sorted(ok.loc[ok["devices"] == devices, "dilation"].dropna().unique())
+    shown = [f"{d:g}" for d in factors if d != 1]
+    return f", virtual time d = {'/'.join(shown)}" if shown else ""
+
+
+def _overrun_lines(ok: pd.DataFrame) -> list[str]:
+    """A note when the host did not deliver some devices' paced compute in time."""
+    if "overruns" not in ok or not (ok["overruns"].fillna(0) > 0).any():
+        return []
+    hit = ok[ok["overruns"].fillna(0) > 0]
+    return [
+        "",
+        f"overruns: the host was late with {int(hit['overruns'].sum())} stretches of compute "
+        f"in {len(hit)} of {len(ok)} device inferences (overruns): their compute reads longer "
+        "than the devices' speeds say; a larger dilation gives the host more room",
+    ]
+
+
+def _lossy_dilation_lines(ok: pd.DataFrame) -> list[str]:
+    """Loss or duplication in a dilated session: TCP's timers keep the host's clock."""
+    if "dilation" not in ok or not impaired(ok) or not (ok["dilation"] > 1).any():
+        return []
+    words = ok.loc[ok["dilation"] > 1, "impairments"].fillna("").astype(str)
+    if not words.str.contains("loss|duplicate|reorder").any():
+        return []
+    return [
+        "",
+        "virtual time with loss: the kernel's TCP timers (minimum RTO 200 ms, delayed ACK, "
+        "tail-loss probe) keep the host's clock, so in a session of dilation d a "
+        "retransmission's wait reads d times shorter: the tail above understates the stalls "
+        "loss causes (docs/devices.md, What is not dilated)",
+    ]
 
 
 def _delay_lines(results: Results) -> list[str]:

@@ -211,6 +211,15 @@ CONTEXT = _table(
                                                   and still in force (speed, link), each as
                                                   `leave d1 at 2 s`, joined by '; '
     oversubscribed               boolean  -       devices x cpus exceed the host's cores
+    dilation                     float64  -       virtual time: the session ran this many times
+                                                  slower on the host (link rates / d, delays,
+                                                  timeouts and compute x d) and every time and
+                                                  rate of the row was brought back by d
+                                                  (experiment.dilation; 1: real time)
+    overruns                     Int64    -       stretches of this device's compute that the
+                                                  host did not deliver by their paced target
+                                                  during this inference (devices.pace): its
+                                                  compute is longer than its speed says
     session_s                    float64  s       wall time of the session's workers (start to last
                                                   exit: loading, handshake, warm-ups and every trial
                                                   of the session)

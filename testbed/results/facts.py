@@ -64,6 +64,7 @@ class RunFacts:
     shared_clock: bool = False
     # each device's GEMM rate at full speed when the devices started (GFLOP/s), by rank
     gflops: dict[int, float] = field(default_factory=dict)
+    dilation: float = 1.0  # virtual time: the session ran this many times slower on the host
 
 
 @dataclass(frozen=True)

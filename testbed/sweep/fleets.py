@@ -92,16 +92,18 @@ def session_fleet(
     host_gflops: float | None,
     gflops: dict[int, float],
     live_out: dict[int, Path | None],
+    dilation: float = 1.0,
 ) -> tuple[Fleet, SessionFleet]:
     """A session's devices (its trials share a fleet variant): the fleet, and what its
     workers are told: the partition in force, their speeds, the timeline (None when no
-    event concerns these devices). `live_out`: where the host reads each device's output."""
+    event concerns these devices), in virtual time of `dilation`. `live_out`: where the
+    host reads each device's output."""
     fleet = trial_fleet(experiment, trials[0], host_gflops)
     sizes = fleet.sizes(model_config(experiment.model.name).tokens, gflops)
     count = len(fleet.shares)
     timeline = None
     if any(event.device < count for event in experiment.timeline):
         timeline = SessionTimeline(
-            experiment.timeline, count, directory, fleet.speeds, live_out.__getitem__
+            experiment.timeline, count, directory, fleet.speeds, live_out.__getitem__, dilation
         )
-    return fleet, SessionFleet(sizes, fleet.speeds, timeline)
+    return fleet, SessionFleet(sizes, fleet.speeds, timeline, dilation=dilation)

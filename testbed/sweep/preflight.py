@@ -9,6 +9,7 @@ Relative paths are taken from the working directory, as the run later reads them
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from testbed.backends.base import Backend
 from testbed.backends.table import backend_class
 from testbed.errors import ConfigError
+from testbed.experiment.dilation import Dilation, resolve_dilation
 from testbed.experiment.fleet import resources
 from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.level_accuracy import check_covered, load_level_accuracy
@@ -51,6 +53,7 @@ class Checked:
     backend: type[Backend]
     emulator: type[Emulator]
     host_gflops: float | None = None  # this host's core rate, where a device's speed needs it
+    dilations: dict[int, Dilation] = dataclasses.field(default_factory=dict)  # by device count
 
 
 def check_experiment(experiment: Experiment, backend_name: str, source: str) -> Checked:
@@ -76,7 +79,26 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
             if field == "link.medium" and not experiment.link.medium:  # the profile's medium
                 field = "link.profile"
             raise ConfigError(f"{source}: {field}: {refused.why}")
-    return Checked(profile, backend, emulator, host_gflops)
+    return Checked(
+        profile,
+        backend,
+        emulator,
+        host_gflops,
+        _dilations(experiment, host_gflops, emulator, source),
+    )
+
+
+def _dilations(
+    experiment: Experiment, host_gflops: float | None, emulator: type[Emulator], source: str
+) -> dict[int, Dilation]:
+    """Every device count's dilation; ConfigError where a fixed one is too low."""
+    try:
+        return {
+            count: resolve_dilation(experiment, count, host_gflops, emulator.name)
+            for count in experiment.devices.count
+        }
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
 
 
 def _check_shared_medium(experiment: Experiment, variant: LinkProfile, source: str) -> None:

@@ -60,6 +60,7 @@ from testbed.sweep.plan import (
 from testbed.sweep.preflight import check_experiment
 from testbed.sweep.progress import TrialProgress
 from testbed.sweep.sessions import WORKER_PORT, SessionOutcome, run_session, session_id
+from testbed.sweep.virtual_time import virtual
 
 PlanRows = dict[tuple[str, int], PlanRow]
 
@@ -125,6 +126,7 @@ class Runner:
         self.sessions = 0  # sessions started: each gets its own worker port
         self.start_s: dict[int, float] = {}  # by device count: how long starting them took
         self.gflops: dict[int, float] = {}  # the started devices' GEMM rates, by rank
+        self.dilations = checked.dilations  # by device count (testbed.experiment.dilation)
 
     def run(self, resume: bool = False) -> RunOutcome:
         """Runs every trial (those without results, when resuming) holding the run's lock."""
@@ -196,8 +198,10 @@ class Runner:
             self.gflops = fleets.measure_devices(backend, backend.devices, model)
             overrides = rate_overrides(self.experiment.link)
             paths = PathImpairments.of(self.experiment.link)
+            dilation = self.dilations[count]
+            voice.say(f"P={count}: virtual time, {dilation.describe()}")
             with Links(
-                backend, self.profile, self.emulator, self.run_id, overrides, paths
+                backend, self.profile, self.emulator, self.run_id, overrides, paths, dilation.factor
             ) as links:
                 self._write_environment(backend, links.devices, count)
                 by_link = itertools.groupby(
@@ -249,11 +253,14 @@ class Runner:
         backend = links.backend
         port = WORKER_PORT + self.sessions % 1000
         self.sessions += 1
-        replay = None if self.trace is None else TraceReplay(links.set_rate, self.trace)
+        dilation = links.dilation
+        replay = None
+        if self.trace is not None:
+            replay = TraceReplay(links.set_rate, self.trace, dilation)
         outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
         live = {rank: backend.live_output(backend.devices[rank], out) for rank, out in outs.items()}
         fleet, session = fleets.session_fleet(
-            self.experiment, trials, directory, self.host_gflops, self.gflops, live
+            self.experiment, trials, directory, self.host_gflops, self.gflops, live, dilation
         )
         session.set_link = links.set_device
         if fleet.partition == "by_speed":  # the measured rates may move a token or two
@@ -273,9 +280,10 @@ class Runner:
             links.devices,
             session,
         )
+        result = virtual(result, dilation)  # the one place its times are divided by d
         if replay is not None:
             self._save_replay(replay, name)
-        run = self._run_facts(backend)
+        run = self._run_facts(backend, dilation)
         for trial in trials:
             ranks = {rank: plan[(trial.trial_id, rank)] for rank in range(trial.devices)}
             facts = RowFacts(ranks, run, link, result.facts, self.level_accuracy)
@@ -304,8 +312,9 @@ class Runner:
         combine(self.run_dir)
         return result
 
-    def _run_facts(self, backend: Backend) -> RunFacts:
+    def _run_facts(self, backend: Backend, dilation: float = 1.0) -> RunFacts:
         return RunFacts(
+            dilation=dilation,
             run_id=self.run_id,
             backend=backend.name,
             emulator=self.emulator.name,
@@ -350,6 +359,7 @@ class Runner:
             "oversubscribed": backend.oversubscribed,
             "devices": [d.__dict__ for d in devices],
             "gflops": self.gflops,
+            "dilation": dataclasses.asdict(self.dilations[count]),
         }
         if self.host_gflops is not None:
             facts["host_core_gflops"] = self.host_gflops

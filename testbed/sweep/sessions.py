@@ -80,6 +80,7 @@ class SessionFleet:
     speeds: list[float]
     timeline: SessionTimeline | None = None
     set_link: Callable[[int, dict[str, object]], str] | None = None  # Links.set_device
+    dilation: float = 1.0  # virtual time (testbed.experiment.dilation): the host's x it
 
 
 def session_id(trial: Trial) -> str:
@@ -107,6 +108,7 @@ def device_spec(
         return None if path is None else Path(backend.device_path(path))
 
     timeline = None if fleet is None else fleet.timeline
+    d = 1.0 if fleet is None else fleet.dilation
 
     runs = [
         MethodRun(
@@ -130,13 +132,13 @@ def device_spec(
         threads=device.threads,
         inputs=seen(files.inputs),
         out=Path(backend.output_path(device, out)),
-        connect_timeout_s=CONNECT_TIMEOUT_S,
-        recv_timeout_s=experiment.timeout_s,
-        rate_mbit=link.measured_mbit.get(device.rank, link.rate_mbit),
+        connect_timeout_s=CONNECT_TIMEOUT_S * d,
+        recv_timeout_s=experiment.timeout_s * d,
+        rate_mbit=link.measured_mbit.get(device.rank, link.rate_mbit) / d,
         clock_skew_s=backend.clock_skews_s.get(device.rank, 0.0),
         secret_file=backend.secret_files.get(device.rank),
         partition=None if fleet is None else fleet.sizes,
-        speed=1.0 if fleet is None else fleet.speeds[device.rank],
+        speed=1.0 if fleet is None else fleet.speeds[device.rank] / d,
         control_file=None if timeline is None else seen(timeline.controls[device.rank]),
         holds=[] if timeline is None else timeline.holds(device.rank),
     )
@@ -236,8 +238,11 @@ def run_session(
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
     before = link_counters()
     started, started_ns = time.monotonic(), time.time_ns()
-    deadline_s = experiment.timeout_s * len(trials)
+    d = 1.0 if fleet is None else fleet.dilation
+    deadline_s = experiment.timeout_s * len(trials) * d
     why = f"timeout_s {experiment.timeout_s:g} s x {len(trials)} trials"
+    if d != 1:
+        why += f" x dilation {d:g}"
 
     def play(processes: list[Process]) -> None:
         if timeline is not None:

@@ -59,9 +59,12 @@ class SessionTimeline:
         directory: Path,
         speeds: list[float],
         live_out: Callable[[int], Path | None],
+        dilation: float = 1.0,
     ):
         """`speeds`: each device's at the start; `live_out(rank)`: the host path of the
-        worker's output folder while it runs (None: the backend cannot show it)."""
+        worker's output folder while it runs (None: the backend cannot show it); `dilation`:
+        the session's (its times x it on the host, the speeds the workers get / it)."""
+        self.dilation = dilation
         self.events = [(i, e) for i, e in enumerate(events) if e.device < count]
         self.controls = {rank: directory / f"rank{rank}" / CONTROL_FILE for rank in range(count)}
         self.speeds = list(speeds)
@@ -85,7 +88,7 @@ class SessionTimeline:
     def write_controls(self) -> None:
         for rank, path in self.controls.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_control(path, self.speeds[rank], 0)
+            write_control(path, self.speeds[rank] / self.dilation, 0)
 
     @property
     def left(self) -> AppliedEvent | None:
@@ -152,7 +155,7 @@ class SessionTimeline:
             return self._round_start(event.device, event.at_inference)
         if self.origin_ns is None or event.at_s is None:
             return None
-        due = self.origin_ns + round(event.at_s * 1e9)
+        due = self.origin_ns + round(event.at_s * self.dilation * 1e9)
         return due if now_ns >= due else None
 
     def _apply(self, index: int, event: Event, asked_ns: int) -> None:
@@ -161,11 +164,11 @@ class SessionTimeline:
         applied = AppliedEvent(index, event.kind_name, rank, event.label(), asked_ns=asked_ns)
         if event.speed is not None:
             self.speeds[rank] = event.speed
-            write_control(self.controls[rank], event.speed, self.released[rank])
+            write_control(self.controls[rank], event.speed / self.dilation, self.released[rank])
             self._supersede("speed", rank)
         elif event.pause_s is not None:
             hands.backend.pause(hands.devices[rank])
-            applied.due_end_ns = time.time_ns() + round(event.pause_s * 1e9)
+            applied.due_end_ns = time.time_ns() + round(event.pause_s * self.dilation * 1e9)
         elif event.leave:
             assert hands.processes is not None, "the workers run before an event is applied"
             hands.processes[rank].terminate()
@@ -177,7 +180,8 @@ class SessionTimeline:
         log.debug("timeline: %s applied %.1f ms after its time", event.label(), applied.delay_ms)
         if event.at_inference is not None and not event.leave:
             self.released[rank] += 1
-            write_control(self.controls[rank], self.speeds[rank], self.released[rank])
+            speed = self.speeds[rank] / self.dilation
+            write_control(self.controls[rank], speed, self.released[rank])
 
     def _supersede(self, kind: str, rank: int) -> None:
         """An earlier speed or link event of the device ends where this one starts."""

@@ -54,7 +54,14 @@ CASES: list[tuple[str, str, str]] = [
     ("cpus-word", exp("devices: {cpus: fast}\n"), "devices.cpus: cpus: a number, got 'fast'"),
     ("memory-small-one", exp("devices: {memory_mb: {0: 64}}\n"), "64 is not in 128..1,048,576"),
     ("speed-zero", exp("devices: {speed: {1: 0}}\n"), "devices.speed: device 1: a speed is"),
-    ("speed-fast", exp("devices: {speed: [1, 1.5]}\n"), "device 1: 1.5 is faster than the host"),
+    (
+        "speed-fast",
+        exp("devices: {speed: [1, 1.5]}\n"),
+        "dilation: 1 is too low for P=2: device 1 computes at 1.50 of a host core "
+        "per core, which needs a dilation of at least 1.50 (dilation: auto picks",
+    ),
+    ("speed-past-max", exp("devices: {speed: {1: 250}}\n"), "device 1: 250 is more than 100"),
+    ("dilation-low", exp("dilation: 0.5\n"), "dilation: 0.5 is no dilation: a number in 1..100"),
     ("speed-rank-out", exp("devices: {speed: {2: 0.5}}\n"), "devices.speed: device 2 does not"),
     ("gflops-negative", exp("devices: {gflops: -3}\n"), "devices.gflops: gflops: -3 is not in"),
     (
@@ -92,7 +99,12 @@ CASES: list[tuple[str, str, str]] = [
         exp("timeout_s: 30\ntimeline: [{at_s: 40, device: 1, speed: 0.5}]\n"),
         "timeline[0].at_s: 40 s is past the session",
     ),
-    ("event-fast", exp("timeline: [{at_s: 1, device: 1, speed: 2}]\n"), "timeline[0].speed: 2 is"),
+    (
+        "event-fast",
+        exp("timeline: [{at_s: 1, device: 1, speed: 2}]\n"),
+        "dilation: 1 is too low for P=2: device 1 computes at 2.00 of a host core per core",
+    ),
+    ("event-past-max", exp("timeline: [{at_s: 1, device: 1, speed: 101}]\n"), "101 is not a"),
     (
         "event-two-kinds",
         exp("timeline: [{at_s: 1, device: 1, speed: 0.5, leave: true}]\n"),
@@ -785,15 +797,29 @@ def test_a_level_table_beside_a_given_bundle(capsys, tmp_path, small_bundle, bod
     assert expected in refused(capsys, tmp_path, [str(path)])
 
 
-def test_a_device_faster_than_the_host_is_refused_naming_both_rates(capsys, tmp_path, monkeypatch):
+def test_a_device_faster_than_the_host_needs_a_dilation_naming_both_rates(
+    capsys, tmp_path, monkeypatch
+):
     monkeypatch.setenv("TESTBED_HOST_GFLOPS", "80")
     path = tmp_path / "fast.yaml"
     path.write_text(exp("devices: {gflops: {1: 5000}}\n"))
     line = refused(capsys, tmp_path, [str(path)])
-    assert "device 1 asks for 5000 GFLOP/s on 1 CPUs, where this host gives 80.0 GFLOP/s" in line
+    assert (
+        "dilation: 1 is too low for P=2: device 1 (gflops 5000: 5000.0 GFLOP/s on 1 CPUs, "
+        "where this host gives 80.0 per core) computes at 62.50 of a host core per core, "
+        "which needs a dilation of at least 62.50" in line
+    )
     path.write_text(exp("devices: {profile: {0: paper-device}}\n"))
     line = refused(capsys, tmp_path, [str(path)])
-    assert "device 0 asks for 182 GFLOP/s on 2 CPUs, where this host gives 160.0 GFLOP/s" in line
+    assert (
+        "device 0 (profile paper-device: 182.0 GFLOP/s on 2 CPUs, where this host gives 80.0 "
+        "per core) computes at 1.14 of a host core per core, which needs a dilation of at "
+        "least 1.14" in line
+    )
+    path.write_text(exp("dilation: auto\ndevices: {profile: {0: paper-device}}\n"))
+    assert main([str(path), "--dry-run", "--out", str(tmp_path / "out")]) == 0
+    said = capsys.readouterr()
+    assert "virtual time" in said.out + said.err, said
 
 
 def test_a_rate_in_a_fleet_variant_is_planned_with_the_host_rate(capsys, tmp_path, monkeypatch):

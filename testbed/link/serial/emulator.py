@@ -114,7 +114,7 @@ class SerialEmulator(Emulator):
         the impairments, so that the probe measures the rate alone; `impair` adds them
         again."""
         assert self.switch is not None
-        medium = (self.profile.medium, self.profile.airtime_us)
+        medium = (self.profile.medium, self.profile.dilated(self.dilation).airtime_us)
         if medium != self.medium:  # a trial of link.medium's other medium
             self.switch.set_medium(medium[0] == "shared", medium[1])
             self.medium = medium

@@ -1,0 +1,119 @@
+"""Virtual time: the dilation factor d of an experiment's sessions (docs/devices.md, Virtual
+time; DESIGN.md section 10).
+
+In a dilated session everything that takes time takes d times as long on the host: the
+links carry rate / d, their delays, jitter, airtime and queue bounds are d times theirs, the
+timeline's times and every timeout are d times theirs, and every device computes at its
+speed / d (devices.pace). What the workers, the emulator and the probe record is divided by d
+once (testbed.sweep.virtual_time), so the rows read as the experiment asked. The host then
+gives the fleet 1/d of the cores it asks for: room for devices that together, or one by one,
+are faster than the host.
+
+`experiment.dilation` is a number >= 1 or `auto`: the smallest d (in steps of STEP) that
+leaves the fleet's demand within the host's safe load: every device's CPUs x its fastest
+speed (a fraction of a host core per core; a gflops rate's speed may be above 1), divided by
+d, at most SAFE_LOAD of the host's cores less the emulator's reserve, and each device's own
+threads at most PER_THREAD_LOAD of a core. A fixed d below what the fleet needs is refused,
+naming the d that would do.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from testbed.errors import ConfigError
+from testbed.experiment.fleet import fleet_variant_keys, resolve_fleet
+
+if TYPE_CHECKING:
+    from testbed.experiment.schema import Experiment
+
+# the share of the host's cores the devices' paced compute may take on average: above it,
+# the paced stretches of devices that compute at once start to overrun (bench/bench_dilation.py)
+SAFE_LOAD = 0.6
+PER_THREAD_LOAD = 0.8  # one device's thread: the rest of its core is its pace's slack
+EMULATOR_RESERVE_CORES = {"serial": 0.25}  # the userspace link's switch; tbf is the kernel's
+STEP = 0.25
+
+
+@dataclass(frozen=True)
+class Dilation:
+    """The dilation of one device count's sessions, and why."""
+
+    factor: float
+    demand_cores: float  # what the fleet asks for at its virtual speeds, in host cores
+    fastest: float  # the fastest device's speed per core (a fraction of a host core)
+    budget_cores: float  # what the host gives it safely
+    asked: str  # "auto" or the experiment's number
+
+    @property
+    def needed(self) -> float:
+        return needed_factor(self.demand_cores, self.fastest, self.budget_cores)
+
+    def describe(self) -> str:
+        """For the plan: 'd = 2.5 (auto): the fleet asks 2.00 host cores, 1.15 are safe'."""
+        why = (
+            f"the fleet asks {self.demand_cores:.2f} host cores (fastest device "
+            f"{self.fastest:.2f} of a core per core), {self.budget_cores:.2f} are safe here"
+        )
+        if self.factor < self.needed:
+            why += f"; auto would pick {self.needed:g} (below it the devices' compute may overrun)"
+        return f"d = {self.factor:g} ({self.asked}): {why}"
+
+
+def needed_factor(demand_cores: float, fastest: float, budget_cores: float) -> float:
+    """The smallest d in steps of STEP (at least 1) that fits the demand in the budget."""
+    raw = max(1.0, demand_cores / budget_cores, fastest / PER_THREAD_LOAD)
+    return math.ceil(raw / STEP - 1e-9) * STEP
+
+
+def host_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def fleet_demand(
+    experiment: Experiment, count: int, host_gflops: float | None
+) -> tuple[float, float, str]:
+    """(host cores the `count` devices ask for at once at their fastest, the fastest speed
+    per core, which device that is): over every fleet variant, each device at the fastest
+    speed its timeline gives."""
+    devices, demand, fastest, which = experiment.devices, 0.0, 0.0, ""
+    for key in fleet_variant_keys(devices):
+        fleet = resolve_fleet(devices, count, key, host_gflops)
+        total = 0.0
+        for share in fleet.shares:
+            events = [e for e in experiment.timeline if e.device == share.rank and e.speed]
+            speed = max([share.speed, *(e.speed or 0 for e in events)])
+            total += share.cpus * speed
+            if speed > fastest:
+                fastest, which = speed, f"device {share.rank}"
+                if share.source.startswith(("gflops", "profile")) and host_gflops:
+                    which += (
+                        f" ({share.source}: {speed * share.cpus * host_gflops:.1f} GFLOP/s on "
+                        f"{share.cpus:g} CPUs, where this host gives {host_gflops:.1f} per core)"
+                    )
+        demand = max(demand, total)
+    return demand, fastest, which
+
+
+def resolve_dilation(
+    experiment: Experiment, count: int, host_gflops: float | None, emulator: str, cores: int | None = None
+) -> Dilation:
+    """The dilation of `count` devices' sessions. ConfigError names `dilation` where the
+    experiment's fixed d is below what the fleet needs."""
+    demand, fastest, which = fleet_demand(experiment, count, host_gflops)
+    budget = SAFE_LOAD * (cores or host_cores()) - EMULATOR_RESERVE_CORES.get(emulator, 0.0)
+    asked = experiment.dilation
+    need = needed_factor(demand, fastest, budget)
+    if asked == "auto":
+        return Dilation(need, demand, fastest, budget, "auto")
+    chosen = Dilation(float(asked), demand, fastest, budget, f"{asked:g}")
+    if fastest > asked:  # no pace can make a device faster than the host's core
+        raise ConfigError(
+            f"dilation: {asked:g} is too low for P={count}: {which} computes at "
+            f"{fastest:.2f} of a host core per core, which needs a dilation of at least "
+            f"{fastest:.2f} (dilation: auto picks {need:g})"
+        )
+    return chosen
