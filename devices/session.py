@@ -91,8 +91,10 @@ class Session:
         resent = self._retransmits()
         start, speed, overruns = now(), self.pace.speed, self.pace.overruns
 
-        def stretch(name: str, size: Callable[[], float] | None = None) -> Any:
-            return self.pace.stretch((run, name), size)
+        def stretch(name: str, size: Callable[[], float] | None = None, block: int = -1) -> Any:
+            """A paced stretch, its kind (its reference) the run's `name` where the blocks
+            after the first do the same work (the first may send what the others do not)."""
+            return self.pace.stretch((run, name, "first" if block == 0 else ""), size)
 
         with stretch("embed"):
             device_run = DeviceRun(
@@ -103,21 +105,24 @@ class Session:
         for block in range(self.depth):
             context = f"block {block} of {label}"
             block_start = now()
-            with stretch("begin"):
+            with stretch("begin", block=block):
                 message = device_run.begin_block(block)
             self._post(outgoing, block, message, context)
-            with stretch("project"):  # while the peers' messages for this block travel
+            with stretch("project", block=block):  # while the peers' messages for this block travel
                 device_run.project_local(block)
             wait_start = now()
             incoming = self._collect(context) if device_run.exchanges_at(block) else {}
             wait_end = now() if incoming else wait_start
             messages = {peer: item.message for peer, item in incoming.items()}
-            with blaming(label), stretch("attend", lambda: keys(device_run)):
+            with blaming(label), stretch("attend", lambda: keys(device_run), block):
                 message = device_run.attend(block, messages)
             self._post(outgoing, block + 1, message, context)
             unique_keys.append(device_run.unique_remote_keys)
             ffn_start = now()
-            with blaming(label), stretch("ffn"):  # a peer's keys and values can overflow it
+            with (
+                blaming(label),
+                stretch("ffn", block=block),
+            ):  # a peer's keys and values can overflow it
                 device_run.finish_block(block)
             ffn_end = now()
             marks.append((block_start, wait_start, wait_end, ffn_start, ffn_end))

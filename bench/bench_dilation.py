@@ -1,0 +1,200 @@
+"""Virtual time, side by side: does a device's time stay its own (docs/devices.md, Virtual time)?
+
+Each study runs real experiments (`python -m testbed.run`, ViT-B/16, the serial emulator, the
+local backend: network namespaces and cgroups on this host) and prints ratios measured in the
+same invocation, the variants interleaved round by round:
+
+- `invariance`: P = 2, both devices at speed 0.4, every method, 2 and 10 Mbit/s, at d = 1, 2
+  and 4: each method's median effective, compute and comm at d over d = 1 (the bar: within
+  5%);
+- `robustness`: P = 3, device 2 at half its peers' speed, d = auto, run quiet and beside one
+  spinning process: every device's median block and each method's effective, busy over quiet
+  (the bars: 3% and 5%);
+- `peers`: device 0 at speed 0.4 beside peers at 0.4, 0.2 and 0.8 (a fleet variant each),
+  d = auto, twice: its median block in each, over the first, and its block's p95 / median
+  (the bars: 3% and 1.3).
+
+Usage: python -m bench.bench_dilation [invariance|robustness|peers ...] [--rounds N]
+       [--quick] (10 Mbit/s, Voltage and Trace-b only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+METHODS = [
+    {"name": "voltage"},
+    {"name": "prism", "segment": 10},
+    {"name": "astra", "K": 1024},
+    {"name": "trace-nb", "K": 1024},
+    {"name": "trace-b", "K": 1024, "level_k": 32},
+]
+QUICK_METHODS = [METHODS[0], METHODS[4]]
+
+
+def experiment(name: str, devices: dict, rates: list[float], methods: list, dilation) -> dict:
+    return {
+        "name": name,
+        "model": {"name": "vit-b16"},
+        "backend": "local",
+        "devices": {"cpus": 1, "memory_mb": 3072, **devices},
+        "link": {"profile": "ideal", "emulator": "serial", "bandwidth_mbit": rates},
+        "methods": methods,
+        "bundle": {"calibration_inputs": 8},
+        "repeats": 5,
+        "warmup": 1,
+        "timeout_s": 900,
+        "dilation": dilation,
+    }
+
+
+@contextlib.contextmanager
+def spinning(busy: bool) -> Iterator[None]:
+    """One process that spins on the host's CPU while the block runs (busy), or none."""
+    spinner = None
+    if busy:
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+
+
+def run(config: dict, folder: Path, busy: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The experiment's trials and layers."""
+    path = folder / f"{config['name']}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = folder / "out"
+    with spinning(busy):
+        done = subprocess.run(
+            [sys.executable, "-m", "testbed.run", str(path), "--out", str(out), "-q"],
+            capture_output=True,
+            text=True,
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"{config['name']}: {done.stderr.strip() or done.stdout[-500:]}")
+    run_dir = max((out / config["name"]).iterdir())
+    return pd.read_parquet(run_dir / "trials.parquet"), pd.read_parquet(run_dir / "layers.parquet")
+
+
+def per_method(trials: pd.DataFrame) -> pd.DataFrame:
+    """Per (rate, method): the median over repetitions of the slowest device's effective, and
+    the medians of the devices' compute and comm."""
+    ok = trials[trials["status"] == "ok"]
+    keys = ["bandwidth_mbit", "method", "repeat"]
+    slowest = ok.groupby(keys).agg(
+        effective_ms=("effective_ms", "max"),
+        compute_ms=("compute_ms", "mean"),
+        comm_ms=("comm_ms", "mean"),
+    )
+    return slowest.groupby(["bandwidth_mbit", "method"]).median()
+
+
+def ratio_table(frames: dict[str, pd.DataFrame], base: str) -> str:
+    lines = []
+    columns = ["effective_ms", "compute_ms", "comm_ms"]
+    head = f"{'rate':>5} {'method':10}" + "".join(f"{base + ' ' + c:>24}" for c in columns)
+    lines.append(head + "".join(f"{name + '/' + base:>14}" for name in frames if name != base))
+    reference = frames[base]
+    worst = 0.0
+    for (rate, method), row in reference.iterrows():
+        cells = "".join(f"{row[c]:>24.1f}" for c in columns)
+        for name, frame in frames.items():
+            if name == base:
+                continue
+            ratios = [frame.loc[(rate, method), c] / row[c] for c in columns]
+            worst = max(worst, *(abs(r - 1) for r in ratios))
+            cells += f"{'/'.join(f'{r:.3f}' for r in ratios):>14}"
+        lines.append(f"{rate:>5g} {method:10}{cells}")
+    lines.append(f"worst ratio off 1: {100 * worst:.1f}% (effective/compute/comm in each cell)")
+    return "\n".join(lines)
+
+
+def invariance(folder: Path, rounds: int, quick: bool) -> None:
+    rates, methods = ([10], QUICK_METHODS) if quick else ([2, 10], METHODS)
+    runs: dict[str, list[pd.DataFrame]] = {}
+    for _ in range(rounds):
+        for d in (1, 2, 4):
+            config = experiment(f"invariance-d{d}", {"count": [2], "speed": 0.4}, rates, methods, d)
+            runs.setdefault(f"d={d}", []).append(run(config, folder)[0])
+    frames = {name: per_method(pd.concat(parts)) for name, parts in runs.items()}
+    print("invariance: P=2, speeds 0.4, 0.4; medians, and each d over d = 1")
+    print(ratio_table(frames, "d=1"))
+
+
+def blocks(layers: pd.DataFrame) -> pd.Series:
+    """Per device: its blocks' compute (ms)."""
+    return layers[layers["status"] == "ok"].groupby("rank")["compute_ms"].apply(list)
+
+
+def robustness(folder: Path, rounds: int, quick: bool) -> None:
+    methods = QUICK_METHODS if quick else METHODS
+    fleet = {"count": [3], "speed": {0: 0.5, 1: 0.5, 2: 0.25}}
+    trials, layers = {}, {}
+    for _ in range(rounds):
+        for busy in (False, True):
+            name = "busy" if busy else "quiet"
+            t, lay = run(experiment(f"robust-{name}", fleet, [10], methods, "auto"), folder, busy)
+            trials.setdefault(name, []).append(t)
+            layers.setdefault(name, []).append(lay)
+    frames = {name: per_method(pd.concat(parts)) for name, parts in trials.items()}
+    dilation = pd.concat(trials["quiet"])["dilation"].iloc[0]
+    print(f"robustness: P=3, speeds 0.5, 0.5, 0.25, d = auto ({dilation:g}); busy over quiet")
+    print(ratio_table(frames, "quiet"))
+    quiet, busy = (blocks(pd.concat(layers[n])) for n in ("quiet", "busy"))
+    for rank in quiet.index:
+        q, b = statistics.median(quiet[rank]), statistics.median(busy[rank])
+        print(f"  device {rank}: median block {q:.2f} ms quiet, {b:.2f} busy ({b / q:.3f})")
+
+
+def peers(folder: Path, rounds: int, quick: bool) -> None:
+    methods = QUICK_METHODS if quick else [METHODS[4]]
+    speeds = (0.4, 0.2, 0.8)
+    samples: dict[tuple[float, int], list[float]] = {}
+    for attempt in range(2 * rounds):
+        for peer in speeds:
+            fleet = {"count": [3], "speed": {0: 0.4, 1: peer, 2: peer}}
+            config = experiment(f"peers-{peer:g}", fleet, [10], methods, "auto")
+            layers = run(config, folder)[1]
+            mine = layers[(layers["rank"] == 0) & (layers["status"] == "ok")]["compute_ms"]
+            samples[(peer, attempt)] = list(mine)
+    base = statistics.median(samples[(speeds[0], 0)])
+    print("peers: device 0 at speed 0.4, P=3, d = auto; its median block, over the first run's")
+    for (peer, attempt), values in samples.items():
+        median = statistics.median(values)
+        p95 = sorted(values)[int(0.95 * (len(values) - 1))]
+        print(
+            f"  peers at {peer:g}, run {attempt}: median {median:.2f} ms ({median / base:.3f}), "
+            f"p95/median {p95 / median:.3f}"
+        )
+
+
+STUDIES = {"invariance": invariance, "robustness": robustness, "peers": peers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_dilation", description=__doc__)
+    parser.add_argument("studies", nargs="*", default=list(STUDIES), choices=list(STUDIES))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-dilation-") as folder:
+        for study in args.studies:
+            STUDIES[study](Path(folder), args.rounds, args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
