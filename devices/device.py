@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import logging
 import platform
 import time
@@ -27,7 +28,7 @@ from devices.inputs import InputSource
 from devices.level import LiveLevel, choose_level
 from devices.mesh import Mesh
 from devices.pace import PROGRESS_FILE, Control, Pace, Progress
-from devices.records import RecordLog, SessionFacts, write_atomic, write_json
+from devices.records import REFERENCES_FILE, RecordLog, SessionFacts, write_atomic, write_json
 from devices.session import Session, stamped
 from devices.spec import MethodRun, RunSpec, read_secret
 from devices.transport import MessageFormat
@@ -56,6 +57,8 @@ class Device:
         self.sizes = [stop - start for start, stop in ranges]
         self.control = None if spec.control_file is None else Control(spec.control_file)
         self.pace = Pace(spec.speed, self.control, spec.threads)
+        self.pace.give(spec.references)
+        self.pace.kinds = {run.id: self._kind(run) for run in spec.runs}
         self.progress: Progress | None = None
         self.held = 0  # holds released so far
         self.inputs = InputSource(config, spec.batch, spec.input_seed, spec.inputs)
@@ -65,6 +68,14 @@ class Device:
         self.mesh = Mesh(spec.rank, spec.addresses, self.clock)
         self.secret = None if spec.secret_file is None else read_secret(spec.secret_file)
         spec.out.mkdir(parents=True, exist_ok=True)
+
+    def _kind(self, run: MethodRun) -> str:
+        """What a run's stretches of compute are, for their references: the same model,
+        method, parameters, tokens, batch and threads do the same work on a host."""
+        params = json.dumps(self.methods[run.id][0].spec.params(), sort_keys=True, default=str)
+        spec = self.spec
+        tokens = self.sizes[spec.rank]
+        return f"{spec.model}|{run.method}|{params}|{tokens} tokens|b{spec.batch}|t{spec.threads}"
 
     def hello(self) -> dict[str, Any]:
         spec = self.spec
@@ -183,6 +194,7 @@ class Device:
                 records.add(record, rows, arrived)
         self.timing_s["paced_sleep_s"] = round(self.pace.slept_s, 3)
         self.timing_s["overruns"] = self.pace.overruns
+        write_json(spec.out / REFERENCES_FILE, self.pace.new_references())
         self._write_logits(logits)
 
     def _start_round(self, index: int) -> None:

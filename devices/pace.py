@@ -11,13 +11,15 @@ while a slower core worked. A CPU quota gives the same mean but not the same blo
 The cost of a stretch is its *reference*, not the CPU time it happened to take: a stretch's
 CPU time moves with the host (a cold core after a sleep, the neighbours' cache pressure, a
 busy process on the other core), and a device's time must not. `Pace` learns each kind of
-stretch (`key`: the run and the stretch's name) from the session's warm-ups, as CPU time
-per unit of its size (`size`: rows, or keys attended where the work follows the data, as
-Trace's unique remote keys do), and takes a low percentile of those samples
-(REFERENCE_PERCENTILE) as the stretch's cost from then on: a warm core's, without the slow
-tail. A stretch the host could not deliver by its target (its own CPU time already past
-cost / s, more than OVERRUN_TOLERANCE) is an *overrun*, counted per inference. A stretch with
-no key, or one not learned yet, costs its own CPU time, as before.
+stretch (`key`: its run's kind, `kinds`, and the stretch's name) from the session's
+warm-ups, run back to back at full speed (a warm core), as CPU time per unit of its size
+(`size`: keys attended where the work follows the data, as Trace's unique remote keys do),
+and takes a low percentile of those samples (REFERENCE_PERCENTILE) as the stretch's cost
+from then on: a warm core's, without the slow tail. References can be given (`give`): the
+testbed keeps the first it learns on a host, so that every later run paces to the same
+costs (testbed.sweep.stretch_costs). A stretch the host could not deliver by its target (its
+own CPU time already past cost / s, more than OVERRUN_TOLERANCE) is an *overrun*, counted
+per inference. A stretch with no key, or one not learned yet, costs its own CPU time.
 
 With one compute thread (torch's intra-op threads = 1, a device of one CPU) CPU time is the
 compute thread's own (`time.thread_time`: the senders' and receivers' threads do not count).
@@ -141,23 +143,43 @@ class Pace:
         clock = time.thread_time if threads == 1 else time.perf_counter
         self.cpu_clock: Callable[[], float] = clock
         self.slept_s = 0.0  # in all, for the session's facts
-        self.samples: dict[tuple[str, ...], list[float]] = {}  # CPU s per unit, by stretch
-        self.reference: dict[tuple[str, ...], float] = {}  # learned: cost per unit
-        self.learning = True  # the warm-ups: samples are taken, no reference used
+        self.samples: dict[str, list[float]] = {}  # CPU s per unit, by stretch kind
+        self.reference: dict[str, float] = {}  # cost per unit, learned or given
+        self.given: set[str] = set()  # kinds whose reference came with the spec
+        self.kinds: dict[str, str] = {}  # a run's id -> what its stretches are (their kind)
+        self.learning = True  # the warm-ups: at full speed, samples taken
         self.overruns = 0  # stretches that ended late, since the session began
 
     @property
     def speed(self) -> float:
         return self.control.speed if self.control is not None else self.fixed
 
+    def give(self, references: dict[str, float]) -> None:
+        """References known before the session (this host's, testbed.sweep.stretch_costs)."""
+        self.reference.update(references)
+        self.given.update(references)
+
     def learned(self) -> None:
         """The warm-ups are over: every stretch sampled enough has its reference from now on."""
         self.learning = False
         for key, samples in self.samples.items():
-            if len(samples) >= LEAST_SAMPLES:
+            if len(samples) >= LEAST_SAMPLES and key not in self.reference:
                 self.reference[key] = low_percentile(samples)
 
-    def cost_s(self, key: tuple[str, ...] | None, size: float, used_s: float) -> float:
+    def new_references(self) -> dict[str, dict[str, float]]:
+        """What this session learned (not given): per kind, its cost per unit and samples."""
+        return {
+            key: {"per_unit_s": cost, "samples": len(self.samples.get(key, []))}
+            for key, cost in self.reference.items()
+            if key not in self.given
+        }
+
+    def kind(self, key: tuple[str, ...]) -> str:
+        """A stretch's kind as a text: its run's kind (`kinds`), then the rest of the key."""
+        run, *rest = key
+        return "|".join([self.kinds.get(run, run), *rest])
+
+    def cost_s(self, key: str | None, size: float, used_s: float) -> float:
         """What the stretch costs: its reference times its size, or its own CPU time where
         it has none yet (then it is a sample)."""
         if key is None:
@@ -167,7 +189,7 @@ class Pace:
             return per_unit * size
         samples = self.samples.setdefault(key, [])
         samples.append(used_s / size)
-        if not self.learning and len(samples) >= LEAST_SAMPLES:
+        if len(samples) >= LEAST_SAMPLES:
             self.reference[key] = low_percentile(samples)
         return used_s
 
@@ -180,10 +202,15 @@ class Pace:
         cpu, wall = self.cpu_clock(), time.perf_counter()
         yield
         speed = self.speed
+        kind = None if key is None else self.kind(key)
+        units = 1.0 if size is None else max(float(size()), 1e-9)
+        if kind is not None and self.learning:  # a warm core at full speed: samples
+            if kind not in self.reference:
+                self.samples.setdefault(kind, []).append((self.cpu_clock() - cpu) / units)
+            return
         if speed >= 1.0:
             return
-        units = 1.0 if size is None else max(float(size()), 1e-9)
-        target_s = self.cost_s(key, units, self.cpu_clock() - cpu) / speed
+        target_s = self.cost_s(kind, units, self.cpu_clock() - cpu) / speed
         remaining = wall + target_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

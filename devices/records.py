@@ -28,6 +28,7 @@ from typing import Any
 
 SESSION_FILE = "session.json"
 RECORDS_FILE = "records.jsonl"
+REFERENCES_FILE = "references.json"  # the stretch costs the session learned (devices.pace)
 
 
 @dataclass

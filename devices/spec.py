@@ -84,6 +84,12 @@ class RunSpec(BaseModel):
         description="measured rounds before which the device waits for the orchestrator's "
         "release (an event at that inference); needs control_file",
     )
+    references: dict[str, float] = Field(
+        default_factory=dict,
+        description="stretch costs known on this host (CPU s per unit of work, by stretch "
+        "kind, devices.pace): the worker paces to them from its first inference, and learns "
+        "only the others from its warm-ups (they go to out/references.json)",
+    )
     clock_skew_s: float = Field(
         0.0,
         description="added to every timestamp this device takes: emulates a board whose "

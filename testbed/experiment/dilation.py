@@ -99,7 +99,11 @@ def fleet_demand(
 
 
 def resolve_dilation(
-    experiment: Experiment, count: int, host_gflops: float | None, emulator: str, cores: int | None = None
+    experiment: Experiment,
+    count: int,
+    host_gflops: float | None,
+    emulator: str,
+    cores: int | None = None,
 ) -> Dilation:
     """The dilation of `count` devices' sessions. ConfigError names `dilation` where the
     experiment's fixed d is below what the fleet needs."""

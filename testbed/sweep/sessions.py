@@ -34,6 +34,7 @@ from testbed.link.links import LinkState
 from testbed.link.replay import TraceReplay
 from testbed.results.facts import AppliedEvent, HostSessionFacts
 from testbed.results.store import write_text
+from testbed.sweep import stretch_costs
 from testbed.sweep.bundles import RunFiles
 from testbed.sweep.plan import Trial, fleet_label, impairment_label
 from testbed.sweep.timeline import Hands, SessionTimeline
@@ -136,6 +137,7 @@ def device_spec(
         recv_timeout_s=experiment.timeout_s * d,
         rate_mbit=link.measured_mbit.get(device.rank, link.rate_mbit) / d,
         clock_skew_s=backend.clock_skews_s.get(device.rank, 0.0),
+        references=stretch_costs.known() if type(backend).on_this_host else {},
         secret_file=backend.secret_files.get(device.rank),
         partition=None if fleet is None else fleet.sizes,
         speed=1.0 if fleet is None else fleet.speeds[device.rank] / d,
@@ -260,6 +262,8 @@ def run_session(
     after = {} if lost else link_counters()
     for device in devices:
         backend.collect(device, outs[device.rank])
+    if type(backend).on_this_host:
+        stretch_costs.keep(list(outs.values()))
     for rank, result in enumerate(results):
         write_text(
             directory / f"rank{rank}.log",
