@@ -127,6 +127,7 @@ REFERENCE_PERCENTILE = 10  # of a stretch's warm samples: its cost from then on
 LEAST_SAMPLES = 4  # a stretch is learned once it has this many samples
 OVERRUN_TOLERANCE = 0.05  # of a stretch's target, and at least OVERRUN_MIN_S
 OVERRUN_MIN_S = 0.0003
+OVERSHOOT_WEIGHT = 0.1  # of each sleep's lateness in the running mean
 
 
 def low_percentile(samples: list[float], percent: float = REFERENCE_PERCENTILE) -> float:
@@ -149,6 +150,7 @@ class Pace:
         self.kinds: dict[str, str] = {}  # a run's id -> what its stretches are (their kind)
         self.learning = True  # the warm-ups: at full speed, samples taken
         self.overruns = 0  # stretches that ended late, since the session began
+        self.overshoot_s = 0.0  # how late a sleep wakes, on average: each sleep is that shorter
 
     @property
     def speed(self) -> float:
@@ -211,9 +213,12 @@ class Pace:
         if speed >= 1.0:
             return
         target_s = self.cost_s(kind, units, self.cpu_clock() - cpu) / speed
-        remaining = wall + target_s - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+        asleep = time.perf_counter()
+        remaining = wall + target_s - asleep
+        if remaining > self.overshoot_s:
+            time.sleep(remaining - self.overshoot_s)  # the kernel wakes it a little late
+            late = time.perf_counter() - asleep - (remaining - self.overshoot_s)
+            self.overshoot_s += OVERSHOOT_WEIGHT * (max(0.0, late) - self.overshoot_s)
             self.slept_s += remaining
         elif -remaining > max(OVERRUN_TOLERANCE * target_s, OVERRUN_MIN_S):
             self.overruns += 1
