@@ -2,6 +2,7 @@
 #
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
 #   make sweep-delay, sweep-loss  every method at 10 Mbit/s over delayed and lossy links
+#   make sweep-paper  Table IV on the paper's 2-core devices, P = 2 and 3, in virtual time
 #   make sweep-straggler  every method with one slow device, even and by-speed partitions
 #   make sweep-cell   every method on one shared 20 Mbit/s cell against a line per device
 #   make sweep-edge   every method over the shipped Wi-Fi and LTE profiles
@@ -33,7 +34,7 @@ IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
 .PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
-	sweep-delay sweep-loss sweep-edge sweep-straggler sweep-cell \
+	sweep-delay sweep-loss sweep-edge sweep-straggler sweep-cell sweep-paper \
 	reproduce reproduce-quick bench trace-replay trace-replay-digits
 
 venv: $(VENV_STAMP)
@@ -99,6 +100,10 @@ sweep-loss: venv host-setup
 # straggler that appears mid-session (docs/devices.md).
 sweep-cell: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-cell.yaml $(RUN_ARGS)
+
+# Table IV on the paper's 2-core devices (faster than this host's cores: virtual time).
+sweep-paper: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/sweep-paper.yaml $(RUN_ARGS)
 
 sweep-straggler: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-straggler.yaml $(RUN_ARGS)

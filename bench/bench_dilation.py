@@ -136,7 +136,7 @@ def invariance(folder: Path, rounds: int, quick: bool) -> None:
 
 def blocks(layers: pd.DataFrame) -> pd.Series:
     """Per device: its blocks' compute (ms)."""
-    return layers[layers["status"] == "ok"].groupby("rank")["compute_ms"].apply(list)
+    return layers[layers["repeat"] >= 0].groupby("rank")["compute_ms"].apply(list)
 
 
 def robustness(folder: Path, rounds: int, quick: bool) -> None:
@@ -168,7 +168,7 @@ def peers(folder: Path, rounds: int, quick: bool) -> None:
             fleet = {"count": [3], "speed": {0: 0.4, 1: peer, 2: peer}}
             config = experiment(f"peers-{peer:g}", fleet, [10], methods, "auto")
             layers = run(config, folder)[1]
-            mine = layers[(layers["rank"] == 0) & (layers["status"] == "ok")]["compute_ms"]
+            mine = layers[(layers["rank"] == 0) & (layers["repeat"] >= 0)]["compute_ms"]
             samples[(peer, attempt)] = list(mine)
     base = statistics.median(samples[(speeds[0], 0)])
     print("peers: device 0 at speed 0.4, P=3, d = auto; its median block, over the first run's")

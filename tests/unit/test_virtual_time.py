@@ -1,0 +1,134 @@
+"""Virtual time's arithmetic: the dilation auto picks, what a link becomes on the host's clock,
+the records brought back by d, and a pace that keeps to its references."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from devices.pace import Pace, low_percentile
+from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
+from testbed.errors import ConfigError
+from testbed.experiment.dilation import needed_factor, resolve_dilation
+from testbed.experiment.profiles import LinkProfile
+from testbed.experiment.schema import parse_experiment
+from testbed.link.paths import PathImpairments
+from testbed.results.facts import AppliedEvent, HostSessionFacts
+from testbed.sweep.sessions import SessionOutcome
+from testbed.sweep.virtual_time import virtual
+
+
+def experiment(**fields):
+    return parse_experiment({"name": "vt", "methods": [{"name": "voltage"}], **fields})
+
+
+def test_auto_picks_the_least_step_that_fits_the_fleet_in_the_safe_load():
+    # 2 cores: 0.6 x 2 - 0.25 (the serial emulator) = 0.95 safe; two full cores ask for 2
+    picked = resolve_dilation(experiment(dilation="auto"), 2, None, "serial", cores=2)
+    assert (picked.factor, picked.demand_cores, picked.budget_cores) == (2.25, 2.0, 0.95)
+    assert picked.describe().startswith("d = 2.25 (auto): the fleet asks 2.00 host cores")
+    # a timeline that speeds a device up later counts at its fastest
+    fast = experiment(
+        dilation="auto",
+        devices={"speed": 0.25},
+        timeline=[{"at_s": 1, "device": 1, "speed": 3}],
+    )
+    assert resolve_dilation(fast, 2, None, "tbf", cores=2).factor == 3.75  # 3 / 0.8 per thread
+    assert needed_factor(0.1, 0.1, 0.95) == 1.0
+
+
+def test_a_fixed_dilation_too_low_for_a_fast_device_is_refused_naming_the_one_needed():
+    with pytest.raises(
+        ConfigError, match=r"dilation: 2 is too low for P=2: device 1 computes at 3.00"
+    ):
+        resolve_dilation(experiment(dilation=2, devices={"speed": [1, 3]}), 2, None, "serial")
+    fits = resolve_dilation(experiment(dilation=3, devices={"speed": [1, 3]}), 2, None, "serial", 2)
+    assert fits.factor == 3 and "auto would pick 4.25" in fits.describe()
+
+
+def test_a_link_on_the_hosts_clock_has_every_time_d_times_and_nothing_else():
+    profile = LinkProfile(
+        name="x",
+        delay_ms=20,
+        jitter_ms=5,
+        loss_pct=1,
+        medium="shared",
+        airtime_us=100,
+        queue_latency_ms=50,
+    )
+    wall = profile.dilated(4)
+    assert (wall.delay_ms, wall.jitter_ms, wall.airtime_us, wall.queue_latency_ms) == (
+        80,
+        20,
+        400,
+        200,
+    )
+    assert wall.loss_pct == 1 and profile.dilated(1) is profile
+    paths = PathImpairments({1: {"delay_ms": 3, "loss_pct": 2}}, {(0, 1): {"jitter_ms": 1}})
+    assert paths.dilated(2) == PathImpairments(
+        {1: {"delay_ms": 6, "loss_pct": 2}}, {(0, 1): {"jitter_ms": 2}}
+    )
+
+
+def _records(start: int) -> DeviceRecords:
+    session = SessionFacts(status="done", rank=0, devices=2, spec={})
+    inference = InferenceRecord("r", 0, start, start + 400_000_000, 300.0, 100.0, 400.0)
+    inference.est_rate_mbit, inference.speed = 2.5, 0.1
+    block = BlockRecord(
+        "r", 0, 0, 40.0, 8.0, 10, 20, 30, start, start + 4, start + 8, None, None, start, start + 8
+    )
+    arrival = ArrivalRecord("r", 0, 0, 1, 30, start + 200_000_000, start + 200_000_400, None, 4000)
+    return DeviceRecords(session, [inference], [block], [arrival])
+
+
+def test_a_dilated_sessions_records_come_back_divided_by_d_around_its_first_inference():
+    start = 1_000_000_000_000
+    facts = HostSessionFacts(
+        "s",
+        session_s=12.0,
+        stalls=[(start + 100_000_000, 8_000_000)],
+        timeline=[AppliedEvent(0, "pause", 1, "p", start + 40_000_000, start + 80_000_000)],
+    )
+    outcome = SessionOutcome(facts, runs={"r": {0: _records(start)}})
+    back = virtual(outcome, 4)
+    device = back.runs["r"][0]
+    inference, block, arrival = device.inferences[0], device.blocks[0], device.arrivals[0]
+    assert (inference.effective_ms, inference.compute_ms, inference.wait_ms) == (100, 75, 25)
+    assert (inference.start_ns, inference.end_ns) == (start, start + 100_000_000)
+    assert inference.est_rate_mbit == 10 and inference.speed == pytest.approx(0.4)
+    assert (block.compute_ms, block.wait_ms, block.ffn_end_ns) == (10, 2, start + 2)
+    assert (arrival.kernel_ns, arrival.echo_ps_per_byte) == (start + 50_000_000, 1000)
+    assert back.facts.stalls == [(start + 25_000_000, 2_000_000)]
+    assert back.facts.timeline[0].asked_ns == start + 10_000_000
+    assert back.facts.session_s == 12.0  # what it cost here stays the host's
+    assert virtual(outcome, 1) is outcome
+
+
+def test_a_pace_keeps_to_its_reference_not_to_what_a_stretch_took():
+    assert low_percentile([5.0, 1.0, 3.0, 2.0, 4.0] * 2) == 1.0
+    pace = Pace(speed=0.5)
+    pace.give({"run|work|": 0.004})  # 4 ms per unit on a warm core
+    pace.learned()
+    began = time.perf_counter()
+    with pace.stretch(("run", "work", ""), lambda: 2):  # 2 units: 8 ms, at half speed 16
+        pass
+    took = time.perf_counter() - began
+    assert 0.0155 < took < 0.03 and pace.overruns == 0
+    with pace.stretch(("run", "work", "")):  # 1 unit at half speed: 8 ms, but it takes 20
+        time.sleep(0.02)
+    assert pace.overruns == 1
+    assert pace.new_references() == {}  # given, not learned
+
+
+def test_warm_ups_run_at_full_speed_and_give_every_kind_sampled_enough_its_reference():
+    pace = Pace(speed=0.25)
+    pace.kinds = {"run": "vit|voltage"}
+    began = time.perf_counter()
+    for _ in range(4):
+        with pace.stretch(("run", "ffn", "")):
+            sum(range(20_000))
+    assert time.perf_counter() - began < 0.05  # no pacing while learning
+    pace.learned()
+    assert set(pace.new_references()) == {"vit|voltage|ffn|"}
+    assert pace.new_references()["vit|voltage|ffn|"]["samples"] == 4
