@@ -99,6 +99,7 @@ class AppliedEvent:
     ended_ns: int | None = None  # a pause thawed, a speed or link changed again; None: in force
     due_end_ns: int = 0  # a pause's planned end
     detail: str = ""  # a link event's uplink as netem's words
+    rate_mbit: float | None = None  # the uplink rate a link event set
 
     @property
     def delay_ms(self) -> float:

@@ -232,7 +232,8 @@ def _measured_rows(
             if r.level_k is not None  # Trace: the level in use, also under level_k=auto
         }
         for block in device.blocks:
-            row = layer_row(timeline, rank, block, peers, context)
+            at = _link_in_force(context, session.timeline, rank, block.start_ns)
+            row = layer_row(timeline, rank, block, peers, at)
             row.update(levels.get(block.inference, {}))
             by_inference[block.inference].append(row)
             layers.append(row)
@@ -252,7 +253,7 @@ def _measured_rows(
                     link["impairments"] = words
             trials.append(
                 {
-                    **context,
+                    **_link_in_force(context, session.timeline, rank, record.start_ns),
                     **link,
                     "est_rate_mbit": record.est_rate_mbit,
                     "tcp_retransmits": record.tcp_retransmits,
@@ -274,6 +275,27 @@ def _measured_rows(
                 }
             )
     return trials, layers
+
+
+def _link_in_force(
+    context: dict[str, Any], applied: list[AppliedEvent] | None, rank: int, at_ns: int
+) -> dict[str, Any]:
+    """`context` with the rate-derived columns at the uplink rate that the timeline's last
+    link event on `rank` before `at_ns` set (as it is, where none did)."""
+    rate = None
+    for event in applied or []:
+        if event.kind == "link" and event.device == rank and event.rate_mbit is not None:
+            if event.applied_ns is not None and event.applied_ns <= at_ns:
+                rate = event.rate_mbit
+    if rate is None:
+        return context
+    scale = context["bandwidth_mbit"] / rate  # the plan's analytic times are at the swept rate
+    return {
+        **context,
+        "uplink_mbit": rate,
+        "analytic_comm_ms": context["analytic_comm_ms"] * scale,
+        "analytic_comm_ms_paper": context["analytic_comm_ms_paper"] * scale,
+    }
 
 
 def events_in_force(applied: list[AppliedEvent] | None, start_ns: int, end_ns: int) -> str:

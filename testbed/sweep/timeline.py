@@ -174,6 +174,8 @@ class SessionTimeline:
             hands.processes[rank].terminate()
         elif event.link is not None:
             applied.detail = hands.set_link(rank, dict(event.link))
+            rate = event.link.get("rate_mbit")
+            applied.rate_mbit = float(rate) if isinstance(rate, int | float) else None
             self._supersede("link", rank)
         applied.applied_ns = time.time_ns()
         self.applied.append(applied)

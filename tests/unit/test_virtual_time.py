@@ -132,3 +132,23 @@ def test_warm_ups_run_at_full_speed_and_give_every_kind_sampled_enough_its_refer
     pace.learned()
     assert set(pace.new_references()) == {"vit|voltage|ffn|"}
     assert pace.new_references()["vit|voltage|ffn|"]["samples"] == 4
+
+
+def test_after_a_link_event_the_rate_derived_columns_follow_the_rate_in_force():
+    from testbed.results.rows import _link_in_force
+
+    context = {
+        "bandwidth_mbit": 8.0,
+        "uplink_mbit": 8.0,
+        "analytic_comm_ms": 10.0,
+        "analytic_comm_ms_paper": 10.5,
+    }
+    drop = AppliedEvent(0, "link", 1, "link d1 2 Mbit/s", 100, 200, rate_mbit=2.0)
+    assert _link_in_force(context, [drop], 1, 150) is context  # before it was in force
+    assert _link_in_force(context, [drop], 0, 250) is context  # another device's uplink
+    after = _link_in_force(context, [drop], 1, 250)
+    assert (after["uplink_mbit"], after["analytic_comm_ms"], after["analytic_comm_ms_paper"]) == (
+        2.0,
+        40.0,
+        42.0,
+    )
