@@ -39,9 +39,12 @@ Every figure is a median over repetitions with its distribution-free 95% interva
 5. A device's speed (part `speed`, bench.bench_speed): a CPU quota at several periods,
    dilation in the worker, and both, block by block at speeds 0.5 and 0.25 (docs/devices.md;
    root needed).
+6. Virtual time (part `dilation`, bench.bench_dilation): the same experiment at d = 1, 2, 4;
+   a fleet quiet and beside a spinning process; one device beside peers of other speeds
+   (docs/devices.md, Virtual time; root needed; --quick: 10 Mbit/s, Voltage and Trace-b).
 
 Usage: python -m bench.bench_trace [--quick] [--backend auto|docker|local] [--out DIR]
-    [--only in-process buffers search latency links ports speed]
+    [--only in-process buffers search latency links ports speed dilation]
 `--quick` swaps in tiny models and few repetitions (a check that the bench runs).
 """
 
@@ -56,7 +59,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from bench import bench_buffers, bench_speed
+from bench import bench_buffers, bench_dilation, bench_speed
 from bench.bench_dedup import unique_fraction
 from bench.bench_search import BEAM, sender_match_rate
 from bench.bench_search import accuracy as search_accuracy_of
@@ -73,7 +76,7 @@ PATH_COST_MS = 0.3  # per message: what a real path adds to the wire time at mos
 EMULATOR_COST_MS = 0.08  # per message: the goal for the serial emulator's own cost
 PORTS, PORT_RATE_MBIT = 8, 20.0  # the ports that send bulk at once, each at this rate
 PORT_DELAY = {"delay_ms": 5.0}  # and once more through a delay (jitter would idle the line)
-PARTS = ("in-process", "buffers", "search", "latency", "links", "ports", "speed")
+PARTS = ("in-process", "buffers", "search", "latency", "links", "ports", "speed", "dilation")
 RESULTS: list[str] = []
 
 
@@ -362,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         ports(args.quick)
     if "speed" in args.only:  # its own table: a quota, dilation or both, block by block
         bench_speed.main(["--quick"] if args.quick else [])
+    if "dilation" in args.only:  # virtual time: invariance in d, quiet against busy, peers
+        bench_dilation.main(["--quick"] if args.quick else [])
     print("\nsummary (median [95% interval] n)\n" + "\n".join(RESULTS))
     return 0
 

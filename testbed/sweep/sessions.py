@@ -137,7 +137,7 @@ def device_spec(
         recv_timeout_s=experiment.timeout_s * d,
         rate_mbit=link.measured_mbit.get(device.rank, link.rate_mbit) / d,
         clock_skew_s=backend.clock_skews_s.get(device.rank, 0.0),
-        references=stretch_costs.known() if type(backend).on_this_host else {},
+        references=stretch_costs.known(experiment.model.name) if type(backend).on_this_host else {},
         secret_file=backend.secret_files.get(device.rank),
         partition=None if fleet is None else fleet.sizes,
         speed=1.0 if fleet is None else fleet.speeds[device.rank] / d,

@@ -26,13 +26,14 @@ CACHE_FILE = CACHE_DIR / "stretch-costs.json"
 REFERENCES_FILE = "references.json"  # in each worker's output (devices.records)
 
 
-def known(cache: Path = CACHE_FILE) -> dict[str, float]:
-    """This CPU's stretch costs (CPU s per unit of work, by kind)."""
+def known(model: str, cache: Path = CACHE_FILE) -> dict[str, float]:
+    """This CPU's stretch costs for `model` (CPU s per unit of work, by kind)."""
     try:
         every = json.loads(cache.read_text()) if cache.is_file() else {}
     except (OSError, ValueError):
         return {}
-    return {kind: float(cost) for kind, cost in every.get(cpu_model(), {}).items()}
+    mine = every.get(cpu_model(), {})
+    return {kind: float(cost) for kind, cost in mine.items() if kind.startswith(f"{model}|")}
 
 
 def keep(outs: list[Path], cache: Path = CACHE_FILE) -> int:
