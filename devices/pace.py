@@ -124,7 +124,7 @@ class Control:
 
 
 REFERENCE_PERCENTILE = 10  # of a stretch's warm samples: its cost from then on
-LEAST_SAMPLES = 4  # a stretch is learned once it has this many samples
+LEAST_SAMPLES = 4  # after the warm-ups a new stretch is learned from this many; and kept
 OVERRUN_TOLERANCE = 0.05  # of a stretch's target, and at least OVERRUN_MIN_S
 OVERRUN_MIN_S = 0.0003
 OVERSHOOT_WEIGHT = 0.1  # of each sleep's lateness in the running mean
@@ -162,10 +162,11 @@ class Pace:
         self.given.update(references)
 
     def learned(self) -> None:
-        """The warm-ups are over: every stretch sampled enough has its reference from now on."""
+        """The warm-ups are over: every stretch they sampled has its reference from now on
+        (the testbed keeps only those sampled LEAST_SAMPLES times: new_references)."""
         self.learning = False
         for key, samples in self.samples.items():
-            if len(samples) >= LEAST_SAMPLES and key not in self.reference:
+            if key not in self.reference:
                 self.reference[key] = low_percentile(samples)
 
     def new_references(self) -> dict[str, dict[str, float]]:

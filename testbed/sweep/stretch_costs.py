@@ -3,11 +3,11 @@ core at full speed (devices.pace), kept from run to run.
 
 A worker learns the costs of the stretches it has no reference for from its warm-ups and
 writes them to `references.json`; the testbed keeps the first it learns of each kind (a
-model, method, parameters, tokens, batch and threads) in `.cache/stretch-costs.json`, by CPU
-model, and gives them to every later worker on this host: two runs of one experiment then
-pace to the same costs, whatever the host is doing that day (a run's own warm-ups move with
-it: docs/devices.md, Virtual time). Delete the file to learn them again (a new kernel, a
-new torch). Boards over SSH learn their own in each session (their CPU is not this one).
+model, method, parameters, tokens, batch and threads) from at least LEAST_SAMPLES samples,
+in `.cache/stretch-costs.json` by CPU model, and gives them to every later worker on this
+host: two runs of one experiment then pace to the same costs, whatever the host is doing that
+day (a run's own warm-ups move with it: docs/devices.md, Virtual time). Delete the file to
+learn them again (a new kernel, a new torch). Boards over SSH learn their own in each session (their CPU is not this one).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import logging
 from pathlib import Path
 
+from devices.pace import LEAST_SAMPLES
 from testbed.atomic import write_atomically
 from testbed.source import CACHE_DIR
 from testbed.sweep.host_rate import cpu_model
@@ -51,7 +52,7 @@ def keep(outs: list[Path], cache: Path = CACHE_FILE) -> int:
         except (OSError, ValueError):
             continue  # a worker that failed before its end learned nothing to keep
         for kind, found in learned.items():
-            if kind not in mine:
+            if kind not in mine and found["samples"] >= LEAST_SAMPLES:
                 mine[kind] = found["per_unit_s"]
                 added += 1
     if added:
