@@ -7,7 +7,8 @@ model, method, parameters, tokens, batch and threads) from at least LEAST_SAMPLE
 in `.cache/stretch-costs.json` by CPU model, and gives them to every later worker on this
 host: two runs of one experiment then pace to the same costs, whatever the host is doing that
 day (a run's own warm-ups move with it: docs/devices.md, Virtual time). Delete the file to
-learn them again (a new kernel, a new torch). Boards over SSH learn their own in each session (their CPU is not this one).
+learn them again (a new kernel, a new torch). Boards over SSH learn their own in each
+session (their CPU is not this one).
 """
 
 from __future__ import annotations
