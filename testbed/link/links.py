@@ -11,6 +11,10 @@ that probes never share a link (`testbed.link.rates.probe_plan`: each device's u
 next rank, its downlink from its fastest sender, every pair cap; `link.probe_s` seconds of
 traffic at the direction's target, timed after its first tenth); a direction more than 5%
 off its target is flagged.
+
+In virtual time (`dilation` d: testbed.experiment.dilation) everything here stays in the
+experiment's units: the emulator is given rates / d and its profiles' times x d (`wall`,
+`Emulator.uplink`), and what the probe measures is multiplied back by d.
 """
 
 from __future__ import annotations

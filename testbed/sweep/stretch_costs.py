@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 from devices.pace import LEAST_SAMPLES
+from devices.records import REFERENCES_FILE
 from testbed.atomic import write_atomically
 from testbed.source import CACHE_DIR
 from testbed.sweep.host_rate import cpu_model
@@ -25,7 +26,6 @@ from testbed.sweep.host_rate import cpu_model
 log = logging.getLogger(__name__)
 
 CACHE_FILE = CACHE_DIR / "stretch-costs.json"
-REFERENCES_FILE = "references.json"  # in each worker's output (devices.records)
 
 
 def known(model: str, cache: Path = CACHE_FILE) -> dict[str, float]:
