@@ -152,3 +152,23 @@ def test_after_a_link_event_the_rate_derived_columns_follow_the_rate_in_force():
         40.0,
         42.0,
     )
+
+
+def test_the_host_keeps_the_first_well_sampled_cost_of_each_kind(tmp_path):
+    import json
+
+    from testbed.sweep import stretch_costs
+
+    cache = tmp_path / "costs.json"
+    for name, cost, samples in (("a", 1.0, 12), ("b", 2.0, 12)):
+        out = tmp_path / name
+        out.mkdir()
+        learned = {
+            "vit-b16|voltage|ffn|": {"per_unit_s": cost, "samples": samples},
+            f"vit-b16|voltage|head|{name}": {"per_unit_s": cost, "samples": 1},  # too few
+            "vit-tiny|voltage|ffn|": {"per_unit_s": cost, "samples": samples},
+        }
+        (out / "references.json").write_text(json.dumps(learned))
+    assert stretch_costs.keep([tmp_path / "a", tmp_path / "missing"], cache) == 2
+    assert stretch_costs.keep([tmp_path / "b"], cache) == 0  # the first learned stays
+    assert stretch_costs.known("vit-b16", cache) == {"vit-b16|voltage|ffn|": 1.0}
