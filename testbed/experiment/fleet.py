@@ -138,8 +138,8 @@ def resolve_fleet(
     devices: DevicesSection, count: int, key: str = "", host_gflops: float | None = None
 ) -> Fleet:
     """The fleet of `count` devices under the variant `key` (fleet_variant_keys). Raises
-    ConfigError naming the field and device: a rate faster than the host, a variant's profile
-    that changes a device's CPUs or memory, a gflops figure without the host's rate."""
+    ConfigError naming the field and device: a variant's profile that changes a device's
+    CPUs or memory, a gflops figure without the host's rate."""
     variant = variant_of(devices, key)
     shares = []
     for rank in range(count):
