@@ -190,11 +190,14 @@ class Pace:
         per_unit = self.reference.get(key)
         if per_unit is not None:
             return per_unit * size
-        samples = self.samples.setdefault(key, [])
-        samples.append(used_s / size)
-        if len(samples) >= LEAST_SAMPLES:
-            self.reference[key] = low_percentile(samples)
+        if len(self._sample(key, used_s / size)) >= LEAST_SAMPLES:
+            self.reference[key] = low_percentile(self.samples[key])
         return used_s
+
+    def _sample(self, key: str, per_unit_s: float) -> list[float]:
+        samples = self.samples.setdefault(key, [])
+        samples.append(per_unit_s)
+        return samples
 
     @contextmanager
     def stretch(
@@ -209,7 +212,7 @@ class Pace:
         units = 1.0 if size is None else max(float(size()), 1e-9)
         if kind is not None and self.learning:  # a warm core at full speed: samples
             if kind not in self.reference:
-                self.samples.setdefault(kind, []).append((self.cpu_clock() - cpu) / units)
+                self._sample(kind, (self.cpu_clock() - cpu) / units)
             return
         if speed >= 1.0:
             return

@@ -35,12 +35,6 @@ from tracevq.partition import partition_sizes
 LOSS_GRACE_S = 0.3
 
 
-def keys(device_run: DeviceRun) -> float:
-    """What a block's attention works on: the keys each query attended, its own and the
-    peers' (Trace's unique remote keys: fewer where the codewords repeat)."""
-    return device_run.keys_attended
-
-
 def stamped(method: Method) -> bool:
     """Whether the method's messages carry their departure time: a run with `level_k: auto`
     re-chooses its level from their one-way times (devices.level.LiveLevel)."""
@@ -114,15 +108,14 @@ class Session:
             incoming = self._collect(context) if device_run.exchanges_at(block) else {}
             wait_end = now() if incoming else wait_start
             messages = {peer: item.message for peer, item in incoming.items()}
-            with blaming(label), stretch("attend", lambda: keys(device_run), block):
+            # its work: the keys each query attended (Trace's unique remote keys are fewer)
+            with blaming(label), stretch("attend", lambda: device_run.keys_attended, block):
                 message = device_run.attend(block, messages)
             self._post(outgoing, block + 1, message, context)
             unique_keys.append(device_run.unique_remote_keys)
             ffn_start = now()
-            with (
-                blaming(label),
-                stretch("ffn", block=block),
-            ):  # a peer's keys and values can overflow it
+            # blaming: a peer's keys and values can overflow the FFN
+            with blaming(label), stretch("ffn", block=block):
                 device_run.finish_block(block)
             ffn_end = now()
             marks.append((block_start, wait_start, wait_end, ffn_start, ffn_end))

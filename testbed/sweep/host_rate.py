@@ -9,6 +9,7 @@ checked later. `TESTBED_HOST_GFLOPS` overrides it (a test, or a host whose rate 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ PROBE_SECONDS = 2.0
 OVERRIDE = "TESTBED_HOST_GFLOPS"
 
 
+@functools.cache
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

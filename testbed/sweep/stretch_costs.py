@@ -28,23 +28,24 @@ log = logging.getLogger(__name__)
 CACHE_FILE = CACHE_DIR / "stretch-costs.json"
 
 
-def known(model: str, cache: Path = CACHE_FILE) -> dict[str, float]:
-    """This CPU's stretch costs for `model` (CPU s per unit of work, by kind)."""
+def _read(cache: Path) -> dict[str, dict[str, float]]:
+    """Every CPU's costs in the cache (none where it is missing or unreadable)."""
     try:
-        every = json.loads(cache.read_text()) if cache.is_file() else {}
+        return json.loads(cache.read_text()) if cache.is_file() else {}
     except (OSError, ValueError):
         return {}
-    mine = every.get(cpu_model(), {})
+
+
+def known(model: str, cache: Path = CACHE_FILE) -> dict[str, float]:
+    """This CPU's stretch costs for `model` (CPU s per unit of work, by kind)."""
+    mine = _read(cache).get(cpu_model(), {})
     return {kind: float(cost) for kind, cost in mine.items() if kind.startswith(f"{model}|")}
 
 
 def keep(outs: list[Path], cache: Path = CACHE_FILE) -> int:
     """The costs the workers in `outs` learned, added where this CPU has none yet (the
     first learned is kept); how many were added."""
-    try:
-        every = json.loads(cache.read_text()) if cache.is_file() else {}
-    except (OSError, ValueError):
-        every = {}
+    every = _read(cache)
     mine = every.setdefault(cpu_model(), {})
     added = 0
     for out in outs:

@@ -164,7 +164,7 @@ class SessionTimeline:
         applied = AppliedEvent(index, event.kind_name, rank, event.label(), asked_ns=asked_ns)
         if event.speed is not None:
             self.speeds[rank] = event.speed
-            write_control(self.controls[rank], event.speed / self.dilation, self.released[rank])
+            self._control(rank)
             self._supersede("speed", rank)
         elif event.pause_s is not None:
             hands.backend.pause(hands.devices[rank])
@@ -182,8 +182,11 @@ class SessionTimeline:
         log.debug("timeline: %s applied %.1f ms after its time", event.label(), applied.delay_ms)
         if event.at_inference is not None and not event.leave:
             self.released[rank] += 1
-            speed = self.speeds[rank] / self.dilation
-            write_control(self.controls[rank], speed, self.released[rank])
+            self._control(rank)
+
+    def _control(self, rank: int) -> None:
+        """The device's control file: its speed (on the host's clock) and its releases."""
+        write_control(self.controls[rank], self.speeds[rank] / self.dilation, self.released[rank])
 
     def _supersede(self, kind: str, rank: int) -> None:
         """An earlier speed or link event of the device ends where this one starts."""

@@ -30,7 +30,7 @@ class Dilated:
         self.factor, self.origin_ns = factor, origin_ns
 
     def ns(self, t: int | None) -> int | None:
-        if t is None or self.factor == 1:
+        if t is None:
             return t
         return self.origin_ns + round((t - self.origin_ns) / self.factor)
 
