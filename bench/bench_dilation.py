@@ -12,9 +12,11 @@ same invocation, the variants interleaved round by round:
   (the bars: 3% and 5%);
 - `peers`: device 0 at speed 0.4 beside peers at 0.4, 0.2 and 0.8 (a fleet variant each),
   d = auto, twice: its median block in each, over the first, and its block's p95 / median
-  (the bars: 3% and 1.3).
+  (the bars: 3% and 1.3);
+- `loss`: what is not dilated, TCP's timers: Astra and Trace-b over 2% loss, d = 1 and 4,
+  their effective's p50 and p99 (not run by default: it is a measurement, not a bar).
 
-Usage: python -m bench.bench_dilation [invariance|robustness|peers ...] [--rounds N]
+Usage: python -m bench.bench_dilation [invariance|robustness|peers|loss ...] [--rounds N]
        [--quick] (10 Mbit/s, Voltage and Trace-b only)
 """
 
@@ -181,12 +183,38 @@ def peers(folder: Path, rounds: int, quick: bool) -> None:
         )
 
 
-STUDIES = {"invariance": invariance, "robustness": robustness, "peers": peers}
+def loss(folder: Path, rounds: int, quick: bool) -> None:
+    """What virtual time does not dilate: TCP's timers. 2% loss at 10 Mbit/s (5 ms delay),
+    d = 1 against d = 4: a retransmission's wait is the host's, so at d = 4 it reads 4 times
+    shorter, and the tail with it."""
+    methods = [METHODS[2], METHODS[4]]
+    link = {"delay_ms": 5, "loss_pct": 2}
+    trials: dict[str, list[pd.DataFrame]] = {}
+    for _ in range(rounds):
+        for d in (1, 4):
+            config = experiment(f"loss-d{d}", {"count": [2], "speed": 0.4}, [10], methods, d)
+            config["link"]["impairments"] = [link]
+            config["repeats"] = 8 if quick else 30
+            trials.setdefault(f"d={d}", []).append(run(config, folder)[0])
+    print("loss: P=2, speeds 0.4, 0.4, 10 Mbit/s, 5 ms, 2% loss; the slowest device's effective")
+    print(f"{'d':>5} {'method':10} {'p50 ms':>9} {'p99 ms':>9} {'p99/p50':>8} {'resent':>7}")
+    for name, parts in trials.items():
+        ok = pd.concat(parts)
+        ok = ok[ok["status"] == "ok"]
+        for method, rows in ok.groupby("method"):
+            slowest = rows.groupby(["repeat", "trial_id"])["effective_ms"].max()
+            p50, p99 = slowest.quantile(0.5), slowest.quantile(0.99)
+            resent = rows["tcp_retransmits"].sum()
+            print(f"{name:>5} {method:10} {p50:>9.1f} {p99:>9.1f} {p99 / p50:>8.2f} {resent:>7g}")
+
+
+STUDIES = {"invariance": invariance, "robustness": robustness, "peers": peers, "loss": loss}
+BARS = ["invariance", "robustness", "peers"]  # the default: the studies with a bar
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_dilation", description=__doc__)
-    parser.add_argument("studies", nargs="*", default=list(STUDIES), choices=list(STUDIES))
+    parser.add_argument("studies", nargs="*", default=BARS, choices=list(STUDIES))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)

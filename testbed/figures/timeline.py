@@ -2,9 +2,9 @@
 
 Per device count and session (a rate, an impairment or fleet variant), the effective latency of
 every measured inference of every variant (the slowest device's), against the inference's
-index, with a vertical line where each event acted: before the inference it held
-(`at_inference`), or before the first inference of its device it overlapped (`at_s`). Under
-it, every device's speed in force. One column of panels per session.
+index, with a vertical line before the first inference that ran under each event (the rows
+name them, testbed.results.rows.events_felt; a leave is marked at the inference it cut short,
+whose rows failed). Under it, every device's speed in force. One column of panels per session.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def timeline_figure(results: Results, path: Path) -> Path | None:
                 color=look.colour,
                 label=name,
             )
-        for at, label in _event_marks(part):
+        for at, label in _event_marks(results.trials[results.trials["session_id"] == session]):
             for ax in (latency, speed):
                 ax.axvline(at - 0.5, color="grey", linestyle="--", linewidth=1)
             latency.annotate(
@@ -74,21 +74,18 @@ def timeline_figure(results: Results, path: Path) -> Path | None:
         speeds = part.groupby(["rank", "repeat"])["device_speed"].median().reset_index()
         for rank, rows in speeds.groupby("rank"):
             speed.step(rows["repeat"], rows["device_speed"], where="mid", label=f"device {rank}")
-        speed.set_ylim(0, 1.05)
+        speed.set_ylim(0, max(1.0, speeds["device_speed"].max()) * 1.05)
         speed.set_ylabel("speed in force")
         speed.set_xlabel("measured inference (index within each variant)")
         speed.legend(fontsize=8)
     return save(fig, path)
 
 
-def _event_marks(part: pd.DataFrame) -> list[tuple[int, str]]:
-    """Per event label ("speed d1=0.5 at 2 s"), the first inference whose row on the event's
-    own device names it."""
+def _event_marks(rows: pd.DataFrame) -> list[tuple[int, str]]:
+    """Per event label ("speed d1=0.5 at 2 s"), the first inference whose rows name it."""
     marks: dict[str, int] = {}
-    rows = part.sort_values("repeat")[["rank", "repeat", "events"]]
-    for rank, repeat, text in rows.itertuples(index=False):
+    for repeat, text in rows.sort_values("repeat")[["repeat", "events"]].itertuples(index=False):
         for label in str(text or "").split("; "):
-            device = label.split()[1].split("=")[0] if label else ""  # "d1=0.5" -> "d1"
-            if label and label not in marks and device == f"d{rank}":
+            if label and label not in marks and repeat >= 0:
                 marks[label] = int(repeat)
     return [(at, label) for label, at in marks.items()]

@@ -100,6 +100,7 @@ class AppliedEvent:
     due_end_ns: int = 0  # a pause's planned end
     detail: str = ""  # a link event's uplink as netem's words
     rate_mbit: float | None = None  # the uplink rate a link event set
+    began_ns: int | None = None  # when applying it began (a freeze takes hold within the call)
 
     @property
     def delay_ms(self) -> float:
@@ -109,7 +110,8 @@ class AppliedEvent:
         return (self.applied_ns - self.asked_ns) / 1e6
 
     def overlaps(self, start_ns: int, end_ns: int) -> bool:
-        """Whether it acted during [start_ns, end_ns] (or before it and is still in force)."""
-        if self.applied_ns is None or self.applied_ns > end_ns:
+        """Whether it acted during [start_ns, end_ns] (or before it and is still in force),
+        from when applying it began."""
+        if self.applied_ns is None or (self.began_ns or self.applied_ns) > end_ns:
             return False
         return self.ended_ns is None or self.ended_ns >= start_ns

@@ -212,6 +212,7 @@ def _measured_rows(
     timeline = Timeline(records, run.shared_clock)
     ranks = sorted(records)
     replay = session.replay
+    felt = events_felt(session.timeline, records)
     trials, layers = [], []
     for rank in ranks:
         device, columns = records[rank], known[rank]
@@ -269,7 +270,7 @@ def _measured_rows(
                     "device_speed": record.speed,
                     "overruns": record.overruns,
                     "device_gflops": _gflops(run, rank, record.speed, columns["cpus"]),
-                    "events": events_in_force(session.timeline, record.start_ns, record.end_ns),
+                    "events": felt[record.inference],
                     "status": "ok",
                     "error": "",
                 }
@@ -301,6 +302,34 @@ def _link_in_force(
 def events_in_force(applied: list[AppliedEvent] | None, start_ns: int, end_ns: int) -> str:
     """The timeline's events that acted during [start_ns, end_ns] or were still in force."""
     return "; ".join(a.label for a in applied or [] if a.overlaps(start_ns, end_ns))
+
+
+def events_felt(
+    applied: list[AppliedEvent] | None, records: dict[int, DeviceRecords]
+) -> dict[int, str]:
+    """By inference, the events it ran under: an event of device e acted while e took part
+    in it, from its start to its last message's write (a frozen sender delays its peers
+    even after its own record has ended). The devices wait for each other, so every
+    device's row of the inference names it, and no row of an inference that ran before it
+    or while the device was between inferences (another method's, interleaved). A leave is
+    felt by the inferences that any device was in when it came."""
+    spans: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
+    for rank, device in records.items():
+        written: dict[int, int] = defaultdict(int)
+        for block in device.blocks:
+            written[block.inference] = max(written[block.inference], block.written_ns or 0)
+        for record in device.inferences:
+            end_ns = max(record.end_ns, written[record.inference])
+            spans[record.inference][rank] = (record.start_ns, end_ns)
+    felt = {}
+    for inference, by_rank in spans.items():
+        whole = (min(s for s, _ in by_rank.values()), max(e for _, e in by_rank.values()))
+        felt[inference] = "; ".join(
+            a.label
+            for a in applied or []
+            if a.overlaps(*(whole if a.kind == "leave" else by_rank.get(a.device, whole)))
+        )
+    return felt
 
 
 IMPAIRMENT_COLUMNS = {

@@ -161,7 +161,9 @@ class SessionTimeline:
     def _apply(self, index: int, event: Event, asked_ns: int) -> None:
         hands, rank = self.hands, event.device
         assert hands is not None
-        applied = AppliedEvent(index, event.kind_name, rank, event.label(), asked_ns=asked_ns)
+        applied = AppliedEvent(
+            index, event.kind_name, rank, event.label(), asked_ns=asked_ns, began_ns=time.time_ns()
+        )
         if event.speed is not None:
             self.speeds[rank] = event.speed
             self._control(rank)

@@ -83,6 +83,7 @@ class Dilated:
             asked_ns=self.ns(applied.asked_ns),
             applied_ns=self.ns(applied.applied_ns),
             ended_ns=self.ns(applied.ended_ns),
+            began_ns=self.ns(applied.began_ns),
             due_end_ns=self.ns(applied.due_end_ns) or 0,
         )
 

@@ -80,12 +80,18 @@ def test_a_run_of_one_fleet_has_no_fleet_table(tmp_path):
     assert fleet_table(one).empty and fleet_lines(one) == []
 
 
-def test_timeline_figure_marks_each_event_where_its_device_first_names_it(tmp_path):
+def test_timeline_figure_marks_each_event_at_the_first_inference_that_names_it(tmp_path):
     run = results(tmp_path, events=True)
     part = run.trials[run.trials["session_id"] == "s-"]
     assert _event_marks(part) == [(2, "speed d1=0.15 at inference 2")]
     paused = part.assign(events=part["events"].str.replace("speed d1=0.15", "pause d1 1 s"))
     assert _event_marks(paused) == [(2, "pause d1 1 s at inference 2")]
+    # a leave cut inference 4 short: only its failed rows name it
+    cut = part[part["repeat"] == 3].assign(
+        repeat=4, status="failed", events="speed d1=0.15 at inference 2; leave d1 at 1 s"
+    )
+    marks = _event_marks(pd.concat([part, cut]))
+    assert marks == [(2, "speed d1=0.15 at inference 2"), (4, "leave d1 at 1 s")]
     path = timeline_figure(run, tmp_path / "timeline.png")
     assert path is not None and path.stat().st_size > 10_000
     assert timeline_figure(results(tmp_path), tmp_path / "none.png") is None

@@ -3,6 +3,7 @@ aligned, comm from departure to the kernel's arrival, the wait split by cause.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,8 @@ from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, Inference
 from testbed.link.links import LinkState
 from testbed.link.wire import tcp_frame_bytes
 from testbed.results.columns import LAYER_NAMES, TRIAL_COLUMNS, TRIAL_NAMES, readme_tables
-from testbed.results.facts import HostSessionFacts, PlanRow, RunFacts
-from testbed.results.rows import RowFacts, assemble, stalled_ms
+from testbed.results.facts import AppliedEvent, HostSessionFacts, PlanRow, RunFacts
+from testbed.results.rows import RowFacts, assemble, events_felt, stalled_ms
 
 MS = 1_000_000  # ns
 
@@ -209,3 +210,31 @@ def test_an_inference_counts_the_part_of_each_stall_within_it():
     assert stalled_ms(stalls, 13 * ms, 29 * ms) == 0.0
     assert stalled_ms([], 0, 40 * ms) == 0.0
     assert stalled_ms(None, 0, 40 * ms) is None  # tbf links: nothing to count
+
+
+def test_a_row_names_the_events_its_inference_ran_under_and_no_other():
+    """Device 1 holds before inference 5 while device 0 still computes inference 4's head:
+    the speed event applied then is inference 5's, not 4's. Device 0's last message of 5
+    is written after it began to freeze: 5 felt the pause. Device 1 left during 6."""
+
+    def ran(rank: int, spans: dict[int, tuple[int, int]], written: dict[int, int]):
+        inferences = [
+            InferenceRecord("t", i, s * MS, e * MS, 1.0, 0.0, 1.0) for i, (s, e) in spans.items()
+        ]
+        blocks = [
+            dataclasses.replace(block(0, 0, start_ns=s, written_ns=written.get(i)), inference=i)
+            for i, (s, _) in spans.items()
+        ]
+        session = SessionFacts(status="done", rank=rank, devices=2, spec={})
+        return DeviceRecords(session, inferences, blocks, [])
+
+    records = {
+        0: ran(0, {4: (100, 230), 5: (240, 343), 6: (420, 520)}, {5: 348}),
+        1: ran(1, {4: (100, 200), 5: (240, 340)}, {4: 205}),
+    }
+    timeline = [
+        AppliedEvent(0, "speed", 1, "speed", applied_ns=210 * MS, began_ns=210 * MS),
+        AppliedEvent(1, "pause", 0, "pause", 345 * MS, 350 * MS, 400 * MS, began_ns=345 * MS),
+        AppliedEvent(2, "leave", 1, "leave", 500 * MS, 500 * MS, began_ns=500 * MS),
+    ]
+    assert events_felt(timeline, records) == {4: "", 5: "speed; pause", 6: "speed; leave"}
