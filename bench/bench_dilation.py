@@ -17,7 +17,7 @@ same invocation, the variants interleaved round by round:
   their effective's p50 and p99 (not run by default: it is a measurement, not a bar).
 
 Usage: python -m bench.bench_dilation [invariance|robustness|peers|loss ...] [--rounds N]
-       [--quick] (10 Mbit/s, Voltage and Trace-b only)
+       [--quick] (10 Mbit/s, Voltage and Trace-b only) [--keep DIR] (the runs' folders)
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def per_method(trials: pd.DataFrame) -> pd.DataFrame:
         effective_ms=("effective_ms", "max"),
         compute_ms=("compute_ms", "mean"),
         comm_ms=("comm_ms", "mean"),
+        wire_comm_ms=("wire_comm_ms", "mean"),
     )
     return slowest.groupby(["bandwidth_mbit", "method"]).median()
 
@@ -108,7 +109,7 @@ def ratio_table(frames: dict[str, pd.DataFrame], base: str) -> str:
     lines = []
     columns = ["effective_ms", "compute_ms", "comm_ms"]
     head = f"{'rate':>5} {'method':10}" + "".join(f"{base + ' ' + c:>24}" for c in columns)
-    lines.append(head + "".join(f"{name + '/' + base:>14}" for name in frames if name != base))
+    lines.append(head + "".join(f"{name + '/' + base:>19}" for name in frames if name != base))
     reference = frames[base]
     worst = 0.0
     for (rate, method), row in reference.iterrows():
@@ -118,7 +119,7 @@ def ratio_table(frames: dict[str, pd.DataFrame], base: str) -> str:
                 continue
             ratios = [frame.loc[(rate, method), c] / row[c] for c in columns]
             worst = max(worst, *(abs(r - 1) for r in ratios))
-            cells += f"{'/'.join(f'{r:.3f}' for r in ratios):>14}"
+            cells += f"{'/'.join(f'{r:.3f}' for r in ratios):>19}"
         lines.append(f"{rate:>5g} {method:10}{cells}")
     lines.append(f"worst ratio off 1: {100 * worst:.1f}% (effective/compute/comm in each cell)")
     return "\n".join(lines)
@@ -134,6 +135,24 @@ def invariance(folder: Path, rounds: int, quick: bool) -> None:
     frames = {name: per_method(pd.concat(parts)) for name, parts in runs.items()}
     print("invariance: P=2, speeds 0.4, 0.4; medians, and each d over d = 1")
     print(ratio_table(frames, "d=1"))
+    print(beyond_the_wire(frames))
+
+
+def beyond_the_wire(frames: dict[str, pd.DataFrame]) -> str:
+    """Each method's comm beyond its wire time (comm - wire_comm), per d, and that times d: the
+    host's own per-message work (system calls, the emulator's frames, wake-ups) is not dilated,
+    so where it is constant in host time, residual x d stays put while the residual shrinks."""
+    lines = ["comm beyond the wire (ms), per d; x d over d = 1's in brackets (1: the host's time)"]
+    for key in next(iter(frames.values())).index:
+        cells = []
+        for name, frame in frames.items():
+            d = float(name.removeprefix("d="))
+            residual = frame.loc[key, "comm_ms"] - frame.loc[key, "wire_comm_ms"]
+            first = next(iter(frames.values())).loc[key]
+            base = first["comm_ms"] - first["wire_comm_ms"]
+            cells.append(f"{name} {residual:8.2f} ({residual * d / base:5.2f})")
+        lines.append(f"{key[0]:>5g} {key[1]:10} " + "  ".join(cells))
+    return "\n".join(lines)
 
 
 def blocks(layers: pd.DataFrame) -> pd.Series:
@@ -217,10 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("studies", nargs="*", default=BARS, choices=list(STUDIES))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--keep", type=Path, help="keep the runs' folders here (default: none)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-dilation-") as folder:
+    with contextlib.ExitStack() as stack:
+        folder = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        folder.mkdir(parents=True, exist_ok=True)
         for study in args.studies:
-            STUDIES[study](Path(folder), args.rounds, args.quick)
+            STUDIES[study](folder, args.rounds, args.quick)
     return 0
 
 
