@@ -7,7 +7,7 @@ tbf at its uplink, or an htb with a class per capped or impaired peer, and an if
 for its downlink; netem under the tbf for the uplink's delay, jitter and loss, as a pair's
 class leaf for the pair's, and on the ifb for the downlink's, where the kernel has
 `sch_netem` (this project's machines have not: those commands are held against Debian's
-kernel in the netem reference guest, `testbed.kernel.guest`). The rates are shaped and
+kernel in the netem reference guest, `checks.guest`). The rates are shaped and
 probed first, the netems added after the probe; a trace's step changes rates and netem in
 place. The backend applies the plan (netlink into the device's namespace, or tc over ssh on
 a board). A bucket of two frames holds a bulk rate within 0.1 %, but lets a lone small

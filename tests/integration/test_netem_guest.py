@@ -1,5 +1,5 @@
 """The tbf emulator's kernel path held against a kernel that has netem: every kind of shaping
-plan the testbed builds, applied in the netem reference guest (`testbed.kernel.guest`) by the
+plan the testbed builds, applied in the netem reference guest (`checks.guest`) by the
 very argument lists the backends run, must be reported back by the kernel (`tc -j -s qdisc
 show`, `tc class show`, `tc -j filter show`) as the plan says it: tbf's rate, bucket and
 queue; every netem parameter (delay, jitter and correlation, each loss model, duplication,
@@ -27,15 +27,15 @@ from typing import Any
 
 import pytest
 
-from testbed.errors import ShapingError
-from testbed.experiment.profiles import available_profiles, load_profile, parse_profile
-from testbed.kernel.guest.build import (
+from checks.guest.build import (
     LINK_INTERFACE,
     PEER_ADDRESS,
     PEER_INTERFACE,
     PEER_MAC,
     PEER_NETNS,
 )
+from testbed.errors import ShapingError
+from testbed.experiment.profiles import available_profiles, load_profile, parse_profile
 from testbed.kernel.htb import HtbClass
 from testbed.kernel.ifb import ifb_name
 from testbed.kernel.netem import NetemCounters, NetemParams, netem_counters

@@ -1,4 +1,4 @@
-"""The ssh backend against real OpenSSH servers: two "boards" (tests/integration/boards.py),
+"""The ssh backend against real OpenSSH servers: two "boards" (`checks.boards`),
 each a network namespace on this machine running Debian's sshd on its own address."""
 
 from __future__ import annotations
@@ -19,22 +19,21 @@ import numpy as np
 import pytest
 import yaml
 
-from testbed.backends.base import DeviceSpec
-from testbed.backends.ssh.backend import SshBackend
-from testbed.backends.ssh.scripts import LAUNCHER
-from testbed.errors import DeviceError
-from testbed.experiment.inventory import Inventory
-from tests.integration.boards import (
+from checks.boards import (
     BOARD_INTERFACE,
-    RATE_MBIT,
     Lab,
     board_qdiscs,
     netns_pids,
     remote_run_dirs,
     sh,
-    small_experiment,
     ssh_lab,
 )
+from testbed.backends.base import DeviceSpec
+from testbed.backends.ssh.backend import SshBackend
+from testbed.backends.ssh.scripts import LAUNCHER
+from testbed.errors import DeviceError
+from testbed.experiment.inventory import Inventory
+from tests.integration.board_sweeps import RATE_MBIT, small_experiment
 
 pytestmark = pytest.mark.netns
 

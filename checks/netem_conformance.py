@@ -1,10 +1,10 @@
 """The serial emulator held against the kernel's netem: the same parameters, the same number of
 packets, side by side, with a two-sample test per row at 5 %.
 
-Run from the repository root: `python -m bench.netem_conformance [--netns]` (3-4 minutes;
-the netem reference guest, `testbed.kernel.guest`, is built first where it is missing).
-`--csv` names the CSV (default docs/netem-conformance.csv); the markdown table goes to
-stdout; docs/netem-conformance.md reads it. The verdicts are bench/netem_verdicts.py's.
+The command is the bench's, `python -m bench.netem_conformance [--netns]`
+(docs/netem-conformance.md); tests/integration/test_netem_conformance.py runs two rows of it.
+The netem reference guest, `checks.guest`, is built first where it is missing. The verdicts
+are `checks.netem_verdicts`'.
 
 - netem: one boot of the guest. Per row, `netem_argv` as the root of `va` (the project's own
   words for the parameters) and `--packets` pings, 2 ms apart, from `va` to its peer: netem
@@ -20,9 +20,8 @@ stdout; docs/netem-conformance.md reads it. The verdicts are bench/netem_verdict
   baseline's deviations from its median added (shuffled), the noise the netem side carries,
   so that both samples are "the draw + the same noise". Its order is its schedule's: a frame
   leaves at max(its arrival + its delay, the previous one's departure), never before an
-  earlier one. With `--netns` (root), the row NETNS_ROW is also measured through the real
-  switch in two network namespaces (bench/netem_switch_delays.py): its one-way delays by
-  the kernel's receive timestamps, against netem's.
+  earlier one. A caller may add rows of its own beside a row (`conformance`'s `beside`):
+  the bench's `--netns` adds the real switch's delays in two network namespaces.
 
 Tests: a count (lost, duplicated, reordered of N) against the emulator's own sampling
 distribution of it, EMULATOR_RUNS runs of N frames with their own seeds (two-sided Monte
@@ -34,21 +33,17 @@ exact test on the packets out of order. A row's p is the smallest of its tests.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import random
 import re
 import statistics
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from bench.netem_verdicts import COUNTED, Result, Row, Sample, compare, counted, markdown, write_csv
-from testbed.errors import GuestError, TestbedError
-from testbed.experiment.impairments import ImpairmentError
-from testbed.kernel.guest.boot import Completed, run
-from testbed.kernel.guest.build import LINK_INTERFACE, PEER_ADDRESS
+from checks.errors import GuestError
+from checks.guest.boot import Completed, run
+from checks.guest.build import LINK_INTERFACE, PEER_ADDRESS
+from checks.netem_verdicts import COUNTED, Result, Row, Sample, compare, counted
 from testbed.kernel.netem import netem_argv, netem_for
 from testbed.link.serial import core
 from testbed.link.serial.impairments import Copy, Impairments
@@ -121,9 +116,8 @@ ROWS = (
 # the guest's own overhead, read through a netem that adds a constant delay (so that its
 # timer's lateness under TCG is in it, which a bare link's round trip lacks)
 BASELINE = Row("baseline", "delay", {"delay_ms": 50})
-NETNS_ROW = "uniform 50 ms ± 20 ms"  # `--netns` measures its delays through the real switch
-NETNS_MESSAGES = 1000
 EMULATOR_RUNS = 200  # per count row: the emulator's sampling distribution of the count
+PACKETS_RANGE = (100, 20_000)  # per row, on each side
 
 
 # netem in the guest --------------------------------------------------------------------------
@@ -212,7 +206,23 @@ def run_counts(row: Row, packets: int, seed: int) -> list[int]:
     ]
 
 
-# the command ---------------------------------------------------------------------------------
+# the table -----------------------------------------------------------------------------------
+
+# a caller's own rows beside one: (row, packets, seed, netem's sample, the guest's noise) to
+# the rows to add after it (none for most)
+Beside = Callable[[Row, int, int, Sample, list[float]], list[Result]]
+
+
+def chosen_rows(measures: Sequence[str] | None, packets: int) -> list[Row]:
+    """The ROWS of `measures` (all of them for None); ValueError, in one line, on a count of
+    packets out of PACKETS_RANGE or a measure no row has."""
+    known = {row.measure for row in ROWS}
+    wanted = set(measures or known)
+    low, high = PACKETS_RANGE
+    if low <= packets <= high and wanted <= known:
+        return [row for row in ROWS if row.measure in wanted]
+    what = f"--packets {packets}" if wanted <= known else f"--rows {list(measures or [])}"
+    raise ValueError(f"{what}: packets {low}-{high}, rows of {sorted(known)}")
 
 
 def conformance(
@@ -220,11 +230,11 @@ def conformance(
     packets: int,
     seed: int,
     boot: Callable[..., list[Completed]] = run,
-    netns: bool = False,
+    beside: Beside | None = None,
 ) -> list[Result]:
-    """Every row through netem in one boot of the guest (`boot`: `testbed.kernel.guest.boot.run`
-    or a caller's with its image) and through the emulator's draws, compared; with `netns`,
-    NETNS_ROW's netem delays also against the switch's in namespaces (root)."""
+    """Every row through netem in one boot of the guest (`boot`: `checks.guest.boot.run` or a
+    caller's with its image) and through the emulator's draws, compared; each followed by
+    what `beside` adds to it."""
     results = boot(guest_commands(rows, packets), timeout_s=900)
     failed = [r for r in results if not r.ok and r.argv[2] != "del"]
     if failed:
@@ -239,22 +249,9 @@ def conformance(
         serial = serial_sample(serial_draws(row.parameters, seed + index, packets), noise_ms)
         counts = run_counts(row, packets, seed + index) if row.measure in COUNTED else None
         table.append(compare(row, packets, netem, serial, counts))
-        if netns and row.name == NETNS_ROW:
-            table.append(switch_row(row, packets, seed + index, netem, noise_ms))
+        if beside is not None:
+            table += beside(row, packets, seed + index, netem, noise_ms)
     return table
-
-
-def switch_row(row: Row, packets: int, seed: int, netem: Sample, noise_ms: list[float]) -> Result:
-    """netem's delays against those the serial switch delivers in namespaces (the guest's
-    noise added, as to the draws)."""
-    from bench.netem_switch_delays import switch_delays_ms
-
-    count = min(packets, NETNS_MESSAGES)
-    delays = switch_delays_ms(row.parameters, seed, count)
-    noisy = [d + noise_ms[i % len(noise_ms)] for i, d in enumerate(delays)]
-    switch = Sample([], [], [], noisy, 0)
-    name = f"{row.name}, the switch in namespaces ({count:,} messages 40 ms apart)"
-    return compare(Row(name, row.measure, row.parameters), packets, netem, switch)
 
 
 def baseline(output: str, seed: int) -> tuple[float, list[float]]:
@@ -268,38 +265,3 @@ def baseline(output: str, seed: int) -> tuple[float, list[float]]:
     noise_ms = [rtt - median_ms for rtt in round_trips]
     random.Random(seed).shuffle(noise_ms)
     return overhead_ms, noise_ms
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.netem_conformance", description=__doc__)
-    parser.add_argument("--packets", type=int, default=3000, help="per row, on each side")
-    parser.add_argument("--seed", type=int, default=1, help="the emulator's first row's seed")
-    parser.add_argument("--rows", nargs="+", metavar="MEASURE", help="loss duplicate ...")
-    parser.add_argument("--csv", type=Path, default=Path("docs/netem-conformance.csv"))
-    parser.add_argument(
-        "--netns", action="store_true", help=f"{NETNS_ROW}: also the switch in namespaces (root)"
-    )
-    options = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    measures = {row.measure for row in ROWS}
-    wanted = set(options.rows or measures)
-    if not 100 <= options.packets <= 20_000 or not wanted <= measures:
-        what = f"--packets {options.packets}" if wanted <= measures else f"--rows {options.rows}"
-        print(
-            f"netem_conformance: {what}: packets 100-20000, rows of {sorted(measures)}",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        chosen = [r for r in ROWS if r.measure in wanted]
-        results = conformance(chosen, options.packets, options.seed, netns=options.netns)
-        write_csv(results, options.csv)
-    except (TestbedError, ImpairmentError, OSError, RuntimeError) as error:
-        print(f"netem_conformance: {error}", file=sys.stderr)
-        return 1
-    print(markdown(results))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

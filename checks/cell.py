@@ -1,20 +1,17 @@
-"""The shared medium at more devices and kinds of bulk than CI runs: P devices sending bulk
-at once on one 20 Mbit/s cell, their total and Jain's fairness index over their shares.
+"""The shared medium under load: P devices sending bulk at once on one 20 Mbit/s cell, what
+each port carried and Jain's fairness index over their shares.
 
-Run as root from the repository root: `python -m bench.cell` (about 6 s per device count,
-kind of bulk and repetition; `--counts 2 4 8 --bulk udp cubic bbr --repeats 3` by default).
-The measurement (`bulk_on_the_cell`: every device to the next, 3 s of steady traffic by the
-emulator's byte counters after 1 s) is also the CI test's (tests/integration/
-test_cell_netns.py), which runs it with UDP at P = 2 and 4. Prints one line per run, then the
-median total and the least fairness per count and kind of bulk.
+`cell_of` builds the cell (namespaces on a `SerialSwitch` whose ports share one line, every
+pair greeted first); `bulk_on_the_cell` is the measurement (every device to the next, 3 s of
+steady traffic by the emulator's byte counters after 1 s). tests/integration/
+test_cell_netns.py runs it with UDP at P = 2 and 4; `python -m bench.cell` at more device
+counts and kinds of bulk.
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +28,7 @@ PORT = 5321
 # How bulk is sent: "udp" keeps a port's queue full; TCP with a congestion control ("cubic",
 # Linux's default; "bbr", this machine's) shares the cell as that control shares a
 # bottleneck: on a quiet machine cubic's Jain index read 0.99-1.00, BBR's 0.88-0.95, and a
-# busy one (other jobs on both cores) once brought cubic to 0.96 (bench/cell.py)
+# busy one (other jobs on both cores) once brought cubic to 0.96 (`python -m bench.cell`)
 BULK = ("udp", "cubic", "bbr")
 
 
@@ -156,42 +153,3 @@ def mbit(carried_bytes: float) -> float:
 
 def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cell", description=__doc__)
-    parser.add_argument("--counts", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--bulk", nargs="+", choices=BULK, default=list(BULK))
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench.cell: run as root (network namespaces)", file=sys.stderr)
-        return 2
-    summary = []
-    for count in args.counts:
-        for bulk in args.bulk:
-            totals, fairness = [], []
-            for repeat in range(args.repeats):
-                cells = cell_of(count)
-                try:
-                    carried = bulk_on_the_cell(next(cells), bulk)
-                finally:
-                    cells.close()  # stops the switch, deletes the namespaces
-                total = mbit(sum(carried.values()))
-                totals.append(total)
-                fairness.append(jain(list(carried.values())))
-                shares = " ".join(f"{mbit(b):.2f}" for b in carried.values())
-                print(
-                    f"P={count} {bulk} #{repeat}: {total:.3f} Mbit/s in all "
-                    f"({100 * (total / CELL_MBIT - 1):+.2f} %), Jain {fairness[-1]:.4f}; {shares}"
-                )
-            summary.append((count, bulk, statistics.median(totals), min(fairness)))
-    print(f"\n{CELL_MBIT:g} Mbit/s cell  bulk   median total     off  least Jain")
-    for count, bulk, total, least in summary:
-        off = 100 * (total / CELL_MBIT - 1)
-        print(f"P={count:<16}{bulk:<7}{total:>12.3f}{off:>+8.2f} %{least:>10.4f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
