@@ -1,13 +1,10 @@
 """The packages are layers too: `testbed -> devices -> tracevq`, and the accuracy study above
 the library (`accuracy -> tracevq`). Every module's imports are read (ast: module level,
 under TYPE_CHECKING and inside functions, and `import_module("...")` with a written name);
-none may reach a package its own may not import. Named exceptions:
-
-- `python -m tracevq.train`, the study's old door, forwards to `python -m accuracy`;
-- imports whose module name is computed at run time, which ast cannot read: the method
-  table's `MethodEntry.implementation_class` (the one deliberate lazy import: each entry's
-  class by its `implementation` string) and `tracevq`'s lazy attributes. Their strings are
-  checked instead.
+none may reach a package its own may not import. Named exception: imports whose module name
+is computed at run time, which ast cannot read: the method table's
+`MethodEntry.implementation_class` (the one deliberate lazy import: each entry's class by its
+`implementation` string) and `tracevq`'s lazy attributes. Their strings are checked instead.
 
 A planted import in a tmp tree shows that the check fails when it should.
 """
@@ -30,8 +27,6 @@ ALLOWED: dict[str, set[str]] = {
     "tracevq": set(),
     "accuracy": {"tracevq"},
 }
-# (module, package it imports against the layers): the deliberate exception
-EXCEPTIONS = {("tracevq.train.__main__", "accuracy")}
 # modules of the packages below the testbed that import a module named at run time
 COMPUTED = {"tracevq.method_table", "tracevq"}
 
@@ -77,10 +72,7 @@ def check_tree(root: Path) -> list[str]:
             for line, name in found:
                 top = name.split(".")[0]
                 if top in ALLOWED and top not in {package, *allowed}:
-                    if (module, top) not in EXCEPTIONS:
-                        problems.append(
-                            f"{module} line {line}: imports {name} ({package} -> {top})"
-                        )
+                    problems.append(f"{module} line {line}: imports {name} ({package} -> {top})")
             if computed and package != "testbed" and module not in COMPUTED:
                 problems.append(f"{module} lines {computed}: imports a module named at run time")
     return problems
@@ -90,12 +82,8 @@ def test_every_package_imports_only_the_packages_below_it() -> None:
     assert check_tree(ROOT) == []
 
 
-def test_the_exceptions_are_still_there() -> None:
-    """An exception that no longer exists must leave the lists (they name what is true)."""
-    for module, package in EXCEPTIONS:
-        path = ROOT / Path(*module.split(".")).with_suffix(".py")
-        found, _ = imports(path.read_text(), module)
-        assert any(name.split(".")[0] == package for _, name in found), module
+def test_the_computed_imports_are_still_there() -> None:
+    """A module that no longer computes an import must leave COMPUTED (it names what is true)."""
     for module in COMPUTED:
         path = ROOT / Path(*module.split("."))
         path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
