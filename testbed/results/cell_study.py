@@ -15,7 +15,7 @@ import pandas as pd
 
 from testbed.results import stats
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant_order
+from testbed.results.variants import variant_order
 
 KEYS = ["devices", "bandwidth_mbit", "variant"]
 MEDIA = ("dedicated", "shared")
@@ -26,7 +26,7 @@ def cell_table(results: Results) -> pd.DataFrame:
     each medium (`comm_ms_dedicated`, `comm_ms_shared`, ...), `n` (the fewer repetitions of
     the two) and the ratios shared over dedicated (`comm_ratio`, `effective_ratio`). Empty
     where the run did not sweep both media (link.medium)."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if ok.empty or "medium" not in ok or set(ok["medium"].dropna()) != set(MEDIA):
         return pd.DataFrame()
     keys = [*KEYS, "medium"]

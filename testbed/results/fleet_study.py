@@ -17,7 +17,7 @@ import pandas as pd
 
 from testbed.results import stats
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant_order
+from testbed.results.variants import variant_order
 from tracevq.partition import partition_sizes
 
 KEYS = ["devices", "bandwidth_mbit", "variant"]
@@ -47,7 +47,7 @@ def fleet_table(results: Results) -> pd.DataFrame:
     `slowdown` (over the equal fleet's, even partition) and `by_speed_gain` (by speed over
     even at the same relative speed; NaN where either is missing). Empty where the run has
     one fleet."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if ok.empty or "fleet" not in ok or ok["fleet"].fillna("").nunique() <= 1:
         return pd.DataFrame()
     ok = ok.merge(_fleets(ok), on="trial_id")
