@@ -34,6 +34,7 @@ from testbed.backends.ssh.scripts import LAUNCHER
 from testbed.errors import DeviceError
 from testbed.experiment.inventory import Inventory
 from tests.integration.board_sweeps import RATE_MBIT, small_experiment
+from tests.integration.unshaped import UnshapedLinks
 
 pytestmark = pytest.mark.netns
 
@@ -202,13 +203,12 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     handshake measures the skew, and comm, measured across the two clocks, stays what the
     link gives (the skew would otherwise add or remove seconds per message)."""
     from testbed.experiment.schema import parse_experiment
-    from testbed.link.emulator import LinkCounters
     from testbed.link.links import LinkState
     from testbed.results.facts import RunFacts
     from testbed.results.rows import RowFacts, assemble
     from testbed.sweep.bundles import prepare_run_files
     from testbed.sweep.plan import plan_rows, plan_trials
-    from testbed.sweep.sessions import WORKER_PORT, run_session
+    from testbed.sweep.sessions import WORKER_PORT, Session, run_session
 
     experiment = parse_experiment(small_experiment())
     trials = plan_trials(experiment)
@@ -218,16 +218,8 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     backend.start(DeviceSpec(count=2, cpus=1))
     directory = backend.run_dir / "sessions" / "s"
     link = LinkState(RATE_MBIT)
-    outcome = run_session(
-        backend,
-        experiment,
-        trials,
-        directory,
-        WORKER_PORT,
-        link,
-        files,
-        lambda: {rank: LinkCounters(0) for rank in (0, 1)},
-    )
+    session = Session(trials, directory, WORKER_PORT, link, files)
+    outcome = run_session(backend, experiment, session, UnshapedLinks(backend.devices))
     assert outcome.ok, outcome.error
     assert {"session.json", "records.jsonl", "spec.json"} <= {
         p.name for p in (directory / "rank1").iterdir()
