@@ -53,7 +53,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from testbed.errors import ShapingError
-from testbed.kernel.interfaces import offload_argv, veth_into
+from testbed.kernel.interfaces import Veth, offload_argv, veth_into
 from testbed.kernel.names import TAG_PATTERN, RunNames
 from testbed.kernel.netns import create_netns, in_netns, iproute, netlink_step, netns_path
 from testbed.kernel.processes import kill_group, run_checked, start_group
@@ -164,16 +164,8 @@ class SerialSwitch:
         """One veth pair: the port here, `sl0` created inside the device's namespace."""
         port, device = self.port(rank), self.device_netns[rank]
         address = ipaddress.IPv4Interface((self.address(rank), self.subnet.prefixlen))
-        veth_into(
-            self.netns_path,
-            port,
-            device,
-            DEVICE_INTERFACE,
-            address,
-            WHO,
-            ShapingError,
-            gso_max_segs=1,
-        )
+        veth = Veth(self.netns_path, port, device, DEVICE_INTERFACE, address)
+        veth_into(veth, WHO, ShapingError, gso_max_segs=1)
         where = f"{self.netns}: veth {port} <-> {device}:{DEVICE_INTERFACE}"
         for netns, interface in ((self.netns_path, port), (device, DEVICE_INTERFACE)):
             argv = in_netns(netns, offload_argv(interface, checksums=True))
