@@ -134,6 +134,7 @@ def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends,
 def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     from testbed.errors import ShapingError
     from testbed.experiment.profiles import load_profile
+    from testbed.kernel.shaping import Hops
     from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
     from testbed.link.token_bucket import profile_plan
 
@@ -145,7 +146,9 @@ def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     with pytest.raises(ShapingError, match="'wifi' needs netem's impairments"):
         backend.shape(devices[0], profile_plan(load_profile("wifi"), RATE_MBIT))
     with pytest.raises(ShapingError, match="downlinks and pairs are not shaped on boards"):
-        backend.shape(devices[0], profile_plan(load_profile("ideal"), RATE_MBIT, downlink_mbit=2))
+        backend.shape(
+            devices[0], profile_plan(load_profile("ideal"), RATE_MBIT, hops=Hops(downlink_mbit=2))
+        )
     plan = profile_plan(load_profile("ideal"), RATE_MBIT, support=support)
     for device in devices:
         backend.shape(device, plan)
