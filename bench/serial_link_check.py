@@ -207,14 +207,13 @@ def tbf_bed(prefix: str) -> Iterator[Bed]:
 def serial_bed(
     prefix: str, args: argparse.Namespace, backpressure: bool, core: str
 ) -> Iterator[Bed]:
-    from testbed.link.serial.switch import SerialSwitch
+    from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
     with _namespaces(prefix) as names:
         paths = [f"/var/run/netns/{name}" for name in names]
         tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
-        switch = SerialSwitch(
-            tag, paths, SUBNET, 1, backpressure, args.spin_us, args.queue_ms, core=core
-        )
+        program = ProgramOptions(spin_us=args.spin_us, queue_ms=args.queue_ms, core=core)
+        switch = SerialSwitch(tag, paths, SUBNET, 1, backpressure, program)
         with switch:
 
             def set_rate(rate_mbit: float) -> None:
@@ -239,12 +238,12 @@ def many_ports(
     bulk at `rate_mbit` to the next at the same time: per port, the TCP payload rate / target
     (what the line leaves its data beside the ACKs it carries for the flow its device
     receives) and the emulator's stalls."""
-    from testbed.link.serial.switch import SerialSwitch
+    from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
     with _namespaces(f"tbmany-{os.getpid()}", count) as names:
         paths = [f"/var/run/netns/{name}" for name in names]
         tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
-        with SerialSwitch(tag, paths, SUBNET, 1, core=core) as switch:
+        with SerialSwitch(tag, paths, SUBNET, 1, program=ProgramOptions(core=core)) as switch:
             for rank in range(count):
                 switch.set_rate(rank, rate_mbit)
                 if impairments:

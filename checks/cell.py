@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from testbed.link.serial.switch import SerialSwitch
+from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
 MBIT = 1_000_000
 SUBNET = ipaddress.IPv4Network("10.214.79.0/24")  # the devices' addresses
@@ -62,7 +62,8 @@ def cell_of(count: int, subnet: ipaddress.IPv4Network = SUBNET) -> Iterator[Cell
             subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
             subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, timeout=10)
         paths = [f"/var/run/netns/{name}" for name in names]
-        switch = SerialSwitch(tag, paths, subnet, rate_mbit=CELL_MBIT, core="c").start()
+        program = ProgramOptions(core="c")
+        switch = SerialSwitch(tag, paths, subnet, CELL_MBIT, program=program).start()
         switch.set_medium(True)
         cell = Cell(names, switch)
         for rank in range(count):
