@@ -29,7 +29,7 @@ import torch
 
 import tracevq
 from devices.device import Device
-from devices.handshake import shake
+from devices.handshake import HandshakeSide, shake
 from devices.inputs import generated_batch
 from devices.pace import PROGRESS_FILE, read_progress, write_control
 from devices.records import read_records, read_session
@@ -480,16 +480,14 @@ def test_corrupted_message_fails_the_worker_naming_peer_and_block(
     spec = RunSpec.model_validate_json(write_spec(tmp_path / "fake", 1, peers, runs).read_text())
     model = tracevq.build_model(MODEL)
     fake = Device(spec, model, load_methods(spec, model))
-    hello, names = fake.hello(), [fake.mesh.name(p) for p in range(2)]
+    side = HandshakeSide(fake.hello(), [fake.mesh.name(p) for p in range(2)], fake.clock)
     worker_spec = write_spec(tmp_path, 0, peers, runs, recv_timeout_s=3)
     worker = start([sys.executable, "-m", "devices.worker", str(worker_spec)])
     try:
         with fake.mesh as mesh:
             mesh.open(
                 30,
-                lambda conn, wanted, connected: shake(
-                    conn, hello, wanted, connected, names, fake.clock
-                ),
+                lambda conn, wanted, connected: shake(conn, side, wanted, connected),
             )
             mesh.barrier(30)
             mesh.links[0].sock.sendall(corrupted(case))

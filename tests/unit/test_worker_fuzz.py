@@ -35,7 +35,14 @@ import tracevq
 from devices.device import Device
 from devices.errors import ConnectError, PeerLostError, ProtocolError
 from devices.frames import CLOCK_RANGE_NS, FRAME_HEADER, CountingSocket
-from devices.handshake import CLOCK_ROUNDS, clock_answer, ping, round_mark, shake
+from devices.handshake import (
+    CLOCK_ROUNDS,
+    HandshakeSide,
+    clock_answer,
+    ping,
+    round_mark,
+    shake,
+)
 from devices.spec import MethodRun, RunSpec
 from devices.worker import load_methods
 from tracevq.bundle import fit_bundle
@@ -398,10 +405,9 @@ def session_with_scripted_peer(
 
 
 def open_fake(fake: Device) -> None:
-    hello, names = fake.hello(), [fake.mesh.name(p) for p in range(2)]
+    side = HandshakeSide(fake.hello(), [fake.mesh.name(p) for p in range(2)], fake.clock)
     fake.mesh.open(
-        TIME_LIMIT_S,
-        lambda conn, wanted, connected: shake(conn, hello, wanted, connected, names, fake.clock),
+        TIME_LIMIT_S, lambda conn, wanted, connected: shake(conn, side, wanted, connected)
     )
     fake.mesh.barrier(TIME_LIMIT_S)
 
@@ -574,13 +580,10 @@ def test_a_peer_that_resets_right_after_the_handshake_is_named(tmp_path, model, 
     send and its read meets the reset."""
     fake, peers = session_with_scripted_peer(tmp_path, model, bundle_path, "voltage")
     worker = Worker(make_spec(tmp_path, 0, peers, "voltage", bundle_path), model)
-    hello, names = fake.hello(), [fake.mesh.name(p) for p in range(2)]
+    side = HandshakeSide(fake.hello(), [fake.mesh.name(p) for p in range(2)], fake.clock)
     with fake.mesh:
         fake.mesh.open(
-            TIME_LIMIT_S,
-            lambda conn, wanted, connected: shake(
-                conn, hello, wanted, connected, names, fake.clock
-            ),
+            TIME_LIMIT_S, lambda conn, wanted, connected: shake(conn, side, wanted, connected)
         )
         sock = fake.mesh.links[0].sock
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
