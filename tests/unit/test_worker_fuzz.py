@@ -45,7 +45,7 @@ from devices.handshake import (
 )
 from devices.spec import MethodRun, RunSpec
 from devices.worker import load_methods
-from tracevq.bundle import fit_bundle
+from tracevq.bundle import FitSettings, fit_bundle
 from tracevq.codec import encode_trace_message
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def model():
 @pytest.fixture(scope="module")
 def bundle_path(tmp_path_factory, model) -> Path:
     calibration = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    bundle = fit_bundle(model, calibration, K=K, families=("astra", "trace-b"))
+    bundle = fit_bundle(model, calibration, FitSettings(K, families=("astra", "trace-b")))
     return bundle.save(tmp_path_factory.mktemp("bundle") / "b.pt")
 
 
