@@ -15,6 +15,7 @@ import pandas as pd
 
 from testbed.results import stats
 from testbed.results.store import Results
+from testbed.results.study_lines import study_lines
 from testbed.results.variants import variant_order
 
 KEYS = ["devices", "bandwidth_mbit", "variant"]
@@ -53,27 +54,24 @@ def cell_lines(results: Results) -> list[str]:
     table = cell_table(results)
     if table.empty:
         return []
-    width = max(len(v) for v in table["variant"]) + 2
-    lines = [
-        "",
+    caption = (
         "one shared cell against a line per device: communication (mean of the devices) and "
-        "effective latency (the slowest device), medians in ms, and the cell's over the lines'",
-    ]
-    for (devices, rate), part in table.groupby(["devices", "bandwidth_mbit"], sort=False):
-        title = f"P={devices} {rate:g} Mbit/s"
-        lines += [
-            "",
-            f"{title:<{width}}{'comm lines':>12}{'comm cell':>11}{'ratio':>8}"
-            f"{'eff. lines':>12}{'eff. cell':>11}{'ratio':>8}",
-        ]
-        for _, row in part.iterrows():
-            lines.append(
-                f"{row['variant']:<{width}}{_ms(row['comm_ms_dedicated']):>12}"
-                f"{_ms(row['comm_ms_shared']):>11}{_ratio(row['comm_ratio']):>8}"
-                f"{_ms(row['effective_ms_dedicated']):>12}{_ms(row['effective_ms_shared']):>11}"
-                f"{_ratio(row['effective_ratio']):>8}"
-            )
-    return lines
+        "effective latency (the slowest device), medians in ms, and the cell's over the lines'"
+    )
+    header = (
+        f"{'comm lines':>12}{'comm cell':>11}{'ratio':>8}"
+        f"{'eff. lines':>12}{'eff. cell':>11}{'ratio':>8}"
+    )
+    return study_lines(table, caption, header, _row_cells)
+
+
+def _row_cells(row: pd.Series) -> str:
+    return (
+        f"{_ms(row['comm_ms_dedicated']):>12}"
+        f"{_ms(row['comm_ms_shared']):>11}{_ratio(row['comm_ratio']):>8}"
+        f"{_ms(row['effective_ms_dedicated']):>12}{_ms(row['effective_ms_shared']):>11}"
+        f"{_ratio(row['effective_ratio']):>8}"
+    )
 
 
 def _ms(value: float) -> str:
