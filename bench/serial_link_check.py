@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from devices.clock import ANCILLARY_BYTES, SO_TIMESTAMPNS_OLD, kernel_timestamp_ns
+from devices.probe import receive_timed
 from testbed.link.wire import (
     FULL_FRAME_BYTES,
     TCP_FRAME_HEADER_BYTES,
@@ -106,18 +107,9 @@ def send_messages(address: str, size: int, count: int, gap_s: float) -> None:
 def receive_bulk(address: str) -> None:
     """Prints bytes and seconds between the first tenth of the bytes and the last byte."""
     conn, _ = _server(address).accept()
-    buffer, total, samples = bytearray(1 << 16), 0, []
-    while True:
-        n, ancillary, _, _ = conn.recvmsg_into([buffer], ANCILLARY_BYTES)
-        if not n:
-            break
-        total += n
-        samples.append((kernel_timestamp_s(ancillary), total))
-    warm = next(s for s in samples if s[1] >= total / 10)
-    end = samples[-1]
-    print(
-        json.dumps({"bytes": total, "steady_bytes": end[1] - warm[1], "steady_s": end[0] - warm[0]})
-    )
+    timing = receive_timed(conn, kernel_stamps=True)
+    steady = {"steady_bytes": timing.steady_bytes, "steady_s": timing.steady_s}
+    print(json.dumps({"bytes": timing.total_bytes, **steady}))
 
 
 def send_bulk(address: str, payload_bytes: int) -> None:
