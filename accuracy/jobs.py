@@ -24,7 +24,7 @@ from accuracy.evaluate import evaluate_exact, evaluate_family
 from accuracy.loops import accuracy, finetune
 from accuracy.quantizer import CodebookRule, TrainingCodec
 from accuracy.settings import Settings
-from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
+from tracevq.bundle import Bundle, FitSettings, fit_bundle, model_fingerprint
 from tracevq.distributed import ExactCodec, distributed_logits, remote_kv_error
 from tracevq.method_table import METHODS
 from tracevq.models import VisionTransformer
@@ -94,17 +94,16 @@ def run_fit(
     if fit.code_dim is not None:  # only the families that try every rule use d_q
         families = tuple(f for f in families if f in settings.finetune.rule_families)
     calibration = splits.train.take(slice(0, codebooks.calibration_images))
-    bundle = fit_bundle(
-        model,
-        calibration,
+    fitting = FitSettings(
         fit.K,
         families,
         fit.code_dim,
-        codebooks.metrics[0],
-        codebooks.branching,
-        fit.seed,
-        codebooks.kmeans_iterations,
+        metric=codebooks.metrics[0],
+        branching=codebooks.branching,
+        seed=fit.seed,
+        kmeans_iterations=codebooks.kmeans_iterations,
     )
+    bundle = fit_bundle(model, calibration, fitting)
     bundle.meta.update(task=settings.data.task, study=settings.name)
     bundle.save(settings.run_dir / fit.path)
     return {**asdict(fit), "seconds": time.perf_counter() - started}

@@ -1,6 +1,6 @@
 """What the enoslib backend's choice of channel costs: its own SSH channel (the ssh backend's
 paramiko connections) against EnOSlib's Ansible, on the same SSH boards in network namespaces
-(as the tests build them), as root: `python -m bench.board_channels` (about a minute).
+(`checks.boards`), as root: `python -m bench.board_channels` (about a minute).
 
 Per channel, for `--boards` boards (2): setting them up (direct: the backend's whole
 start, i.e. connect, checks, code and run files copied, clock; Ansible: EnOSlib's
@@ -24,8 +24,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from testbed.source import SOURCE_ROOT
-
 ROUNDS = 7
 
 
@@ -42,7 +40,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.board_channels", description=__doc__)
     parser.add_argument("--boards", type=int, default=2)
     count = parser.parse_args(argv).boards
-    sys.path.insert(0, str(SOURCE_ROOT))
     import enoslib as en
 
     from bench.scale import static_provider

@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from testbed.sweep.bundles import BUNDLE_CACHE_DIR
-from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
+from tracevq.bundle import Bundle, FitSettings, fit_bundle, model_fingerprint
 from tracevq.engine import DeviceRun
 from tracevq.methods import Method, make_method
 from tracevq.models import VisionTransformer
@@ -129,7 +129,7 @@ def bundle_for(
         return Bundle.load(path)
     generator = torch.Generator().manual_seed(CALIBRATION_SEED)
     inputs = torch.randn(model.config.input_shape(calibration), generator=generator)
-    bundle = fit_bundle(model, inputs, K=K, families=families)
+    bundle = fit_bundle(model, inputs, FitSettings(K, families=families))
     path.parent.mkdir(parents=True, exist_ok=True)
     bundle.save(path)
     return bundle

@@ -26,12 +26,12 @@ BASELINE_MESSAGES = 200
 def switch_delays_ms(parameters: dict[str, Any], seed: int, count: int) -> list[float]:
     """`count` messages' one-way delays through the switch with `parameters` on the sender's
     uplink, less the unimpaired switch's median."""
-    from testbed.link.serial.switch import SerialSwitch
+    from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
     with _namespaces(f"tbconf-{os.getpid()}") as names:
         paths = [f"/var/run/netns/{name}" for name in names]
         tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
-        with SerialSwitch(tag, paths, SUBNET, RATE_MBIT, backpressure=False, core="c") as switch:
+        with SerialSwitch(tag, paths, SUBNET, RATE_MBIT, False, ProgramOptions(core="c")) as switch:
             addresses = (switch.address(0), switch.address(1))
             bed = Bed("serial (c)", names, addresses, lambda rate: None)
             bare = message_latencies_s(bed, MESSAGE_BYTES, BASELINE_MESSAGES, RATE_MBIT)

@@ -1,5 +1,5 @@
 """The orchestration at P = 2, 4, 8 and 10 devices, on the local backend and on the enoslib
-backend's static provider (SSH boards in network namespaces, as the tests build them), and
+backend's static provider (SSH boards in network namespaces, `checks.boards`), and
 on any other backend named with `--backends` (docker).
 
 Run as root from the repository root: `python -m bench.scale` (about 5 minutes; `--counts`,
@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from checks.boards import ssh_lab
 from testbed.source import SOURCE_ROOT
 
 RATE_MBIT = 5.0
@@ -102,9 +103,6 @@ def run(data: dict[str, Any], directory: Path) -> Path:
 @contextlib.contextmanager
 def static_provider(directory: Path, boards: int) -> Iterator[dict[str, Any]]:
     """The static provider's section over `boards` SSH boards in namespaces."""
-    sys.path.insert(0, str(SOURCE_ROOT))
-    from tests.integration.boards import ssh_lab
-
     (directory / "lab").mkdir()
     with ssh_lab(directory / "lab", boards) as lab:
         machines = [

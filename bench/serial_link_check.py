@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from devices.clock import ANCILLARY_BYTES, SO_TIMESTAMPNS_OLD, kernel_timestamp_ns
+from devices.probe import receive_timed
 from testbed.link.wire import (
     FULL_FRAME_BYTES,
     TCP_FRAME_HEADER_BYTES,
@@ -106,18 +107,9 @@ def send_messages(address: str, size: int, count: int, gap_s: float) -> None:
 def receive_bulk(address: str) -> None:
     """Prints bytes and seconds between the first tenth of the bytes and the last byte."""
     conn, _ = _server(address).accept()
-    buffer, total, samples = bytearray(1 << 16), 0, []
-    while True:
-        n, ancillary, _, _ = conn.recvmsg_into([buffer], ANCILLARY_BYTES)
-        if not n:
-            break
-        total += n
-        samples.append((kernel_timestamp_s(ancillary), total))
-    warm = next(s for s in samples if s[1] >= total / 10)
-    end = samples[-1]
-    print(
-        json.dumps({"bytes": total, "steady_bytes": end[1] - warm[1], "steady_s": end[0] - warm[0]})
-    )
+    timing = receive_timed(conn, kernel_stamps=True)
+    steady = {"steady_bytes": timing.steady_bytes, "steady_s": timing.steady_s}
+    print(json.dumps({"bytes": timing.total_bytes, **steady}))
 
 
 def send_bulk(address: str, payload_bytes: int) -> None:
@@ -207,14 +199,13 @@ def tbf_bed(prefix: str) -> Iterator[Bed]:
 def serial_bed(
     prefix: str, args: argparse.Namespace, backpressure: bool, core: str
 ) -> Iterator[Bed]:
-    from testbed.link.serial.switch import SerialSwitch
+    from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
     with _namespaces(prefix) as names:
         paths = [f"/var/run/netns/{name}" for name in names]
         tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
-        switch = SerialSwitch(
-            tag, paths, SUBNET, 1, backpressure, args.spin_us, args.queue_ms, core=core
-        )
+        program = ProgramOptions(spin_us=args.spin_us, queue_ms=args.queue_ms, core=core)
+        switch = SerialSwitch(tag, paths, SUBNET, 1, backpressure, program)
         with switch:
 
             def set_rate(rate_mbit: float) -> None:
@@ -239,12 +230,12 @@ def many_ports(
     bulk at `rate_mbit` to the next at the same time: per port, the TCP payload rate / target
     (what the line leaves its data beside the ACKs it carries for the flow its device
     receives) and the emulator's stalls."""
-    from testbed.link.serial.switch import SerialSwitch
+    from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
     with _namespaces(f"tbmany-{os.getpid()}", count) as names:
         paths = [f"/var/run/netns/{name}" for name in names]
         tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
-        with SerialSwitch(tag, paths, SUBNET, 1, core=core) as switch:
+        with SerialSwitch(tag, paths, SUBNET, 1, program=ProgramOptions(core=core)) as switch:
             for rank in range(count):
                 switch.set_rate(rank, rate_mbit)
                 if impairments:

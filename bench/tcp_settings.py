@@ -34,12 +34,13 @@ SLOW_MS = 50.0
 
 @contextlib.contextmanager
 def lossy_bed(args: argparse.Namespace) -> Iterator[tuple[Bed, object]]:
-    from testbed.link.serial.switch import SerialSwitch
+    from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
     with _namespaces(f"tbtcp-{os.getpid()}") as names:
         paths = [f"/var/run/netns/{name}" for name in names]
         tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
-        with SerialSwitch(tag, paths, SUBNET, args.rate, core="python") as switch:
+        program = ProgramOptions(core="python")
+        with SerialSwitch(tag, paths, SUBNET, args.rate, program=program) as switch:
             impairments = {"delay_ms": args.delay_ms, "loss_pct": args.loss_pct}
             for rank in (0, 1):
                 switch.impair(rank, impairments, 2026 + rank)

@@ -23,7 +23,7 @@ import torch
 
 from devices.clock import Clock
 from devices.errors import WorkerError
-from devices.handshake import make_hello, shake
+from devices.handshake import HandshakeSide, make_hello, shake
 from devices.inputs import InputSource
 from devices.level import LiveLevel, choose_level
 from devices.mesh import Mesh
@@ -118,13 +118,12 @@ class Device:
             hello = self.hello()
             names = [self.mesh.name(peer) for peer in range(spec.devices)]
             hosts = [host for host, _ in spec.addresses]
+            side = HandshakeSide(hello, names, self.clock, hosts, self.secret)
             with self.mesh:
                 began = time.perf_counter()
                 self.mesh.open(
                     spec.connect_timeout_s,
-                    lambda conn, expected, connected: shake(
-                        conn, hello, expected, connected, names, self.clock, hosts, self.secret
-                    ),
+                    lambda conn, expected, connected: shake(conn, side, expected, connected),
                 )
                 self.timing_s["connect_s"] = time.perf_counter() - began
                 self.write_session("running")

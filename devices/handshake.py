@@ -122,6 +122,27 @@ class PeerHandshake:
         }
 
 
+@dataclass(frozen=True)
+class HandshakeSide:
+    """This device's side of every handshake it makes.
+
+    Attributes:
+        hello: its hello (`make_hello`).
+        names: how to name each rank in messages ("device 1 (host:port)").
+        clock: its clock, for the ping-pong.
+        hosts: each rank's host in the spec; the side that accepts checks that the
+            connection comes from the claimed rank's (None: not checked).
+        secret: the run's secret; the peer must prove that it knows it (None: no proof is
+            asked; the hellos' `authenticated` must agree).
+    """
+
+    hello: dict[str, Any]
+    names: list[str]
+    clock: Clock
+    hosts: list[str] | None = None
+    secret: bytes | None = None
+
+
 def protocol_problem(mine: dict[str, Any], theirs: dict[str, Any], name: str) -> str | None:
     """Why the peer speaks another protocol version, or None; checked before anything else
     (another version may have other fields)."""
@@ -165,32 +186,20 @@ def source_problem(conn: CountingSocket, host: str) -> str | None:
 
 
 def shake(
-    conn: CountingSocket,
-    mine: dict[str, Any],
-    expected: set[int],
-    connected: bool,
-    names: list[str],
-    clock: Clock,
-    hosts: list[str] | None = None,
-    secret: bytes | None = None,
+    conn: CountingSocket, side: HandshakeSide, expected: set[int], connected: bool
 ) -> PeerHandshake:
     """Run the handshake on a fresh connection; raises ProtocolError on any mismatch or
     malformed frame, naming the peer.
 
     Args:
         conn: the connection, with a timeout set.
-        mine: this device's hello (`make_hello`).
+        side: this device's hello, names, clock, the spec's hosts and the run's secret.
         expected: the ranks this connection may come from.
         connected: True on the side that connected (it drives the clock ping-pong).
-        names: how to name each rank in messages ("device 1 (host:port)").
-        clock: this device's clock, for the ping-pong.
-        hosts: each rank's host in the spec; the side that accepts checks that the
-            connection comes from the claimed rank's (None: not checked).
-        secret: the run's secret; the peer must prove that it knows it (None: no proof is
-            asked; the hellos' `authenticated` must agree).
     """
+    names, clock, hosts, secret = side.names, side.clock, side.hosts, side.secret
     name = names[min(expected)] if connected else f"a device connecting from {remote(conn.sock)}"
-    mine = {**mine, "nonce": secrets.token_hex(NONCE_BYTES)}  # fresh for every connection
+    mine = {**side.hello, "nonce": secrets.token_hex(NONCE_BYTES)}  # fresh for every connection
     conn.send_frame(mine)
     theirs: dict[str, Any] = {}
     try:

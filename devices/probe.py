@@ -13,6 +13,9 @@ fall in the first tenth), not how fast the sender filled its kernel buffer; it r
 that measurement on the same connection and the sender prints it. Each side prints one JSON
 line; `mbit_per_s` is in 10^6 bit/s (tc's `mbit`). On an error: one line `probe: message` on
 stderr and exit status 1.
+
+`receive_timed` is the one bulk receiver timed after its first tenth: the benchmarks and tests
+of the serial link time their transfers with it too, by the kernel's receive timestamps.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import socket
 import struct
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from devices.clock import ANCILLARY_BYTES, kernel_timestamp_ns
 from devices.errors import WorkerError
 from devices.transport import (
     PeerClosed,
@@ -51,6 +56,55 @@ def rate_mbit(byte_count: int, seconds: float) -> float:
     return 8 * byte_count / seconds / 1e6 if seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class BulkTiming:
+    """A bulk transfer as its receiver timed it: every byte it read, and the steady part,
+    from the chunk that completed the skipped bytes to the last chunk."""
+
+    total_bytes: int
+    steady_bytes: int
+    steady_s: float
+
+    @property
+    def mbit_per_s(self) -> float:
+        return rate_mbit(self.steady_bytes, self.steady_s)
+
+
+def receive_timed(
+    sock: socket.socket, skip_bytes: float | None = None, kernel_stamps: bool = False
+) -> BulkTiming:
+    """Read `sock` until EOF and time what came after its first `skip_bytes` (None: after a
+    tenth of all that came), so that a shaper's burst and TCP's slow start stay out.
+
+    A chunk's time is when it was read, or with `kernel_stamps` the kernel's receive
+    timestamp of its last segment (the caller turned SO_TIMESTAMPNS on), which a receiver
+    the scheduler delays does not move. The probe times reads: a downlink shaped by an ifb
+    is stamped before the ifb's queue, and its rate read 16% fast by the stamps.
+    """
+    buffer, ancillary_bytes = bytearray(CHUNK_BYTES), ANCILLARY_BYTES if kernel_stamps else 0
+    total, samples = 0, []  # per chunk: when it came (s), the bytes so far
+    while True:
+        count, ancillary, _, _ = sock.recvmsg_into([buffer], ancillary_bytes)
+        if count <= 0:
+            break
+        came_s = _kernel_s(ancillary) if kernel_stamps else time.perf_counter()
+        total += count
+        samples.append((came_s, total))
+    skip = total / 10 if skip_bytes is None else skip_bytes
+    warm = next((sample for sample in samples if sample[1] >= skip), None)
+    if warm is None:  # nothing came, or less than the skipped bytes
+        return BulkTiming(total, 0, 0.0)
+    end = samples[-1]
+    return BulkTiming(total, end[1] - warm[1], end[0] - warm[0])
+
+
+def _kernel_s(ancillary: list[tuple[int, int, bytes]]) -> float:
+    stamp_ns = kernel_timestamp_ns(ancillary)
+    if stamp_ns is None:
+        raise ProbeError("a chunk came without its kernel receive timestamp (SO_TIMESTAMPNS)")
+    return stamp_ns / 1e9
+
+
 def receive_all(sock: socket.socket) -> dict[str, Any]:
     """Read until EOF; the receiver's measurement.
 
@@ -62,21 +116,11 @@ def receive_all(sock: socket.socket) -> dict[str, Any]:
         (expected,) = LENGTH.unpack(recv_exact(sock, LENGTH.size))
     except PeerClosed:
         raise ProbeError("the sender closed the connection before its first bytes") from None
-    skip = max(1, int(SKIPPED_FRACTION * expected))
-    buffer = bytearray(CHUNK_BYTES)
-    total = counted_from = 0
-    first = last = 0.0
-    while (count := sock.recv_into(buffer)) > 0:
-        now = time.perf_counter()
-        total += count
-        if counted_from == 0 and total >= skip:
-            first, counted_from = now, total
-        last = now
-    seconds = last - first
+    timing = receive_timed(sock, skip_bytes=max(1, int(SKIPPED_FRACTION * expected)))
     return {
-        "bytes": total,
-        "seconds": seconds,
-        "mbit_per_s": rate_mbit(total - counted_from, seconds),
+        "bytes": timing.total_bytes,
+        "seconds": timing.steady_s,
+        "mbit_per_s": timing.mbit_per_s,
     }
 
 

@@ -29,7 +29,3 @@ class ImageError(TestbedError):
 
 class StorageError(TestbedError):
     """A result file could not be written (a full disk, a read-only one); names the file."""
-
-
-class GuestError(TestbedError):
-    """The netem reference guest could not be built or booted, or a batch did not finish."""

@@ -7,7 +7,7 @@ so that a docker or netns test can never look like a pass by being skipped.
 - `docker`-marked tests, and any test using `docker_client` / `worker_image`, need an engine.
 - `netns`-marked tests, and any test using `root`, need euid 0 and iproute2's `ip`.
 - `guest`-marked tests, and any test using `netem_guest`, need the netem reference guest
-  (`testbed.kernel.guest`: QEMU, busybox, and Debian's kernel package once);
+  (`checks.guest`: QEMU, busybox, and Debian's kernel package once);
   `TESTBED_REQUIRE_GUEST=1` makes its absence a failure.
 
 And what the host took: a VM's hypervisor runs other guests on its vCPUs (steal time in
@@ -75,7 +75,7 @@ def root_problem() -> str | None:
 @functools.cache
 def guest_problem() -> str | None:
     """Why the netem reference guest cannot be built or booted here, or None."""
-    from testbed.kernel.guest.build import build_problem
+    from checks.guest.build import build_problem
 
     return build_problem()
 
@@ -212,12 +212,12 @@ def root() -> None:
 def netem_guest() -> Callable[..., list[Any]]:
     """Runs a batch of commands in one boot of the netem reference guest, its image built
     (or found in .cache/netem-guest) once per session: `netem_guest(commands, timeout_s=...)`
-    gives each command's `testbed.kernel.guest.boot.Completed` (gated by
+    gives each command's `checks.guest.boot.Completed` (gated by
     TESTBED_REQUIRE_GUEST)."""
     problem = guest_problem()
     require_or_skip(problem is None, problem or "", REQUIRE_GUEST)
-    from testbed.kernel.guest.boot import run
-    from testbed.kernel.guest.build import build
+    from checks.guest.boot import run
+    from checks.guest.build import build
 
     began = time.monotonic()
     image = build()

@@ -18,6 +18,7 @@ _LAZY = {
     "simulate": "tracevq.simulation",
     "make_method": "tracevq.methods",
     "Bundle": "tracevq.bundle",
+    "FitSettings": "tracevq.bundle",
     "fit_bundle": "tracevq.bundle",
 }
 

@@ -181,28 +181,38 @@ def fit_quantizer(
     return vq.eval()
 
 
+@dataclass(frozen=True)
+class FitSettings:
+    """How `fit_bundle` fits a bundle: `K` codewords per codebook, for `families` (the codebook
+    methods to fit; None: every one of the method table), after a PCA projection to
+    `code_dim` when given, by `kmeans_iterations` of Lloyd's; trees of `branching` children
+    under `metric`; seeded by `seed` (codebook b by seed + b)."""
+
+    K: int
+    families: tuple[str, ...] | None = None
+    code_dim: int | None = None
+    metric: str = "euclidean"
+    branching: int = 2
+    seed: int = 0
+    kmeans_iterations: int = 20
+
+
 @torch.no_grad()
 def fit_bundle(
     model: VisionTransformer,
     inputs: Tensor,
-    K: int = 1024,
-    families: tuple[str, ...] | None = None,
-    code_dim: int | None = None,
-    metric: str = "euclidean",
-    branching: int = 2,
-    seed: int = 0,
-    kmeans_iterations: int = 20,
+    settings: FitSettings,
     progress: Callable[[int, int], None] | None = None,
 ) -> Bundle:
     """Codebooks fitted by k-means on the model's own activations over `inputs`, and trees.
 
     This is how runs with untrained weights get codebooks; training refines them later (the
     accuracy study, `accuracy`, which also uses fewer Lloyd iterations to save time).
-    `families`: the codebook methods to fit (None: every one of the method table).
     `progress(done, total)` is called after each codebook and its tree.
     """
+    K, seed = settings.K, settings.seed
     known = codebook_methods()
-    families = tuple(known) if families is None else families
+    families = tuple(known) if settings.families is None else settings.families
     for family in families:
         if family not in known:
             raise ConfigError(f"unknown codebook family {family!r}; known: {', '.join(known)}")
@@ -221,8 +231,10 @@ def fit_bundle(
                 vq, tree = first
             else:
                 log.debug("fitting %s codebook %d on %d rows", family, b, len(rows))
-                vq = fit_quantizer(rows, K, code_dim, seed + b, kmeans_iterations)
-                tree = build_tree(vq.codebook, branching, metric, vq.ema_counts, seed)
+                vq = fit_quantizer(rows, K, settings.code_dim, seed + b, settings.kmeans_iterations)
+                tree = build_tree(
+                    vq.codebook, settings.branching, settings.metric, vq.ema_counts, seed
+                )
             quantizers[family].append(vq)
             trees[family].append(tree)
             done += 1
@@ -231,8 +243,8 @@ def fit_bundle(
         if kind != "inputs":
             first = quantizers[family][0], trees[family][0]
     meta = {
-        "metric": metric,
-        "branching": branching,
+        "metric": settings.metric,
+        "branching": settings.branching,
         "seed": seed,
         "calibration_rows": len(activations["inputs"][0]),
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tracevq.bundle import Bundle, fit_bundle
+from tracevq.bundle import Bundle, FitSettings, fit_bundle
 from tracevq.checkpoint import load_checkpoint
 from tracevq.errors import TraceError
 from tracevq.method_table import codebook_methods
@@ -25,36 +25,22 @@ from tracevq.models import build_model
 
 def fit_random_calibration(
     model_name: str,
-    K: int,
-    families: tuple[str, ...] | None = None,
+    settings: FitSettings,
     *,
     model_seed: int = 0,
     checkpoint: str | Path | None = None,
     checkpoint_ema: bool = False,
     calibration_inputs: int = 8,
-    code_dim: int | None = None,
-    metric: str = "euclidean",
-    seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> Bundle:
-    """The bundle of `model_name` (seeded weights, or the checkpoint's) fitted on
-    `calibration_inputs` standard-normal inputs drawn with `seed`; `families`: the codebook
-    methods to fit (None: every one of the method table)."""
+    """The bundle of `model_name` (seeded weights, or the checkpoint's) fitted with `settings`
+    on `calibration_inputs` standard-normal inputs drawn with the settings' seed."""
     model = build_model(model_name, seed=model_seed)
     if checkpoint:
         load_checkpoint(model, checkpoint, ema=checkpoint_ema)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(settings.seed)
     calibration = torch.randn(model.config.input_shape(calibration_inputs), generator=generator)
-    return fit_bundle(
-        model,
-        calibration,
-        K=K,
-        families=families,
-        code_dim=code_dim,
-        metric=metric,
-        seed=seed,
-        progress=progress,
-    )
+    return fit_bundle(model, calibration, settings, progress)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,12 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        settings = FitSettings(args.K, tuple(args.families), seed=args.seed)
         bundle = fit_random_calibration(
-            args.model,
-            args.K,
-            tuple(args.families),
-            calibration_inputs=args.calibration_inputs,
-            seed=args.seed,
+            args.model, settings, calibration_inputs=args.calibration_inputs
         )
         bundle.save(args.out)
     except (TraceError, ValueError) as error:

@@ -51,7 +51,7 @@ from testbed.errors import DeviceError
 from testbed.experiment.devices_section import MAX_DEVICES
 from testbed.kernel import cgroups
 from testbed.kernel.addresses import choose_subnet, host_networks
-from testbed.kernel.interfaces import link_up, veth_into
+from testbed.kernel.interfaces import Veth, link_up, veth_into
 from testbed.kernel.names import RunNames, netns_tag
 from testbed.kernel.netns import (
     NETNS_DIR,
@@ -207,7 +207,7 @@ class LocalBackend(Backend):
         self._create_namespace(name)
         switch, device = netns_path(self.names.switch_netns), netns_path(name)
         port, bridge = self.names.port(rank), self.names.bridge
-        veth_into(switch, port, device, DEVICE_INTERFACE, address, WHO, DeviceError, bridge)
+        veth_into(Veth(switch, port, device, DEVICE_INTERFACE, address, bridge), WHO, DeviceError)
         cpuset, cpus = self.cpu_plan.cpusets[rank], spec.cpus_of(rank)
         quota = None if cpuset else min(cpus, self.cpu_plan.host_cores)
         self.groups[rank] = cgroups.DeviceGroups(name)  # kept for stop() from here on

@@ -32,11 +32,11 @@ from testbed.figures.common import (
 from testbed.results import stats
 from testbed.results.impairment_study import delay_table
 from testbed.results.store import Results
-from testbed.results.variants import link_labels, ok_trials, swept_impairments, variant_order
+from testbed.results.variants import link_labels, swept_impairments, variant_order
 
 
 def effective_vs_delay(results: Results, path: Path) -> Path | None:
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if not swept_impairments(ok):
         return None
     by_delay = ok.groupby(["bandwidth_mbit", "link_delay_ms"])["impairments"].nunique()
@@ -121,7 +121,7 @@ def _messages(ok: pd.DataFrame, name: str) -> float:
 
 def tail_by_link(results: Results, path: Path) -> Path | None:
     """One panel per device count (a link's tail differs with the devices that share it)."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if not swept_impairments(ok):
         return None
     ok["link"], links = link_labels(ok, "bandwidth_mbit")

@@ -25,7 +25,7 @@ from matplotlib.patches import Patch
 from testbed.figures.common import CONFIDENCE, interval_caption, save, styles, yerr
 from testbed.results import stats
 from testbed.results.store import Results
-from testbed.results.variants import BASELINE, link_labels, ok_trials, variant, variant_order
+from testbed.results.variants import BASELINE, link_labels, variant, variant_order
 
 PARTS = [
     ("compute_ms", "compute", "#2f5d8a"),
@@ -40,7 +40,7 @@ MARGIN = 1.15  # the panel's scale: its longest uncut bar (and its interval) tim
 
 def latency_breakdown(results: Results, path: Path) -> Path | None:
     """Compute and wait parts per variant, one panel per link rate, each on its own scale."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if ok.empty:
         return None
     ok["link"], links = link_labels(ok, "bandwidth_mbit")

@@ -37,7 +37,7 @@ from testbed.figures.common import (
 )
 from testbed.results.stats import Aggregate
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, swept_impairments, variant_order
+from testbed.results.variants import swept_impairments, variant_order
 
 REFERENCE_LINES = [
     Line2D([], [], color="grey", linestyle=style, label=label)
@@ -52,7 +52,7 @@ def _by_rate(
     results: Results, path: Path, value: str, how: Aggregate, title: str, ylabel: str
 ) -> Path | None:
     """A figure of `value` against the link rate, one panel per device count."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if ok.empty or ok["bandwidth_mbit"].nunique() < 2 or swept_impairments(ok):
         return None
     references = ["wire_comm_ms", "analytic_comm_ms"] if value == "comm_ms" else []
@@ -130,7 +130,7 @@ def effective_vs_bandwidth(results: Results, path: Path) -> Path | None:
 
 def measured_vs_analytic(results: Results, path: Path) -> Path | None:
     """Measured communication against the wire time (left) and the analytic time (right)."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     ok = ok[ok["analytic_comm_ms"] > 0]
     if ok.empty or swept_impairments(ok):
         return None

@@ -16,12 +16,12 @@ import pandas as pd
 
 from testbed.figures.common import save, styles
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant_order
+from testbed.results.variants import variant_order
 
 
 def timed(results: Results) -> pd.DataFrame:
     """The ok rows of a run whose rows name events; empty otherwise."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if "events" not in ok or not ok["events"].fillna("").astype(str).str.len().any():
         return pd.DataFrame()
     return ok

@@ -18,7 +18,7 @@ from matplotlib.axes import Axes
 
 from testbed.figures.common import Style, plain_log, save, styles
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant_order
+from testbed.results.variants import variant_order
 
 LEVEL_ACCURACY = "level_accuracy_pct"
 
@@ -27,7 +27,7 @@ def traced(results: Results) -> pd.DataFrame:
     """Per device count, variant and repetition of a trace run: when it started (trace_s),
     the rate then in force, the level and its accuracy (where the run has a table), from
     device 0; the slowest device's effective latency. Empty when the run replayed no trace."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if "trace" not in ok or not ok["trace"].fillna("").astype(str).str.len().any():
         return pd.DataFrame()
     keys = ["devices", "variant", "repeat"]
@@ -44,7 +44,7 @@ def trace_timeline(results: Results, path: Path) -> Path | None:
     if table.empty:
         return None
     counts = sorted(table["devices"].unique())
-    style = styles(ok_trials(results))
+    style = styles(results.ok_trials())
     accuracy = LEVEL_ACCURACY in table
     heights = [1, 2, 1, 1] if accuracy else [1, 2, 1]
     fig, axes = plt.subplots(

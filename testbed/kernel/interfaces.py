@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from testbed.errors import TestbedError
@@ -32,33 +33,43 @@ def link_up(
         ipr.link("set", index=index, state="up", **settings)
 
 
-def veth_into(
-    switch: str,
-    port: str,
-    device: str,
-    interface: str,
-    address: ipaddress.IPv4Interface,
-    who: str,
-    error: type[TestbedError],
-    bridge: str | None = None,
-    **device_settings: Any,
-) -> None:
-    """A veth pair from the namespace `switch` into the namespace `device` (both paths): `port`
-    here, up (a port of `bridge` when given), and its peer `interface` created inside the
-    device's namespace already so named, addressed `address` and up (with `device_settings`,
-    e.g. gso_max_segs). One netlink message makes the pair: no interface with a temporary
-    name, nothing moved or renamed."""
-    where = f"{switch}: veth {port} <-> {device}:{interface}"
-    device_fd = open_netns(device, where, error)
+@dataclass(frozen=True)
+class Veth:
+    """A veth pair from the namespace `switch` into the namespace `device` (both paths): the
+    switch's end `port` (a port of `bridge` when given), and the device's end `interface`,
+    addressed `address`."""
+
+    switch: str
+    port: str
+    device: str
+    interface: str
+    address: ipaddress.IPv4Interface
+    bridge: str | None = None
+
+    @property
+    def where(self) -> str:
+        """How errors and logs name the pair."""
+        return f"{self.switch}: veth {self.port} <-> {self.device}:{self.interface}"
+
+
+def veth_into(veth: Veth, who: str, error: type[TestbedError], **device_settings: Any) -> None:
+    """Creates `veth`: its port here, up, and its peer created inside the device's namespace
+    already so named, addressed and up (with `device_settings`, e.g. gso_max_segs). One
+    netlink message makes the pair: no interface with a temporary name, nothing moved or
+    renamed."""
+    switch, port, device, interface = veth.switch, veth.port, veth.device, veth.interface
+    device_fd = open_netns(device, veth.where, error)
     try:
         with iproute(switch, who, error) as ipr:
-            with netlink_step(f"add {where}", who, error):
+            with netlink_step(f"add {veth.where}", who, error):
                 peer = {"ifname": interface, "net_ns_fd": device_fd}
                 ipr.link("add", ifname=port, kind="veth", peer=peer)
+            bridge = veth.bridge
             master = {} if bridge is None else {"master": ipr.link_lookup(ifname=bridge)[0]}
             link_up(ipr, switch, port, who, error, **master)
     finally:
         os.close(device_fd)
+    address = veth.address
     with iproute(device, who, error) as ipr:
         index = ipr.link_lookup(ifname=interface)[0]
         with netlink_step(f"{device}: {interface}: address {address}", who, error):

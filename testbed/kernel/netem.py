@@ -9,7 +9,7 @@ root where the downlink has no rate of its own; a kernel without `sch_netem` can
 (`testbed.kernel.shaping.check_support` says so rather than dropping the impairment). The
 command goes through `tc` (it names distribution tables, which pyroute2 cannot load). No
 kernel of this project's machines has `sch_netem`: the commands are held against Debian's
-kernel in the netem reference guest (`testbed.kernel.guest`,
+kernel in the netem reference guest (`checks.guest`,
 tests/integration/test_netem_guest.py), which reports every parameter back as asked. netem
 draws from the kernel's own generator; a `tc` that takes netem's `seed` (iproute2 6.5 and
 later, on a kernel that reads it) is given the hop's seed (`NetemParams.seed`), else its

@@ -7,7 +7,7 @@ rate in place; pyroute2 also sets `gso_max_segs` and removes the old root. Every
 netem included, goes as the plan's own `tc`/`ip` argument lists through `nsenter`: netem
 (whose distribution tables pyroute2 cannot load), per-peer classes and a downlink; the same
 commands the ssh backend and the logs show, and the ones held against a kernel with netem in
-the reference guest (`testbed.kernel.guest`), where pyroute2's netem options, u32 keys and
+the reference guest (`checks.guest`), where pyroute2's netem options, u32 keys and
 mirred actions would be a second rendering of them to keep in step.
 
 A shaped interface also gets offloads off and `gso_max_segs 1`, so that tbf meters, queues

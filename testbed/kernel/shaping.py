@@ -106,47 +106,55 @@ class ShapingPlan:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Hops:
+    """What an interface's plan holds beyond its uplink's rate and impairments: per peer, a
+    cap (`peer_caps_mbit`, {peer rank: (its address, cap)}) and netem's parameters
+    (`peer_impairments`, {peer rank: (its address, parameters)}), both inside the uplink (a
+    root htb); and what the interface receives, shaped at `downlink_mbit` and impaired by
+    `downlink_impairments` (an ifb)."""
+
+    peer_caps_mbit: Mapping[int, tuple[str, float]] = field(default_factory=dict)
+    peer_impairments: Mapping[int, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
+    downlink_mbit: float | None = None
+    downlink_impairments: Mapping[str, Any] | None = None
+
+
 def plan(
     impairments: LinkImpairments,
     rate_mbit: float,
     support: Mapping[str, bool] | None = None,
-    peer_caps_mbit: Mapping[int, tuple[str, float]] | None = None,
-    downlink_mbit: float | None = None,
-    downlink_impairments: Mapping[str, Any] | None = None,
-    peer_impairments: Mapping[int, tuple[str, Mapping[str, Any]]] | None = None,
+    hops: Hops | None = None,
     queue_latency_ms: float = QUEUE_LATENCY_MS,
     burst_bytes: int | None = None,
 ) -> ShapingPlan:
-    """The shaping plan for a link's uplink `impairments` at a rate.
-
-    `peer_caps_mbit` ({peer rank: (its address, cap)}) caps what goes to those peers inside
-    the uplink (root htb); `peer_impairments` ({peer rank: (its address, netem's
-    parameters)}) impairs it there; `downlink_mbit` shapes and `downlink_impairments` impairs
-    what the interface receives (ifb). `queue_latency_ms` and `burst_bytes` bound every tbf's
-    queue and bucket (`tbf_params`). When `support` (as from `qdisc_support()`) is given,
-    the plan is checked against it.
+    """The shaping plan for a link's uplink `impairments` at a rate, with its `hops` (None:
+    the uplink alone). `queue_latency_ms` and `burst_bytes` bound every tbf's queue and bucket
+    (`tbf_params`). When `support` (as from `qdisc_support()`) is given, the plan is checked
+    against it.
     """
+    hops = hops or Hops()
     tbf = tbf_params(rate_mbit, queue_latency_ms=queue_latency_ms, burst_bytes=burst_bytes)
     netem = netem_params(impairments, tbf)
     htb, peer_netem = None, {}
-    if peer_caps_mbit or peer_impairments:
+    if hops.peer_caps_mbit or hops.peer_impairments:
         htb, peer_netem = _pairs(
             impairments.name,
             rate_mbit,
             netem,
-            peer_caps_mbit or {},
-            peer_impairments or {},
+            hops.peer_caps_mbit or {},
+            hops.peer_impairments or {},
             queue_latency_ms,
         )
     downlink = None
-    if downlink_mbit is not None:
+    if hops.downlink_mbit is not None:
         downlink = tbf_params(
-            downlink_mbit, queue_latency_ms=queue_latency_ms, burst_bytes=burst_bytes
+            hops.downlink_mbit, queue_latency_ms=queue_latency_ms, burst_bytes=burst_bytes
         )
     downlink_netem = None
-    if downlink_impairments:
+    if hops.downlink_impairments:
         queue = None if downlink is None else (downlink.rate_bit_s, downlink.limit_bytes)
-        downlink_netem = netem_for(downlink_impairments, queue)
+        downlink_netem = netem_for(hops.downlink_impairments, queue)
     shaping = ShapingPlan(
         impairments.name, float(rate_mbit), tbf, netem, htb, downlink, downlink_netem, peer_netem
     )

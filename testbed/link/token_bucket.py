@@ -7,7 +7,7 @@ tbf at its uplink, or an htb with a class per capped or impaired peer, and an if
 for its downlink; netem under the tbf for the uplink's delay, jitter and loss, as a pair's
 class leaf for the pair's, and on the ifb for the downlink's, where the kernel has
 `sch_netem` (this project's machines have not: those commands are held against Debian's
-kernel in the netem reference guest, `testbed.kernel.guest`). The rates are shaped and
+kernel in the netem reference guest, `checks.guest`). The rates are shaped and
 probed first, the netems added after the probe; a trace's step changes rates and netem in
 place. The backend applies the plan (netlink into the device's namespace, or tc over ssh on
 a board). A bucket of two frames holds a bulk rate within 0.1 %, but lets a lone small
@@ -20,14 +20,13 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.htb import PEER_MINOR_BASE
 from testbed.kernel.netem import LinkImpairments, netem_counters
-from testbed.kernel.shaping import ShapingPlan, duplicating_peer, keeping_netem, plan
+from testbed.kernel.shaping import Hops, ShapingPlan, duplicating_peer, keeping_netem, plan
 from testbed.link.emulator import Attachment, Emulator, LinkCounters, Refusal, qdisc_sent_bytes
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
@@ -170,15 +169,13 @@ class TokenBucket(Emulator):
             up, down = rates.uplink_mbit[rank], rates.downlink_mbit[rank]
             what = f"up {up:g}, down {down}, caps {caps} Mbit/s, pairs impaired {impaired_pairs}"
             log.debug("shaping %s/%s: %s", device.name, device.interface, what)
-            plans[rank] = profile_plan(
-                self.uplink(rank),
-                up,
-                impaired=impaired,
+            hops = Hops(
                 peer_caps_mbit=caps,
+                peer_impairments=impaired_pairs,
                 downlink_mbit=down,
                 downlink_impairments=paths.downlink.get(rank) if impaired else None,
-                peer_impairments=impaired_pairs,
             )
+            plans[rank] = profile_plan(self.uplink(rank), up, impaired=impaired, hops=hops)
             if impaired and self.seeded:
                 plans[rank] = self._seeded(plans[rank], rates, rank)
         return plans
@@ -208,18 +205,18 @@ def profile_plan(
     rate_mbit: float | None = None,
     support: Mapping[str, bool] | None = None,
     impaired: bool = True,
-    **hops: Any,
+    hops: Hops | None = None,
 ) -> ShapingPlan:
     """The kernel's plan (`testbed.kernel.shaping.plan`) for a link profile at a rate (the
     profile's own when None), checked against `support` when given: the profile's impairments
     handed over as netem's parameters (none where not `impaired`: its rate and queue alone),
-    its queue's bounds as tbf's; `hops`: the plan's per-peer and downlink arguments."""
+    its queue's bounds as tbf's; `hops`: the plan's per-peer and downlink parts (None: the
+    uplink alone)."""
     rate = rate_mbit if rate_mbit is not None else profile.rate_mbit
     if rate is None:
         raise ShapingError(f"profile '{profile.name}' has no rate_mbit and no rate was given")
     impairments = LinkImpairments(profile.name, profile.impairments() if impaired else {})
-    bounds = {"queue_latency_ms": profile.queue_latency_ms, "burst_bytes": profile.burst_bytes}
-    return plan(impairments, rate, support, **bounds, **hops)
+    return plan(impairments, rate, support, hops, profile.queue_latency_ms, profile.burst_bytes)
 
 
 def _duplicating_pair(paths: PathImpairments) -> tuple[int, int] | None:

@@ -20,7 +20,6 @@ from testbed.results.impairment_study import (
 )
 from testbed.results.stats import summarize
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials
 
 
 def _cell(value: float, digits: int = 1) -> str:
@@ -45,7 +44,7 @@ def delay_section(results: Results) -> list[str]:
     table = delay_table(results)
     if table.empty:
         return []
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     keys = ["variant", "devices", "bandwidth_mbit", "link_delay_ms"]
     effective = summarize(ok, keys, ["effective_ms"], "max").set_index(keys)["effective_ms"]
     delays = sorted(table["link_delay_ms"].unique())

@@ -30,7 +30,6 @@ from testbed.results.store import Results
 from testbed.results.variants import (
     BASELINE,
     link_labels,
-    ok_trials,
     trial_impairments,
     variant_order,
 )
@@ -60,7 +59,7 @@ def _speedups(ok: pd.DataFrame) -> dict[tuple, float]:
 
 
 def answer_lines(results: Results) -> list[str]:
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if ok.empty:
         return ["no trial succeeded: nothing to summarize"]
     # over a replayed trace, the rate is the one in force when each inference started

@@ -15,7 +15,8 @@ import pandas as pd
 
 from testbed.results import stats
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant_order
+from testbed.results.study_lines import study_lines
+from testbed.results.variants import variant_order
 
 KEYS = ["devices", "bandwidth_mbit", "variant"]
 MEDIA = ("dedicated", "shared")
@@ -26,7 +27,7 @@ def cell_table(results: Results) -> pd.DataFrame:
     each medium (`comm_ms_dedicated`, `comm_ms_shared`, ...), `n` (the fewer repetitions of
     the two) and the ratios shared over dedicated (`comm_ratio`, `effective_ratio`). Empty
     where the run did not sweep both media (link.medium)."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if ok.empty or "medium" not in ok or set(ok["medium"].dropna()) != set(MEDIA):
         return pd.DataFrame()
     keys = [*KEYS, "medium"]
@@ -53,27 +54,24 @@ def cell_lines(results: Results) -> list[str]:
     table = cell_table(results)
     if table.empty:
         return []
-    width = max(len(v) for v in table["variant"]) + 2
-    lines = [
-        "",
+    caption = (
         "one shared cell against a line per device: communication (mean of the devices) and "
-        "effective latency (the slowest device), medians in ms, and the cell's over the lines'",
-    ]
-    for (devices, rate), part in table.groupby(["devices", "bandwidth_mbit"], sort=False):
-        title = f"P={devices} {rate:g} Mbit/s"
-        lines += [
-            "",
-            f"{title:<{width}}{'comm lines':>12}{'comm cell':>11}{'ratio':>8}"
-            f"{'eff. lines':>12}{'eff. cell':>11}{'ratio':>8}",
-        ]
-        for _, row in part.iterrows():
-            lines.append(
-                f"{row['variant']:<{width}}{_ms(row['comm_ms_dedicated']):>12}"
-                f"{_ms(row['comm_ms_shared']):>11}{_ratio(row['comm_ratio']):>8}"
-                f"{_ms(row['effective_ms_dedicated']):>12}{_ms(row['effective_ms_shared']):>11}"
-                f"{_ratio(row['effective_ratio']):>8}"
-            )
-    return lines
+        "effective latency (the slowest device), medians in ms, and the cell's over the lines'"
+    )
+    header = (
+        f"{'comm lines':>12}{'comm cell':>11}{'ratio':>8}"
+        f"{'eff. lines':>12}{'eff. cell':>11}{'ratio':>8}"
+    )
+    return study_lines(table, caption, header, _row_cells)
+
+
+def _row_cells(row: pd.Series) -> str:
+    return (
+        f"{_ms(row['comm_ms_dedicated']):>12}"
+        f"{_ms(row['comm_ms_shared']):>11}{_ratio(row['comm_ratio']):>8}"
+        f"{_ms(row['effective_ms_dedicated']):>12}{_ms(row['effective_ms_shared']):>11}"
+        f"{_ratio(row['effective_ratio']):>8}"
+    )
 
 
 def _ms(value: float) -> str:

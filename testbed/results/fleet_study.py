@@ -17,7 +17,8 @@ import pandas as pd
 
 from testbed.results import stats
 from testbed.results.store import Results
-from testbed.results.variants import ok_trials, variant_order
+from testbed.results.study_lines import study_lines
+from testbed.results.variants import variant_order
 from tracevq.partition import partition_sizes
 
 KEYS = ["devices", "bandwidth_mbit", "variant"]
@@ -47,7 +48,7 @@ def fleet_table(results: Results) -> pd.DataFrame:
     `slowdown` (over the equal fleet's, even partition) and `by_speed_gain` (by speed over
     even at the same relative speed; NaN where either is missing). Empty where the run has
     one fleet."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if ok.empty or "fleet" not in ok or ok["fleet"].fillna("").nunique() <= 1:
         return pd.DataFrame()
     ok = ok.merge(_fleets(ok), on="trial_id")
@@ -79,27 +80,20 @@ def fleet_lines(results: Results) -> list[str]:
     table = fleet_table(results)
     if table.empty:
         return []
-    width = max(len(v) for v in table["variant"]) + 2
-    lines = [
-        "",
+    caption = (
         "fleets: the slowest device's speed over the fastest's; effective ms (median of the "
-        "slowest device), slowdown over equal devices, by speed over even at the same speeds",
-    ]
-    for (devices, rate), part in table.groupby(["devices", "bandwidth_mbit"], sort=False):
-        title = f"P={devices} {rate:g} Mbit/s"
-        lines += [
-            "",
-            f"{title:<{width}}{'relative':>10}{'partition':>11}{'effective ms':>14}"
-            f"{'slowdown':>10}{'by speed':>10}",
-        ]
-        previous = None
-        for _, row in part.iterrows():
-            name = row["variant"] if row["variant"] != previous else ""
-            previous = row["variant"]
-            gain = "" if math.isnan(row["by_speed_gain"]) else f"{row['by_speed_gain']:.2f}"
-            slowdown = "" if math.isnan(row["slowdown"]) else f"{row['slowdown']:.2f}x"
-            lines.append(
-                f"{name:<{width}}{row['relative']:>10.2f}{row['partition_kind']:>11}"
-                f"{row['effective_ms']:>14,.0f}{slowdown:>10}{gain:>10}"
-            )
-    return lines
+        "slowest device), slowdown over equal devices, by speed over even at the same speeds"
+    )
+    header = (
+        f"{'relative':>10}{'partition':>11}{'effective ms':>14}{'slowdown':>10}{'by speed':>10}"
+    )
+    return study_lines(table, caption, header, _row_cells)
+
+
+def _row_cells(row: pd.Series) -> str:
+    gain = "" if math.isnan(row["by_speed_gain"]) else f"{row['by_speed_gain']:.2f}"
+    slowdown = "" if math.isnan(row["slowdown"]) else f"{row['slowdown']:.2f}x"
+    return (
+        f"{row['relative']:>10.2f}{row['partition_kind']:>11}"
+        f"{row['effective_ms']:>14,.0f}{slowdown:>10}{gain:>10}"
+    )

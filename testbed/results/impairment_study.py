@@ -35,7 +35,6 @@ from testbed.results.stats import tails
 from testbed.results.store import Results
 from testbed.results.variants import (
     link_labels,
-    ok_trials,
     swept_impairments,
     variant,
     variant_order,
@@ -48,7 +47,7 @@ RTO_MS = 200.0  # Linux's least retransmission timeout (TCP_RTO_MIN)
 
 def _messages(results: Results) -> pd.DataFrame:
     """The layers that received a message, with their trial's delay and their window."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     layers = results.layers
     if layers.empty or "link_delay_ms" not in ok:
         return pd.DataFrame()
@@ -72,7 +71,7 @@ def delay_table(results: Results) -> pd.DataFrame:
     """Per variant, device count, rate and one-way delay: the medians per message of its
     window, FFN, wire time, communication and wait, the path's cost and the predicted wait.
     Empty where the run did not sweep the delay."""
-    if not swept_impairments(ok_trials(results)):
+    if not swept_impairments(results.ok_trials()):
         return pd.DataFrame()
     layers = _messages(results)
     if layers.empty or layers["link_delay_ms"].nunique() < 2:
@@ -106,7 +105,7 @@ def loss_table(results: Results) -> pd.DataFrame:
     (median, p95, p99 over repetitions), the lost frames and TCP's retransmissions per
     inference (mean) and the share of inferences with a retransmission. Empty without
     impairments."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     if "impairments" not in ok or not ok["impairments"].fillna("").astype(str).str.len().any():
         return pd.DataFrame()
     ok["link"], links = link_labels(ok, "bandwidth_mbit")
@@ -139,7 +138,7 @@ def late_messages(results: Results) -> pd.DataFrame:
     lateness of the late ones, and the worst repetition (the slowest device's effective
     latency): how far it and that device's compute are above their medians, and how late
     its latest message was. Empty without impairments."""
-    ok = ok_trials(results)
+    ok = results.ok_trials()
     layers = results.layers
     if layers.empty or "impairments" not in ok or not swept_impairments(ok):
         return pd.DataFrame()

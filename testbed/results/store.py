@@ -31,7 +31,7 @@ from testbed.atomic import write_atomically
 from testbed.errors import StorageError, TestbedError
 from testbed.results import stats
 from testbed.results.columns import TRIAL_NAMES
-from testbed.results.variants import trial_impairments
+from testbed.results.variants import trial_impairments, variant
 
 TRIAL_ROWS = "trial.parquet"
 LAYER_ROWS = "layers.parquet"
@@ -112,6 +112,16 @@ class Results:
     plan: pd.DataFrame
     config: dict[str, Any]
     environment: dict[str, Any]
+
+    def ok_trials(self) -> pd.DataFrame:
+        """The successful trial rows with a `variant` column and, where the plan is known,
+        `planned`: the trial's place in it (device count, rate, impairment variant, method)."""
+        ok = self.trials[self.trials["status"] == "ok"].copy()
+        ok["variant"] = variant(ok)
+        if "trial_id" in ok and "trial_id" in self.plan:
+            planned = dict.fromkeys(self.plan["trial_id"])
+            ok["planned"] = ok["trial_id"].map({trial: at for at, trial in enumerate(planned)})
+        return ok
 
     def summary(self) -> pd.DataFrame:
         """Per trial the median over repetitions of each latency and rate, a repetition's

@@ -8,15 +8,10 @@ taken against one method, `BASELINE`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import pandas as pd
 
 from tracevq.method_table import METHODS
-
-if TYPE_CHECKING:  # store imports this module (Results.summary)
-    from testbed.results.store import Results
 
 METHOD_ORDER = tuple(METHODS)  # the method table's order
 MEDIUM_WORDS = {"dedicated": "a line each", "shared": "one shared cell"}
@@ -55,18 +50,6 @@ def _numbers(frame: pd.DataFrame, column: str) -> pd.Series:
 
 def _method_rank(method: str) -> int:
     return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
-
-
-def ok_trials(results: Results) -> pd.DataFrame:
-    """The successful trial rows with a `variant` column and, where the plan is known,
-    `planned`: the trial's place in it (device count, rate, impairment variant, method)."""
-    trials = results.trials
-    ok = trials[trials["status"] == "ok"].copy()
-    ok["variant"] = variant(ok)
-    if "trial_id" in ok and "trial_id" in results.plan:
-        planned = dict.fromkeys(results.plan["trial_id"])
-        ok["planned"] = ok["trial_id"].map({trial: at for at, trial in enumerate(planned)})
-    return ok
 
 
 def link_labels(ok: pd.DataFrame, rate_column: str) -> tuple[pd.Series, list[str]]:

@@ -189,6 +189,7 @@ def _shown(path: Path) -> str:
 
 
 def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path: Path) -> Path:
+    from tracevq.bundle import FitSettings
     from tracevq.fit import fit_random_calibration
 
     settings = experiment.bundle
@@ -203,17 +204,16 @@ def fit_and_save(experiment: Experiment, K: int, families: tuple[str, ...], path
             bar.total = total
             bar.update(done - bar.n)
 
+        fit = FitSettings(
+            K, families, code_dim=settings.code_dim, metric=settings.metric, seed=settings.seed
+        )
         bundle = fit_random_calibration(
             experiment.model.name,
-            K,
-            families,
+            fit,
             model_seed=experiment.model.seed,
             checkpoint=experiment.model.checkpoint,
             checkpoint_ema=experiment.model.checkpoint_ema,
             calibration_inputs=settings.calibration_inputs,
-            code_dim=settings.code_dim,
-            metric=settings.metric,
-            seed=settings.seed,
             progress=progress,
         )
     return bundle.save(path)

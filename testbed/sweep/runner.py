@@ -59,7 +59,7 @@ from testbed.sweep.plan import (
 )
 from testbed.sweep.preflight import check_experiment
 from testbed.sweep.progress import TrialProgress
-from testbed.sweep.sessions import WORKER_PORT, SessionOutcome, run_session, session_id
+from testbed.sweep.sessions import WORKER_PORT, Session, SessionOutcome, run_session, session_id
 from testbed.sweep.virtual_time import virtual
 
 PlanRows = dict[tuple[str, int], PlanRow]
@@ -259,27 +259,15 @@ class Runner:
             replay = TraceReplay(links.set_rate, self.trace, dilation)
         outs = {d.rank: directory / f"rank{d.rank}" for d in backend.devices}
         live = {rank: backend.live_output(backend.devices[rank], out) for rank, out in outs.items()}
-        fleet, session = fleets.session_fleet(
+        fleet, session_fleet = fleets.session_fleet(
             self.experiment, trials, directory, self.host_gflops, self.gflops, live, dilation
         )
-        session.set_link = links.set_device
+        session_fleet.set_link = links.set_device
         if fleet.partition == "by_speed":  # the measured rates may move a token or two
             rows = plan_rows(self.experiment, trials, self.host_gflops, self.gflops)
             plan = {**plan, **{(row.trial_id, row.rank): row for row in rows}}
-        result = run_session(
-            backend,
-            self.experiment,
-            trials,
-            directory,
-            port,
-            link,
-            files,
-            links.counters,
-            replay,
-            links.gone,
-            links.devices,
-            session,
-        )
+        session = Session(trials, directory, port, link, files, session_fleet, replay)
+        result = run_session(backend, self.experiment, session, links)
         result = virtual(result, dilation)  # the one place its times are divided by d
         if replay is not None:
             self._save_replay(replay, name)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from devices.records import DeviceRecords, read_records
 from devices.spec import MethodRun, RunSpec
@@ -84,6 +85,39 @@ class SessionFleet:
     dilation: float = 1.0  # virtual time (testbed.experiment.dilation): the host's x it
 
 
+@dataclass
+class Session:
+    """One session as the runner plans it: its trials, its directory (whose name is the
+    session's id), its worker port, the link as shaped and probed for it, the files its
+    devices load, and what is played while its workers run: the fleet's partition, speeds and
+    timeline (None: even, full speed, no event) and a bandwidth trace on the links."""
+
+    trials: list[Trial]
+    directory: Path
+    port: int
+    link: LinkState
+    files: RunFiles
+    fleet: SessionFleet | None = None
+    replay: TraceReplay | None = None
+
+
+class SessionLinks(Protocol):
+    """What a session asks of the run's links (`testbed.link.links.Links` is one)."""
+
+    @property
+    def devices(self) -> list[Device]:
+        """The devices as the links reach them (at the emulator's addresses, if any)."""
+        ...
+
+    def counters(self) -> dict[int, LinkCounters]:
+        """Each device's link counters, read before and after the session."""
+        ...
+
+    def gone(self) -> str | None:
+        """Why a device or the emulator died (None: all live), watched while workers run."""
+        ...
+
+
 def session_id(trial: Trial) -> str:
     """The session a trial runs in: its device count, rate, impairment and fleet variant."""
     name = f"p{trial.devices}-{trial.bandwidth_mbit:g}mbit"
@@ -95,19 +129,17 @@ def session_id(trial: Trial) -> str:
 def device_spec(
     backend: Backend,
     experiment: Experiment,
-    trials: list[Trial],
+    session: Session,
     device: Device,
     peers: list[str],
     out: Path,
-    files: RunFiles,
-    link: LinkState,
-    fleet: SessionFleet | None = None,
 ) -> RunSpec:
     """What `device` runs: every trial of the session, paths as the device sees them."""
 
     def seen(path: Path | None) -> Path | None:
         return None if path is None else Path(backend.device_path(path))
 
+    files, link, fleet = session.files, session.link, session.fleet
     timeline = None if fleet is None else fleet.timeline
     d = 1.0 if fleet is None else fleet.dilation
 
@@ -119,7 +151,7 @@ def device_spec(
             bundle=seen(files.bundle_for(trial)),
             inferences=files.batches or experiment.repeats,
         )
-        for trial in trials
+        for trial in session.trials
     ]
     return RunSpec(
         rank=device.rank,
@@ -202,30 +234,18 @@ def run_workers(
 
 
 def run_session(
-    backend: Backend,
-    experiment: Experiment,
-    trials: list[Trial],
-    directory: Path,
-    port: int,
-    link: LinkState,
-    files: RunFiles,
-    link_counters: Callable[[], dict[int, LinkCounters]],
-    replay: TraceReplay | None = None,
-    gone: Callable[[], str | None] | None = None,
-    devices: Sequence[Device] | None = None,
-    fleet: SessionFleet | None = None,
+    backend: Backend, experiment: Experiment, session: Session, links: SessionLinks
 ) -> SessionOutcome:
-    """Run `trials` in one session on the backend's devices, in `directory` (whose name is the
-    session's id); `link_counters()` reads each device's link counters (Links.counters),
-    before and after the session; `replay`, a trace to play on the links while the workers run
-    (from their start to their end); `gone()` says why a device or the emulator died
-    (Links.gone), watched while the workers run: the session then fails at once, naming
-    it, with the workers' last lines, and no trial of it counts as run on an emulated link.
-    `devices`: as the links reach them (Links.devices: at the emulator's addresses); the
-    backend's own by default. `fleet`: the devices' partition and speeds, and the timeline
-    played while the workers run."""
-    devices = list(backend.devices if devices is None else devices)
-    peers = [f"{d.address}:{port}" for d in devices]
+    """Run the session's trials on the links' devices, in its directory. The links' counters
+    are read before and after the session; the session's replay plays on the links while the
+    workers run (from their start to their end), and so does its fleet's timeline; what
+    `links.gone()` says is watched while the workers run: a device or the emulator that died
+    fails the session at once, naming it, with the workers' last lines, and no trial of it
+    counts as run on an emulated link."""
+    trials, directory, files = session.trials, session.directory, session.files
+    fleet, replay, gone = session.fleet, session.replay, links.gone
+    devices = list(links.devices)
+    peers = [f"{d.address}:{session.port}" for d in devices]
     outs = {d.rank: directory / f"rank{d.rank}" for d in devices}
     timeline = None if fleet is None else fleet.timeline
     if timeline is not None:
@@ -233,12 +253,10 @@ def run_session(
     argvs = []
     for device in devices:
         outs[device.rank].mkdir(parents=True, exist_ok=True)
-        spec = device_spec(
-            backend, experiment, trials, device, peers, outs[device.rank], files, link, fleet
-        )
+        spec = device_spec(backend, experiment, session, device, peers, outs[device.rank])
         path = spec.write(outs[device.rank] / "spec.json")
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
-    before = link_counters()
+    before = links.counters()
     started, started_ns = time.monotonic(), time.time_ns()
     d = 1.0 if fleet is None else fleet.dilation
     deadline_s = experiment.timeout_s * len(trials) * d
@@ -258,8 +276,8 @@ def run_session(
         if timeline is not None:
             timeline.stop()
     session_s = round(time.monotonic() - started, 3)
-    lost = (gone() if gone is not None else None) or ""
-    after = {} if lost else link_counters()
+    lost = gone() or ""
+    after = {} if lost else links.counters()
     for device in devices:
         backend.collect(device, outs[device.rank])
     if type(backend).on_this_host:

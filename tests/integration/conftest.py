@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from testbed.link.serial.switch import SerialSwitch
+from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
 SUBNET = ipaddress.IPv4Network("10.214.77.0/24")
 
@@ -54,7 +54,7 @@ def switch(request: pytest.FixtureRequest, devices: Devices) -> Iterator[SerialS
     the test passed or not."""
     core = getattr(request.module, "SWITCH_CORE", None)
     tag = f"{os.getpid() & 0xFFFFFFFF:08x}"
-    serial = SerialSwitch(tag, devices.paths, SUBNET, rate_mbit=1, core=core)
+    serial = SerialSwitch(tag, devices.paths, SUBNET, 1, program=ProgramOptions(core=core))
     try:
         yield serial.start()
     finally:

@@ -6,7 +6,7 @@ line, the cell (testbed.link.serial.program, "Shared medium").
   traffic (the emulator's byte counters, read at both ends of the window) is 20 Mbit/s within
   1 %, and Jain's fairness index over the ports is at least 0.98. Here at P = 2 and 4 with
   senders that keep their port's queue full (UDP), which judges the medium's turns alone: TCP
-  adds its congestion control's own fairness (bench/cell.py measures it, and P = 8).
+  adds its congestion control's own fairness (`python -m bench.cell` measures it, and P = 8).
 - One frame: by the receivers' kernel receive timestamps, a lone UDP frame on an idle cell
   takes its wire time, and two devices' frames sent at the same moment take one and two
   frame times (on dedicated lines, one each).
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.cell import CELL_MBIT, MBIT, PORT, Cell, bulk_on_the_cell, cell_of, jain, mbit
+from checks.cell import CELL_MBIT, MBIT, PORT, Cell, bulk_on_the_cell, cell_of, jain, mbit
 from tests.integration.conftest import SUBNET, namespaces
 
 pytestmark = pytest.mark.netns

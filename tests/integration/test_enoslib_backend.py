@@ -1,5 +1,5 @@
 """The enoslib backend with EnOSlib's static provider against four SSH boards
-(tests/integration/boards.py): a sweep through `testbed.run --backend enoslib` on two and
+(`checks.boards`): a sweep through `testbed.run --backend enoslib` on two and
 four boards, each board's shaped rate measured by the probe, a trace's rate changes in force
 within 250 ms, an unknown host key refused, and what an interrupted or killed controller
 left removed by `testbed.clean`. Only the static provider runs here; the others reserve
@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from checks.boards import BOARD_INTERFACE, Lab, board_qdiscs, netns_pids, ssh_lab
 from testbed.backends.base import DeviceSpec
 from testbed.backends.enoslib.backend import EnoslibBackend
 from testbed.errors import DeviceError
@@ -31,15 +32,7 @@ from testbed.link.links import Links
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
 from testbed.link.replay import TraceReplay
 from testbed.link.traces import RateTrace
-from tests.integration.boards import (
-    BOARD_INTERFACE,
-    RATE_MBIT,
-    Lab,
-    board_qdiscs,
-    netns_pids,
-    small_experiment,
-    ssh_lab,
-)
+from tests.integration.board_sweeps import RATE_MBIT, small_experiment
 from tests.integration.stalls import rate_in_force
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from bench import netem_conformance as conformance
-from bench import netem_verdicts as verdicts
+from checks import netem_conformance as conformance
+from checks import netem_verdicts as verdicts
 
 pytestmark = [pytest.mark.guest, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """The tbf emulator's kernel path held against a kernel that has netem: every kind of shaping
-plan the testbed builds, applied in the netem reference guest (`testbed.kernel.guest`) by the
+plan the testbed builds, applied in the netem reference guest (`checks.guest`) by the
 very argument lists the backends run, must be reported back by the kernel (`tc -j -s qdisc
 show`, `tc class show`, `tc -j filter show`) as the plan says it: tbf's rate, bucket and
 queue; every netem parameter (delay, jitter and correlation, each loss model, duplication,
@@ -22,24 +22,25 @@ import math
 import re
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
 
-from testbed.errors import ShapingError
-from testbed.experiment.profiles import available_profiles, load_profile, parse_profile
-from testbed.kernel.guest.build import (
+from checks.guest.build import (
     LINK_INTERFACE,
     PEER_ADDRESS,
     PEER_INTERFACE,
     PEER_MAC,
     PEER_NETNS,
 )
+from testbed.errors import ShapingError
+from testbed.experiment.profiles import available_profiles, load_profile, parse_profile
 from testbed.kernel.htb import HtbClass
 from testbed.kernel.ifb import ifb_name
 from testbed.kernel.netem import NetemCounters, NetemParams, netem_counters
 from testbed.kernel.shaping import (
+    Hops,
     ShapingPlan,
     change_argvs,
     clear_argv,
@@ -127,28 +128,34 @@ def hops() -> dict[str, ShapingPlan]:
     pair = {"delay_ms": 5, "loss_state": {"p13_pct": 2}, "reorder_pct": 10}
     return {
         "downlink rate and netem": profile_plan(
-            ideal, 10.0, downlink_mbit=5.0, downlink_impairments=down
+            ideal, 10.0, hops=Hops(downlink_mbit=5.0, downlink_impairments=down)
         ),
-        "downlink rate only": profile_plan(ideal, 10.0, downlink_mbit=3.0),
-        "downlink netem only": profile_plan(ideal, 10.0, downlink_impairments=down),
+        "downlink rate only": profile_plan(ideal, 10.0, hops=Hops(downlink_mbit=3.0)),
+        "downlink netem only": profile_plan(ideal, 10.0, hops=Hops(downlink_impairments=down)),
         "impaired uplink and downlink": profile_plan(
-            wifi, 20.0, downlink_mbit=8.0, downlink_impairments={"loss_pct": 2}
+            wifi, 20.0, hops=Hops(downlink_mbit=8.0, downlink_impairments={"loss_pct": 2})
         ),
         "pairs capped and impaired": profile_plan(
             ideal,
             10.0,
-            peer_caps_mbit={1: (PEERS[1], 3.0), 2: (PEERS[2], 4.0)},
-            peer_impairments={2: (PEERS[2], pair), 3: (PEERS[3], {"delay_ms": 15})},
+            hops=Hops(
+                peer_caps_mbit={1: (PEERS[1], 3.0), 2: (PEERS[2], 4.0)},
+                peer_impairments={2: (PEERS[2], pair), 3: (PEERS[3], {"delay_ms": 15})},
+            ),
         ),
         "a duplicating pair alone": profile_plan(
-            ideal, 10.0, peer_impairments={1: (PEERS[1], {"duplicate_pct": 3, "delay_ms": 2})}
+            ideal,
+            10.0,
+            hops=Hops(peer_impairments={1: (PEERS[1], {"duplicate_pct": 3, "delay_ms": 2})}),
         ),
         "pairs and downlink": profile_plan(
             ideal,
             10.0,
-            peer_caps_mbit={1: (PEERS[1], 2.0)},
-            downlink_mbit=6.0,
-            downlink_impairments={"delay_ms": 3},
+            hops=Hops(
+                peer_caps_mbit={1: (PEERS[1], 2.0)},
+                downlink_mbit=6.0,
+                downlink_impairments={"delay_ms": 3},
+            ),
         ),
     }
 
@@ -224,7 +231,7 @@ def steps() -> dict[str, tuple[ShapingPlan, ShapingPlan]]:
     wifi = profile(delay_ms=20, loss_pct=1)
     step = {"delay_ms": 40, "loss_pct": 5}
     every = profile(**EVERY)
-    down = {"downlink_mbit": 8.0, "downlink_impairments": {"delay_ms": 4}}
+    down = Hops(downlink_mbit=8.0, downlink_impairments={"delay_ms": 4})
     return {
         "step 10 -> 5 Mbit/s, 20 -> 40 ms, 1 -> 5%": (
             profile_plan(wifi, 10.0),
@@ -245,8 +252,8 @@ def steps() -> dict[str, tuple[ShapingPlan, ShapingPlan]]:
             profile_plan(profile(**step), 5.0),
         ),
         "step of a downlink's rate": (
-            profile_plan(wifi, 10.0, **down),
-            profile_plan(wifi.with_impairments(step), 5.0, **{**down, "downlink_mbit": 2.0}),
+            profile_plan(wifi, 10.0, hops=down),
+            profile_plan(wifi.with_impairments(step), 5.0, hops=replace(down, downlink_mbit=2.0)),
         ),
     }
 
@@ -290,7 +297,12 @@ def test_the_kernel_refuses_a_duplicating_netem_beside_another_as_the_plan_does(
         profile_plan(
             load_profile("ideal"),
             10.0,
-            peer_impairments={1: (PEERS[1], {"duplicate_pct": 1}), 2: (PEERS[2], {"delay_ms": 5})},
+            hops=Hops(
+                peer_impairments={
+                    1: (PEERS[1], {"duplicate_pct": 1}),
+                    2: (PEERS[2], {"delay_ms": 5}),
+                }
+            ),
         )
     leaf = ["tc", "qdisc", "add", "dev", DEV, "parent"]
     results = netem_guest(

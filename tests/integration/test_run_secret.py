@@ -18,21 +18,16 @@ from testbed.backends.base import DeviceSpec, write_secret
 from testbed.backends.local import LocalBackend
 from testbed.experiment.schema import parse_experiment
 from testbed.kernel.netns import remove_leftovers
-from testbed.link.emulator import LinkCounters
 from testbed.link.links import LinkState
 from testbed.sweep.bundles import prepare_run_files
 from testbed.sweep.plan import plan_trials
 from testbed.sweep.runner import Runner
-from testbed.sweep.sessions import WORKER_PORT, run_session
+from testbed.sweep.sessions import WORKER_PORT, Session, run_session
+from tests.integration.unshaped import UnshapedLinks
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 RATE_MBIT = 5.0
-
-
-def no_link_counters() -> dict[int, LinkCounters]:
-    """Links.counters for links nothing shapes here: no bytes counted, no emulator."""
-    return {rank: LinkCounters(0) for rank in (0, 1)}
 
 
 def experiment_of(**changes: Any) -> Any:
@@ -110,16 +105,8 @@ def test_a_worker_without_the_run_secret_is_refused_in_the_handshake(
             other = write_secret(tmp_path / "other.key", bytes(range(32)))
             backend.secret_files[1] = str(other)
         directory = backend.run_dir / "sessions" / "s"
-        outcome = run_session(
-            backend,
-            experiment,
-            trials,
-            directory,
-            WORKER_PORT,
-            LinkState(RATE_MBIT),
-            files,
-            no_link_counters,
-        )
+        session = Session(trials, directory, WORKER_PORT, LinkState(RATE_MBIT), files)
+        outcome = run_session(backend, experiment, session, UnshapedLinks(backend.devices))
     finally:
         backend.stop()
         remove_leftovers(backend.run_id)

@@ -36,6 +36,7 @@ import pytest
 
 from testbed.link.serial.switch import SerialSwitch
 from testbed.link.wire import FULL_FRAME_BYTES, tcp_message_wire_s
+from testbed.source import python_env
 from tests.conftest import stolen_s
 from tests.integration.conftest import SUBNET, Devices, namespaces
 
@@ -102,17 +103,10 @@ BULK_RECEIVER = (
     TIMESTAMPS
     + """
 import json, sys
+from devices.probe import receive_timed
 conn = server(sys.argv[1], sys.argv[2])
-buffer, total, samples = bytearray(1 << 16), 0, []
-while True:
-    n, ancillary, _, _ = conn.recvmsg_into([buffer], socket.CMSG_SPACE(16))
-    if not n:
-        break
-    total += n
-    samples.append((arrival_s(ancillary), total))
-warm = next(s for s in samples if s[1] >= total / 10)
-end = samples[-1]
-print(json.dumps({"steady_bytes": end[1] - warm[1], "steady_s": end[0] - warm[0]}))
+timing = receive_timed(conn, kernel_stamps=True)
+print(json.dumps({"steady_bytes": timing.steady_bytes, "steady_s": timing.steady_s}))
 """
 )
 
@@ -138,7 +132,11 @@ def run_pair(devices: Devices, receiver: list[str], sender: list[str]) -> tuple[
     """A receiver script in b, then a sender script in a; their stdout."""
     exec_in = [["ip", "netns", "exec", name, sys.executable, "-c"] for name in devices.names]
     rx = subprocess.Popen(
-        [*exec_in[1], *receiver], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*exec_in[1], *receiver],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=python_env(),  # BULK_RECEIVER imports devices.probe
     )
     try:
         assert rx.stdout is not None

@@ -1,4 +1,4 @@
-"""The ssh backend against real OpenSSH servers: two "boards" (tests/integration/boards.py),
+"""The ssh backend against real OpenSSH servers: two "boards" (`checks.boards`),
 each a network namespace on this machine running Debian's sshd on its own address."""
 
 from __future__ import annotations
@@ -19,22 +19,22 @@ import numpy as np
 import pytest
 import yaml
 
-from testbed.backends.base import DeviceSpec
-from testbed.backends.ssh.backend import SshBackend
-from testbed.backends.ssh.scripts import LAUNCHER
-from testbed.errors import DeviceError
-from testbed.experiment.inventory import Inventory
-from tests.integration.boards import (
+from checks.boards import (
     BOARD_INTERFACE,
-    RATE_MBIT,
     Lab,
     board_qdiscs,
     netns_pids,
     remote_run_dirs,
     sh,
-    small_experiment,
     ssh_lab,
 )
+from testbed.backends.base import DeviceSpec
+from testbed.backends.ssh.backend import SshBackend
+from testbed.backends.ssh.scripts import LAUNCHER
+from testbed.errors import DeviceError
+from testbed.experiment.inventory import Inventory
+from tests.integration.board_sweeps import RATE_MBIT, small_experiment
+from tests.integration.unshaped import UnshapedLinks
 
 pytestmark = pytest.mark.netns
 
@@ -134,6 +134,7 @@ def test_start_deploys_once_runs_commands_and_leaves_nothing(lab: Lab, backends,
 def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     from testbed.errors import ShapingError
     from testbed.experiment.profiles import load_profile
+    from testbed.kernel.shaping import Hops
     from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
     from testbed.link.token_bucket import profile_plan
 
@@ -145,7 +146,9 @@ def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
     with pytest.raises(ShapingError, match="'wifi' needs netem's impairments"):
         backend.shape(devices[0], profile_plan(load_profile("wifi"), RATE_MBIT))
     with pytest.raises(ShapingError, match="downlinks and pairs are not shaped on boards"):
-        backend.shape(devices[0], profile_plan(load_profile("ideal"), RATE_MBIT, downlink_mbit=2))
+        backend.shape(
+            devices[0], profile_plan(load_profile("ideal"), RATE_MBIT, hops=Hops(downlink_mbit=2))
+        )
     plan = profile_plan(load_profile("ideal"), RATE_MBIT, support=support)
     for device in devices:
         backend.shape(device, plan)
@@ -203,13 +206,12 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     handshake measures the skew, and comm, measured across the two clocks, stays what the
     link gives (the skew would otherwise add or remove seconds per message)."""
     from testbed.experiment.schema import parse_experiment
-    from testbed.link.emulator import LinkCounters
     from testbed.link.links import LinkState
     from testbed.results.facts import RunFacts
     from testbed.results.rows import RowFacts, assemble
     from testbed.sweep.bundles import prepare_run_files
     from testbed.sweep.plan import plan_rows, plan_trials
-    from testbed.sweep.sessions import WORKER_PORT, run_session
+    from testbed.sweep.sessions import WORKER_PORT, Session, run_session
 
     experiment = parse_experiment(small_experiment())
     trials = plan_trials(experiment)
@@ -219,16 +221,8 @@ def test_workers_on_boards_give_the_simulated_logits_on_aligned_clocks(lab: Lab,
     backend.start(DeviceSpec(count=2, cpus=1))
     directory = backend.run_dir / "sessions" / "s"
     link = LinkState(RATE_MBIT)
-    outcome = run_session(
-        backend,
-        experiment,
-        trials,
-        directory,
-        WORKER_PORT,
-        link,
-        files,
-        lambda: {rank: LinkCounters(0) for rank in (0, 1)},
-    )
+    session = Session(trials, directory, WORKER_PORT, link, files)
+    outcome = run_session(backend, experiment, session, UnshapedLinks(backend.devices))
     assert outcome.ok, outcome.error
     assert {"session.json", "records.jsonl", "spec.json"} <= {
         p.name for p in (directory / "rank1").iterdir()

@@ -310,11 +310,11 @@ def test_cli_reports_bad_files_without_a_traceback(tmp_path, capsys):
     assert main([str(tmp_path / "missing.yaml")]) == 2
 
 
-def test_the_old_door_runs_the_study(tmp_path):
-    """`python -m tracevq.train` is `python -m accuracy` (a thin alias)."""
+def test_the_command_refuses_a_missing_study_in_one_line(tmp_path):
+    """`python -m accuracy`, the study's one door, as a user runs it."""
     missing = tmp_path / "missing.yaml"
     done = subprocess.run(
-        [sys.executable, "-m", "tracevq.train", str(missing)],
+        [sys.executable, "-m", "accuracy", str(missing)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import tracevq
 from accuracy.quantizer import CodebookRule, TrainableQuantizer, TrainingCodec
-from tracevq.bundle import Bundle, fit_bundle, model_fingerprint
+from tracevq.bundle import Bundle, FitSettings, fit_bundle, model_fingerprint
 from tracevq.checkpoint import load_checkpoint
 from tracevq.distributed import ExactCodec, distributed_logits, remote_kv_error
 from tracevq.errors import ConfigError
@@ -31,7 +31,7 @@ def bundle(model):
     calibration = torch.randn(
         model.config.input_shape(16), generator=torch.Generator().manual_seed(1)
     )
-    return fit_bundle(model, calibration, K=K)
+    return fit_bundle(model, calibration, FitSettings(K))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def _finetuned(model, bundle, family, code_dim, steps=3, rule=None):
     calibration = torch.randn(
         model.config.input_shape(8), generator=torch.Generator().manual_seed(5)
     )
-    fitted = fit_bundle(tuned, calibration, K=K, families=(family,), code_dim=code_dim)
+    fitted = fit_bundle(tuned, calibration, FitSettings(K, families=(family,), code_dim=code_dim))
     codec = TrainingCodec(fitted.quantizers[family], rule or CodebookRule(decay=0.5))
     optimizer = torch.optim.AdamW([*tuned.parameters(), *codec.parameters()], lr=1e-3)
     generator = torch.Generator().manual_seed(6)
@@ -252,7 +252,7 @@ def test_finetuning_steps_reduce_the_loss(model):
     generator = torch.Generator().manual_seed(7)
     images = torch.randn(model.config.input_shape(8), generator=generator)
     labels = torch.randint(10, (8,), generator=generator)
-    fitted = fit_bundle(tuned, images, K=8, families=("astra",))
+    fitted = fit_bundle(tuned, images, FitSettings(8, families=("astra",)))
     codec = TrainingCodec(fitted.quantizers["astra"], CodebookRule())
     optimizer = torch.optim.AdamW([*tuned.parameters(), *codec.parameters()], lr=3e-3)
     losses = []
@@ -271,7 +271,9 @@ def test_remote_kv_error_is_zero_for_voltage_and_falls_with_the_level(model, inp
     exact = remote_kv_error(model, inputs, 2, "voltage", ExactCodec([]))
     assert max(exact) < 1e-5 and len(exact) == model.config.depth
     seen = inputs[:2]  # 34 token rows, fewer than K: the full codebook holds them all
-    quantizers, trees = fit_bundle(model, seen, K=64, families=("trace-b",)).family("trace-b")
+    quantizers, trees = fit_bundle(model, seen, FitSettings(64, families=("trace-b",))).family(
+        "trace-b"
+    )
     coarse, fine = (
         sum(remote_kv_error(model, seen, 2, "trace-b", _codec("trace-b", quantizers, trees, m)))
         for m in (0, trees[0].finest)

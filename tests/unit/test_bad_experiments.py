@@ -738,10 +738,10 @@ def small_bundle(tmp_path_factory) -> Path:
     import torch
 
     import tracevq
-    from tracevq.bundle import fit_bundle
+    from tracevq.bundle import FitSettings, fit_bundle
 
     model = tracevq.build_model("vit-tiny")
-    bundle = fit_bundle(model, torch.randn(4, 3, 32, 32), K=16, families=("trace-b",))
+    bundle = fit_bundle(model, torch.randn(4, 3, 32, 32), FitSettings(16, families=("trace-b",)))
     return bundle.save(tmp_path_factory.mktemp("bundle") / "b.pt")
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tracevq
-from tracevq.bundle import fit_bundle
+from tracevq.bundle import FitSettings, fit_bundle
 from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError
 from tracevq.methods import make_method
@@ -37,7 +37,7 @@ def bundle(model):
     calibration = torch.randn(
         model.config.input_shape(24), generator=torch.Generator().manual_seed(1)
     )
-    return fit_bundle(model, calibration, K=K)
+    return fit_bundle(model, calibration, FitSettings(K))
 
 
 @pytest.fixture(scope="module")

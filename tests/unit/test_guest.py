@@ -9,11 +9,11 @@ import stat
 
 import pytest
 
-from testbed.errors import GuestError
-from testbed.kernel.guest import cpio
-from testbed.kernel.guest.__main__ import main
-from testbed.kernel.guest.boot import batch_archive, parse_results
-from testbed.kernel.guest.build import kernel_package, module_depends, shared_libraries
+from checks.errors import GuestError
+from checks.guest import cpio
+from checks.guest.__main__ import main
+from checks.guest.boot import batch_archive, parse_results
+from checks.guest.build import kernel_package, module_depends, shared_libraries
 
 COMMANDS = [["tc", "qdisc", "show", "dev", "va"], ["ping", "-c", "1", "it's"]]
 

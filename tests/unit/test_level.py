@@ -12,7 +12,7 @@ import tracevq
 from devices.level import HISTORY, MAX_ESTIMATE_MBIT, LiveLevel
 from devices.records import ArrivalRecord, BlockRecord
 from devices.transport import STAMP, tcp_frame_bytes
-from tracevq.bundle import fit_bundle
+from tracevq.bundle import FitSettings, fit_bundle
 from tracevq.codec import trace_message_bytes
 from tracevq.methods import make_method
 
@@ -24,7 +24,9 @@ OFFSET_NS = 5_000_000_000  # the peer's clock is 5 s ahead
 @pytest.fixture(scope="module")
 def parts():
     model = tracevq.build_model("vit-tiny")
-    return model, fit_bundle(model, torch.randn(4, 3, 32, 32), K=16, families=("trace-b",))
+    return model, fit_bundle(
+        model, torch.randn(4, 3, 32, 32), FitSettings(16, families=("trace-b",))
+    )
 
 
 @pytest.fixture(scope="module")

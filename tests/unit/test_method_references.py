@@ -12,7 +12,7 @@ import torch
 
 import tracevq
 import tracevq.partition
-from tracevq.bundle import fit_bundle
+from tracevq.bundle import FitSettings, fit_bundle
 from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError
 from tracevq.methods import make_method
@@ -43,7 +43,7 @@ def inputs(strong_model):
 def bundle(strong_model):
     shape = strong_model.config.input_shape(24)
     calibration = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    return fit_bundle(strong_model, calibration, K=K)
+    return fit_bundle(strong_model, calibration, FitSettings(K))
 
 
 @torch.no_grad()

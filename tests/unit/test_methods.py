@@ -5,7 +5,7 @@ import torch
 
 import tracevq
 import tracevq.spec
-from tracevq.bundle import Bundle, fit_bundle
+from tracevq.bundle import Bundle, FitSettings, fit_bundle
 from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError, ProtocolError
 from tracevq.methods import auto_level, make_method
@@ -37,7 +37,7 @@ def model():
 def bundle(model):
     generator = torch.Generator().manual_seed(1)
     calibration = torch.randn(model.config.input_shape(16), generator=generator)
-    return fit_bundle(model, calibration, K=K)
+    return fit_bundle(model, calibration, FitSettings(K))
 
 
 @pytest.fixture(scope="module")
@@ -204,14 +204,14 @@ def test_bundle_round_trip_keeps_fingerprint_and_outputs(tmp_path, model, bundle
 
 def test_bundle_fingerprint_depends_on_the_codebooks(model):
     calibration = torch.randn(model.config.input_shape(4))
-    a = fit_bundle(model, calibration, K=8, families=("trace-b",), seed=0)
-    b = fit_bundle(model, calibration, K=8, families=("trace-b",), seed=5)
+    a = fit_bundle(model, calibration, FitSettings(8, families=("trace-b",), seed=0))
+    b = fit_bundle(model, calibration, FitSettings(8, families=("trace-b",), seed=5))
     assert a.fingerprint != b.fingerprint
 
 
 def test_projected_codebooks_fold_into_the_buffers(model, inputs):
     calibration = torch.randn(model.config.input_shape(16))
-    bundle = fit_bundle(model, calibration, K=K, families=("trace-b",), code_dim=8)
+    bundle = fit_bundle(model, calibration, FitSettings(K, families=("trace-b",), code_dim=8))
     assert bundle.quantizers["trace-b"][1].codebook.shape == (K, 8)
     on = tracevq.simulate(model, inputs, "trace-b", 2, bundle=bundle, K=K)
     off = tracevq.simulate(model, inputs, "trace-b", 2, bundle=bundle, K=K, buffers=False)

@@ -1,14 +1,14 @@
-"""The conformance command's reading of both sides (bench/netem_conformance.py): busybox ping's
+"""The conformance check's reading of both sides (`checks.netem_conformance`): busybox ping's
 replies as lost, duplicated, reordered and delayed requests, the emulator's copies as the same,
-and bad arguments refused in one line before any guest boots; its verdicts
-(bench/netem_verdicts.py): burst lengths and their test, a count against the emulator's runs."""
+and bad rows or counts refused in one line before any guest boots; its verdicts
+(`checks.netem_verdicts`): burst lengths and their test, a count against the emulator's runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import netem_conformance as conformance
-from bench import netem_verdicts as verdicts
+from checks import netem_conformance as conformance
+from checks import netem_verdicts as verdicts
 from testbed.link.serial.impairments import Copy
 
 PING_OUTPUT = """PING 10.9.0.2 (10.9.0.2): 56 data bytes
@@ -68,13 +68,19 @@ def test_a_delay_row_is_preceded_by_its_baseline_in_the_projects_words() -> None
 
 
 @pytest.mark.parametrize(
-    ("argv", "says"),
-    [(["--packets", "5"], "--packets 5"), (["--rows", "latency"], "--rows ['latency']")],
+    ("measures", "packets", "says"),
+    [(None, 5, "--packets 5"), (["latency"], 3000, "--rows ['latency']")],
 )
-def test_bad_arguments_are_refused_in_one_line(capsys, argv, says) -> None:
-    assert conformance.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and says in err
+def test_bad_rows_and_counts_are_refused_in_one_line(measures, packets, says) -> None:
+    with pytest.raises(ValueError) as refused:
+        conformance.chosen_rows(measures, packets)
+    assert "\n" not in str(refused.value) and says in str(refused.value)
+
+
+def test_the_rows_chosen_are_those_of_their_measures() -> None:
+    assert conformance.chosen_rows(None, 3000) == list(conformance.ROWS)
+    chosen = conformance.chosen_rows(["loss", "order"], 100)
+    assert chosen and {row.measure for row in chosen} == {"loss", "order"}
 
 
 def test_a_count_is_judged_against_the_emulators_own_runs() -> None:

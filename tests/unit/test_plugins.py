@@ -33,7 +33,7 @@ from testbed.link.rates import LinkRates
 from testbed.run import main
 from testbed.sweep.lock import RunLock
 from testbed.sweep.preflight import check_experiment
-from tracevq.bundle import fit_bundle
+from tracevq.bundle import FitSettings, fit_bundle
 from tracevq.distributed import ExactCodec, distributed_logits
 from tracevq.errors import ConfigError
 from tracevq.method_table import METHODS, MethodEntry
@@ -199,7 +199,7 @@ def test_a_registered_method_runs_simulated_and_in_the_differentiable_forward(to
     model = tracevq.build_model("vit-tiny", seed=4)
     generator = torch.Generator().manual_seed(1)
     calibration = torch.randn(model.config.input_shape(8), generator=generator)
-    bundle = fit_bundle(model, calibration, K=16, families=("toy-vq",))
+    bundle = fit_bundle(model, calibration, FitSettings(16, families=("toy-vq",)))
     inputs = torch.randn(model.config.input_shape(2), generator=generator)
 
     result = tracevq.simulate(model, inputs, "toy-vq", 3, bundle=bundle, K=16)

@@ -124,6 +124,49 @@ def test_rate_is_timed_after_the_first_tenth_of_the_bytes():
     assert 8 * probe_bytes(10, 0.5) * WIRE_PER_PAYLOAD / 10e6 == pytest.approx(0.5, rel=1e-5)
 
 
+def test_the_bulk_receiver_times_after_a_tenth_of_what_came_by_the_kernels_stamps():
+    """Without a byte count, the clock starts at the chunk that completes a tenth of all that
+    came; by the kernel's receive timestamps (loopback TCP), the steady part is the 0.6 s
+    between the first chunk and the last. Less than the skipped bytes is no steady part, and
+    a chunk without its stamp is refused by name."""
+    import threading
+    import time
+
+    from devices.clock import enable_rx_timestamps
+    from devices.probe import BulkTiming, ProbeError, receive_timed
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        assert enable_rx_timestamps(server)  # inherited by the connection
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+
+    def send() -> None:
+        sender.sendall(bytes(100))
+        for size in (400, 500):
+            time.sleep(0.3)
+            sender.sendall(bytes(size))
+        sender.close()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    with receiver:
+        timing = receive_timed(receiver, kernel_stamps=True)
+    thread.join()
+    assert (timing.total_bytes, timing.steady_bytes) == (1000, 900)
+    assert timing.steady_s == pytest.approx(0.6, abs=0.15)
+    assert timing.mbit_per_s == pytest.approx(8 * 900 / timing.steady_s / 1e6)
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(bytes(10))
+        left.shutdown(socket.SHUT_WR)
+        assert receive_timed(right, skip_bytes=11) == BulkTiming(10, 0, 0.0)
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(bytes(10))
+        with pytest.raises(ProbeError, match="without its kernel receive timestamp"):
+            receive_timed(right, kernel_stamps=True)
+
+
 def test_probe_listens_on_its_address_only():
     """The receiver binds the address it is given: one the host does not hold (TEST-NET-1)
     is refused in one line, and a receiver on 127.0.0.1 is not reachable at 127.0.0.2."""

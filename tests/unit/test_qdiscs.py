@@ -17,6 +17,7 @@ from testbed.kernel.ifb import ifb_add_argv, ifb_del_argv, ifb_name, ifb_up_argv
 from testbed.kernel.ingress import ingress_argv, ingress_clear_argv
 from testbed.kernel.netem import netem_argv, tc_takes_netem_seed
 from testbed.kernel.shaping import (
+    Hops,
     change_argvs,
     check_support,
     downlink_clear_argv,
@@ -102,7 +103,7 @@ def test_downlink_argv_redirects_ingress_to_an_ifb() -> None:
 
 
 def test_a_plan_with_a_downlink_keeps_the_uplink_tbf_and_adds_the_ifb() -> None:
-    shaping = profile_plan(IDEAL, 10.0, downlink_mbit=3.0)
+    shaping = profile_plan(IDEAL, 10.0, hops=Hops(downlink_mbit=3.0))
     assert not shaping.is_tbf_only and shaping.htb is None
     commands = tc_argv("eth0", shaping)
     assert " ".join(commands[0][:9]) == "tc qdisc replace dev eth0 root handle 1: tbf"
@@ -136,7 +137,7 @@ def test_a_plan_with_a_downlink_keeps_the_uplink_tbf_and_adds_the_ifb() -> None:
 
 
 def test_a_plan_with_peer_caps_has_an_htb_root_changed_class_by_class() -> None:
-    shaping = profile_plan(IDEAL, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+    shaping = profile_plan(IDEAL, 10.0, hops=Hops(peer_caps_mbit={1: ("10.0.0.2", 4.0)}))
     assert shaping.htb == htb_params(10.0, {1: ("10.0.0.2", 4.0)})
     assert tc_argv("eth0", shaping) == htb_argv("eth0", shaping.htb)
     changes = change_argvs("eth0", shaping)
@@ -149,24 +150,26 @@ def test_a_plan_with_peer_caps_has_an_htb_root_changed_class_by_class() -> None:
 
 def test_support_and_netem_are_checked_for_the_new_kinds() -> None:
     with pytest.raises(ShapingError, match="no htb qdisc"):
-        profile_plan(IDEAL, 10.0, {**ALL, "htb": False}, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+        profile_plan(
+            IDEAL, 10.0, {**ALL, "htb": False}, hops=Hops(peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+        )
     with pytest.raises(ShapingError, match="no ingress qdisc"):
-        profile_plan(IDEAL, 10.0, {**ALL, "ingress": False}, downlink_mbit=3.0)
-    check_support(profile_plan(IDEAL, 10.0, downlink_mbit=3.0), ALL)
+        profile_plan(IDEAL, 10.0, {**ALL, "ingress": False}, hops=Hops(downlink_mbit=3.0))
+    check_support(profile_plan(IDEAL, 10.0, hops=Hops(downlink_mbit=3.0)), ALL)
     with pytest.raises(ShapingError, match=r"per-pair classes \(link.pair_mbit\)"):
-        profile_plan(WIFI, 10.0, peer_caps_mbit={1: ("10.0.0.2", 4.0)})
+        profile_plan(WIFI, 10.0, hops=Hops(peer_caps_mbit={1: ("10.0.0.2", 4.0)}))
     with pytest.raises(ShapingError, match=r"per-pair classes \(link.pair_impairments\)"):
-        profile_plan(WIFI, 10.0, peer_impairments={1: ("10.0.0.2", {"loss_pct": 1})})
+        profile_plan(WIFI, 10.0, hops=Hops(peer_impairments={1: ("10.0.0.2", {"loss_pct": 1})}))
     with pytest.raises(ShapingError, match="a downlink or a pair needs netem's impairments"):
-        profile_plan(IDEAL, 10.0, ALL, downlink_impairments={"delay_ms": 5})
+        profile_plan(IDEAL, 10.0, ALL, hops=Hops(downlink_impairments={"delay_ms": 5}))
 
 
 def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
     """Device 1 (uncapped) gets a class of the uplink's rate whose leaf is the pair's netem;
     device 2 keeps its cap and its pfifo."""
     caps = {2: ("10.0.0.3", 4.0)}
-    hops = {1: ("10.0.0.2", {"delay_ms": 20, "jitter_ms": 2, "loss_pct": 1}), 2: ("x", {})}
-    shaping = profile_plan(IDEAL, 10.0, peer_caps_mbit=caps, peer_impairments=hops)
+    pairs = {1: ("10.0.0.2", {"delay_ms": 20, "jitter_ms": 2, "loss_pct": 1}), 2: ("x", {})}
+    shaping = profile_plan(IDEAL, 10.0, hops=Hops(peer_caps_mbit=caps, peer_impairments=pairs))
     assert shaping.needs_netem and shaping.netem is None and not shaping.uplink_only
     assert shaping.htb == htb_params(10.0, {1: ("10.0.0.2", 10.0), 2: ("10.0.0.3", 4.0)})
     assert list(shaping.peer_netem) == [0x11]  # an empty hop impairs nothing
@@ -183,7 +186,7 @@ def test_a_pairs_impairments_are_the_netem_leaf_of_its_class() -> None:
 def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     """Under the downlink's tbf where it has a rate, else the ifb's root."""
     hop = {"delay_ms": 5, "loss_gemodel": {"p_pct": 1, "r_pct": 25}}
-    shaping = profile_plan(IDEAL, 10.0, downlink_mbit=3.0, downlink_impairments=hop)
+    shaping = profile_plan(IDEAL, 10.0, hops=Hops(downlink_mbit=3.0, downlink_impairments=hop))
     assert shaping.htb is None and shaping.has_downlink and shaping.needs_netem
     commands = [" ".join(argv) for argv in tc_argv("eth0", shaping)]
     # tbf's 21,778 bytes plus 5 ms at 3 Mbit/s (1,875 B), in full frames: 16
@@ -193,7 +196,7 @@ def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     assert [" ".join(argv) for argv in change_argvs("eth0", shaping)][-1] == (
         f"tc qdisc change dev ifb-eth0 parent 1:1 {netem}"
     )
-    alone = profile_plan(IDEAL, 10.0, downlink_impairments={"delay_ms": 5})
+    alone = profile_plan(IDEAL, 10.0, hops=Hops(downlink_impairments={"delay_ms": 5}))
     commands = [" ".join(argv) for argv in tc_argv("eth0", alone)]
     assert commands[1:5] == [
         " ".join(argv)
@@ -206,7 +209,7 @@ def test_a_downlinks_impairments_are_netem_on_the_ifb() -> None:
     ]
     assert commands[5:] == ["tc qdisc add dev ifb-eth0 root handle 1: netem limit 1000 delay 5ms"]
     assert len(change_argvs("eth0", alone)) == 1  # the uplink's tbf; the ifb has no rate
-    assert profile_plan(IDEAL, 10.0, downlink_impairments={"loss_pct": 0}).uplink_only
+    assert profile_plan(IDEAL, 10.0, hops=Hops(downlink_impairments={"loss_pct": 0})).uplink_only
 
 
 def test_a_steps_in_place_change_carries_its_netem_with_its_rate() -> None:
@@ -242,6 +245,8 @@ def test_a_duplicating_pair_beside_another_impaired_pair_is_refused() -> None:
     duplicating = ("10.0.0.2", {"duplicate_pct": 1})
     with pytest.raises(ShapingError, match="pair to device 1 duplicates frames"):
         profile_plan(
-            IDEAL, 10.0, peer_impairments={1: duplicating, 2: ("10.0.0.3", {"delay_ms": 5})}
+            IDEAL,
+            10.0,
+            hops=Hops(peer_impairments={1: duplicating, 2: ("10.0.0.3", {"delay_ms": 5})}),
         )
-    assert profile_plan(IDEAL, 10.0, peer_impairments={1: duplicating}).peer_netem
+    assert profile_plan(IDEAL, 10.0, hops=Hops(peer_impairments={1: duplicating})).peer_netem

@@ -22,7 +22,7 @@ from testbed.link.serial.impairments import Impairments
 from testbed.link.serial.port import Port, PortCounters, wait_until
 from testbed.link.serial.program import Switch, parse_args
 from testbed.link.serial.protocol import Command, parse_command, parse_cpu_list, parse_port
-from testbed.link.serial.switch import SerialSwitch
+from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 from testbed.link.wire import (
     MIN_QUEUE_FRAMES,
     TRUESIZE_BYTES,
@@ -147,7 +147,8 @@ def test_ports_are_served_on_their_devices_cpus(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         parse_args(["serve", "a=1e6", "--cpus", "c=0"])
     assert "PORT one of ['a']" in capsys.readouterr().err
-    argv = SerialSwitch("0123abcd", ["/x", "/y"], SUBNET, 1, cpusets=["1", None]).emulator_argv()
+    pinned = ProgramOptions(cpusets=["1", None])
+    argv = SerialSwitch("0123abcd", ["/x", "/y"], SUBNET, 1, program=pinned).emulator_argv()
     assert argv[-2:] == ["--cpus", "tb0123abcds0=1"]
 
 
@@ -350,7 +351,8 @@ def test_serial_switch_names_and_addresses() -> None:
     assert argv[:3] == ["nsenter", "--net=/var/run/netns/tb-0123abcd-sl", sys.executable]
     ports = [f"tb0123abcds{rank}=2500000" for rank in (0, 1)]
     assert argv[3:] == ["-m", "testbed.link.serial.program", "serve", *ports]
-    assert "--spin-us" in SerialSwitch("0123abcd", ["/x"], SUBNET, 1, spin_us=0).emulator_argv()
+    spinning = SerialSwitch("0123abcd", ["/x"], SUBNET, 1, program=ProgramOptions(spin_us=0))
+    assert "--spin-us" in spinning.emulator_argv()
 
 
 def test_serial_switch_refuses_bad_input() -> None:

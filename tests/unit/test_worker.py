@@ -29,14 +29,14 @@ import torch
 
 import tracevq
 from devices.device import Device
-from devices.handshake import shake
+from devices.handshake import HandshakeSide, shake
 from devices.inputs import generated_batch
 from devices.pace import PROGRESS_FILE, read_progress, write_control
 from devices.records import read_records, read_session
 from devices.spec import MethodRun, RunSpec
 from devices.transport import STAMP
 from devices.worker import load_methods
-from tracevq.bundle import fit_bundle
+from tracevq.bundle import FitSettings, fit_bundle
 from tracevq.codec import encode_trace_message
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,7 +145,9 @@ def model():
 @pytest.fixture(scope="module")
 def bundle_path(tmp_path_factory, model) -> Path:
     calibration = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    return fit_bundle(model, calibration, K=K).save(tmp_path_factory.mktemp("bundle") / "b.pt")
+    return fit_bundle(model, calibration, FitSettings(K)).save(
+        tmp_path_factory.mktemp("bundle") / "b.pt"
+    )
 
 
 def simulate(model, bundle_path: Path, method: str, params: dict, devices: int):
@@ -362,7 +364,9 @@ def test_devices_at_different_levels_read_each_others_messages(tmp_path, model, 
 
 
 def test_mismatched_bundle_is_refused_on_both_sides(tmp_path, model, bundle_path):
-    other = fit_bundle(model, torch.randn(4, 3, 32, 32), K=K, families=("astra",), seed=1)
+    other = fit_bundle(
+        model, torch.randn(4, 3, 32, 32), FitSettings(K, families=("astra",), seed=1)
+    )
     other_path = other.save(tmp_path / "other.pt")
     peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
@@ -480,16 +484,14 @@ def test_corrupted_message_fails_the_worker_naming_peer_and_block(
     spec = RunSpec.model_validate_json(write_spec(tmp_path / "fake", 1, peers, runs).read_text())
     model = tracevq.build_model(MODEL)
     fake = Device(spec, model, load_methods(spec, model))
-    hello, names = fake.hello(), [fake.mesh.name(p) for p in range(2)]
+    side = HandshakeSide(fake.hello(), [fake.mesh.name(p) for p in range(2)], fake.clock)
     worker_spec = write_spec(tmp_path, 0, peers, runs, recv_timeout_s=3)
     worker = start([sys.executable, "-m", "devices.worker", str(worker_spec)])
     try:
         with fake.mesh as mesh:
             mesh.open(
                 30,
-                lambda conn, wanted, connected: shake(
-                    conn, hello, wanted, connected, names, fake.clock
-                ),
+                lambda conn, wanted, connected: shake(conn, side, wanted, connected),
             )
             mesh.barrier(30)
             mesh.links[0].sock.sendall(corrupted(case))

@@ -35,10 +35,17 @@ import tracevq
 from devices.device import Device
 from devices.errors import ConnectError, PeerLostError, ProtocolError
 from devices.frames import CLOCK_RANGE_NS, FRAME_HEADER, CountingSocket
-from devices.handshake import CLOCK_ROUNDS, clock_answer, ping, round_mark, shake
+from devices.handshake import (
+    CLOCK_ROUNDS,
+    HandshakeSide,
+    clock_answer,
+    ping,
+    round_mark,
+    shake,
+)
 from devices.spec import MethodRun, RunSpec
 from devices.worker import load_methods
-from tracevq.bundle import fit_bundle
+from tracevq.bundle import FitSettings, fit_bundle
 from tracevq.codec import encode_trace_message
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +72,7 @@ def model():
 @pytest.fixture(scope="module")
 def bundle_path(tmp_path_factory, model) -> Path:
     calibration = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    bundle = fit_bundle(model, calibration, K=K, families=("astra", "trace-b"))
+    bundle = fit_bundle(model, calibration, FitSettings(K, families=("astra", "trace-b")))
     return bundle.save(tmp_path_factory.mktemp("bundle") / "b.pt")
 
 
@@ -398,10 +405,9 @@ def session_with_scripted_peer(
 
 
 def open_fake(fake: Device) -> None:
-    hello, names = fake.hello(), [fake.mesh.name(p) for p in range(2)]
+    side = HandshakeSide(fake.hello(), [fake.mesh.name(p) for p in range(2)], fake.clock)
     fake.mesh.open(
-        TIME_LIMIT_S,
-        lambda conn, wanted, connected: shake(conn, hello, wanted, connected, names, fake.clock),
+        TIME_LIMIT_S, lambda conn, wanted, connected: shake(conn, side, wanted, connected)
     )
     fake.mesh.barrier(TIME_LIMIT_S)
 
@@ -574,13 +580,10 @@ def test_a_peer_that_resets_right_after_the_handshake_is_named(tmp_path, model, 
     send and its read meets the reset."""
     fake, peers = session_with_scripted_peer(tmp_path, model, bundle_path, "voltage")
     worker = Worker(make_spec(tmp_path, 0, peers, "voltage", bundle_path), model)
-    hello, names = fake.hello(), [fake.mesh.name(p) for p in range(2)]
+    side = HandshakeSide(fake.hello(), [fake.mesh.name(p) for p in range(2)], fake.clock)
     with fake.mesh:
         fake.mesh.open(
-            TIME_LIMIT_S,
-            lambda conn, wanted, connected: shake(
-                conn, hello, wanted, connected, names, fake.clock
-            ),
+            TIME_LIMIT_S, lambda conn, wanted, connected: shake(conn, side, wanted, connected)
         )
         sock = fake.mesh.links[0].sock
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -13,7 +13,7 @@ from devices import transport
 from devices.clock import Clock
 from devices.errors import ConnectError, PeerLostError, ProtocolError
 from devices.frames import CountingSocket
-from devices.handshake import CLOCK_ROUNDS, make_hello, shake
+from devices.handshake import CLOCK_ROUNDS, HandshakeSide, make_hello, shake
 from devices.mesh import Mesh
 from devices.transport import MessageFormat, Outgoing
 
@@ -63,15 +63,8 @@ def run_pair(
     def side(index: int, sock: socket.socket, hello: dict, expected: set[int]) -> None:
         sock.settimeout(10)
         try:
-            results[index] = shake(
-                CountingSocket(sock),
-                hello,
-                expected,
-                index == 1,
-                NAMES,
-                clocks[index],
-                secret=secrets[index],
-            )
+            side = HandshakeSide(hello, NAMES, clocks[index], secret=secrets[index])
+            results[index] = shake(CountingSocket(sock), side, expected, index == 1)
         except Exception as error:  # noqa: BLE001 - the test inspects it
             results[index] = error
 
@@ -125,15 +118,10 @@ def test_mesh_of_three_connects_exchanges_and_counts_bytes():
     errors: list[BaseException] = []
 
     def setup(mesh: Mesh) -> None:
-        hello = make_hello(mesh.rank, **FIELDS)
         names = [mesh.name(p) for p in range(3)]
+        side = HandshakeSide(make_hello(mesh.rank, **FIELDS), names, mesh.clock)
         try:
-            mesh.open(
-                10,
-                lambda conn, expected, connected: shake(
-                    conn, hello, expected, connected, names, mesh.clock
-                ),
-            )
+            mesh.open(10, lambda conn, expected, connected: shake(conn, side, expected, connected))
             mesh.barrier(10)
             mesh.start(lambda peer: iter([MessageFormat(1, lambda header: 1 + header[0])]))
         except BaseException as error:  # noqa: BLE001 - reported below
@@ -180,7 +168,8 @@ def connected_pair() -> list[Mesh]:
     meshes = [Mesh(rank, addresses, Clock()) for rank in range(2)]
 
     def handshake(rank: int):
-        return lambda c, e, k: shake(c, make_hello(rank, **FIELDS), e, k, NAMES, Clock())
+        side = HandshakeSide(make_hello(rank, **FIELDS), NAMES, Clock())
+        return lambda c, e, k: shake(c, side, e, k)
 
     threads = [
         threading.Thread(target=mesh.open, args=(10, handshake(mesh.rank))) for mesh in meshes

@@ -27,7 +27,7 @@ from testbed.kernel.names import run_tag
 from testbed.link.emulator import PORT_COUNTED, Attachment, Emulator, LinkCounters, Refusal
 from testbed.link.paths import PathImpairments
 from testbed.link.rates import LinkRates
-from testbed.link.serial.switch import SerialSwitch
+from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 
 DEFAULT_RATE_MBIT = 10.0  # the ports' rate until the first shaping
 CORE_ENV = "TESTBED_SERIAL_CORE"
@@ -94,15 +94,9 @@ class SerialEmulator(Emulator):
         # loop against the other
         core = os.environ.get(CORE_ENV)
         spin = os.environ.get(SPIN_ENV)
-        switch = SerialSwitch(
-            run_tag(self.run_id),
-            paths,
-            subnet,
-            rate,
-            spin_us=None if spin is None else float(spin),
-            cpusets=cpusets,
-            core=core,
-        )
+        spin_us = None if spin is None else float(spin)
+        program = ProgramOptions(spin_us=spin_us, core=core, cpusets=cpusets)
+        switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, program=program)
         self.switch = switch.start()  # a switch that fails to start removes what it made
         return {
             d.rank: Attachment(switch.address(d.rank), switch.interface) for d in backend.devices

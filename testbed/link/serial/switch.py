@@ -48,12 +48,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
 from testbed.errors import ShapingError
-from testbed.kernel.interfaces import offload_argv, veth_into
+from testbed.kernel.interfaces import Veth, offload_argv, veth_into
 from testbed.kernel.names import TAG_PATTERN, RunNames
 from testbed.kernel.netns import create_netns, in_netns, iproute, netlink_step, netns_path
 from testbed.kernel.processes import kill_group, run_checked, start_group
@@ -69,6 +70,34 @@ ANSWER_TIMEOUT_S = 5.0
 EXIT_WAIT_S = 3.0
 
 
+@dataclass(frozen=True)
+class ProgramOptions:
+    """How the emulator program runs, beside its ports (None: the program's default)."""
+
+    spin_us: float | None = None  # its --spin-us
+    queue_ms: float | None = None  # its --queue-ms
+    core: str | None = None  # its --core: auto, c or python (python where it draws impairments)
+    # per device, the CPUs it is pinned to ("0", "2-3"), or None: the port that device sends
+    # into is served on those CPUs, so that a frame wakes the emulator on the CPU that sent it
+    # (no inter-processor wake-up)
+    cpusets: Sequence[str | None] | None = None
+
+    def argv(self, ports: Sequence[str]) -> list[str]:
+        """The options on the program's command line; `ports`: the ports by device rank."""
+        argv = []
+        if self.spin_us is not None:
+            argv += ["--spin-us", str(self.spin_us)]
+        if self.queue_ms is not None:
+            argv += ["--queue-ms", str(self.queue_ms)]
+        if self.core is not None:
+            argv += ["--core", self.core]
+        cpusets = self.cpusets or [None] * len(ports)
+        for port, cpuset in zip(ports, cpusets, strict=True):
+            if cpuset:
+                argv += ["--cpus", f"{port}={cpuset}"]
+        return argv
+
+
 class SerialSwitch:
     """Devices joined by `testbed.link.serial.program`: each device's frames leave at its rate."""
 
@@ -81,10 +110,7 @@ class SerialSwitch:
         subnet: ipaddress.IPv4Network,
         rate_mbit: float,
         backpressure: bool = True,
-        spin_us: float | None = None,
-        queue_ms: float | None = None,
-        cpusets: Sequence[str | None] | None = None,
-        core: str | None = None,
+        program: ProgramOptions | None = None,
     ):
         """
         Args:
@@ -93,13 +119,7 @@ class SerialSwitch:
             subnet: the /24 (or larger) that numbers the devices: rank r gets host r + 1.
             rate_mbit: every port's initial rate (10^6 bit/s of Ethernet frames).
             backpressure: also put tbf at the rate on each `sl0` (see the module docstring).
-            spin_us: the emulator's `--spin-us` (its default when None).
-            queue_ms: the emulator's `--queue-ms` (its default when None).
-            cpusets: per device, the CPUs it is pinned to ("0", "2-3"), or None: the port
-                that device sends into is served on those CPUs, so that a frame wakes the
-                emulator on the CPU that sent it (no inter-processor wake-up).
-            core: the emulator's `--core` (auto, c or python; its default when None): python
-                for a switch that will draw impairments.
+            program: how the emulator program runs (None: its defaults).
         """
         if not TAG_PATTERN.match(tag):
             raise ShapingError(f"serial switch: tag {tag!r} is not 8 lowercase hex digits")
@@ -108,8 +128,7 @@ class SerialSwitch:
         if rate_mbit <= 0:
             raise ShapingError(f"serial switch: rate must be positive, got {rate_mbit} mbit")
         self.tag, self.subnet, self.backpressure = tag, subnet, backpressure
-        self.spin_us, self.queue_ms, self.core = spin_us, queue_ms, core
-        self.cpusets = list(cpusets or [None] * len(device_netns))
+        self.program = program or ProgramOptions()
         self.device_netns = list(device_netns)
         self.rates_mbit = [float(rate_mbit)] * len(device_netns)
         self.downlinks_mbit: list[float | None] = [None] * len(device_netns)
@@ -164,16 +183,8 @@ class SerialSwitch:
         """One veth pair: the port here, `sl0` created inside the device's namespace."""
         port, device = self.port(rank), self.device_netns[rank]
         address = ipaddress.IPv4Interface((self.address(rank), self.subnet.prefixlen))
-        veth_into(
-            self.netns_path,
-            port,
-            device,
-            DEVICE_INTERFACE,
-            address,
-            WHO,
-            ShapingError,
-            gso_max_segs=1,
-        )
+        veth = Veth(self.netns_path, port, device, DEVICE_INTERFACE, address)
+        veth_into(veth, WHO, ShapingError, gso_max_segs=1)
         where = f"{self.netns}: veth {port} <-> {device}:{DEVICE_INTERFACE}"
         for netns, interface in ((self.netns_path, port), (device, DEVICE_INTERFACE)):
             argv = in_netns(netns, offload_argv(interface, checksums=True))
@@ -183,15 +194,7 @@ class SerialSwitch:
         """The command that runs the emulator in the switch namespace."""
         argv = [sys.executable, "-m", "testbed.link.serial.program"]
         argv += ["serve"] + [f"{self.port(r)}={self._bit_s(r)}" for r in self.ranks]
-        if self.spin_us is not None:
-            argv += ["--spin-us", str(self.spin_us)]
-        if self.queue_ms is not None:
-            argv += ["--queue-ms", str(self.queue_ms)]
-        if self.core is not None:
-            argv += ["--core", self.core]
-        for rank, cpuset in zip(self.ranks, self.cpusets, strict=True):
-            if cpuset:
-                argv += ["--cpus", f"{self.port(rank)}={cpuset}"]
+        argv += self.program.argv([self.port(r) for r in self.ranks])
         return in_netns(self.netns_path, argv)
 
     def _start_emulator(self) -> None:

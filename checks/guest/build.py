@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.errors import GuestError
-from testbed.kernel.guest import cpio
+from checks.errors import GuestError
+from checks.guest import cpio
 from testbed.source import CACHE_DIR
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Two samples of what a link did to N packets, netem's and the serial emulator's, judged row
-by row (bench/netem_conformance.py makes them): counts against the emulator's own spread,
+by row (`checks.netem_conformance` makes them): counts against the emulator's own spread,
 burst lengths by chi-square, delays by Kolmogorov-Smirnov; the table and its CSV."""
 
 from __future__ import annotations

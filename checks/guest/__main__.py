@@ -1,5 +1,5 @@
-"""`python -m testbed.kernel.guest build` makes (or finds) the cached image;
-`python -m testbed.kernel.guest run [--file FILE] [--timeout S] -- CMD ... [-- CMD ...]` runs
+"""`python -m checks.guest build` makes (or finds) the cached image;
+`python -m checks.guest run [--file FILE] [--timeout S] -- CMD ... [-- CMD ...]` runs
 the commands (each `--` starts one; FILE holds one a line, split as a shell would, never run by
 one) in one boot of the guest and prints each with its output and exit status. Exits 0 when
 every command succeeded, 1 when one failed or the guest did, 2 on bad arguments."""
@@ -13,15 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-from testbed.errors import GuestError
-from testbed.kernel.guest.boot import BATCH_TIMEOUT_S, run
-from testbed.kernel.guest.build import build
+from checks.errors import GuestError
+from checks.guest.boot import BATCH_TIMEOUT_S, run
+from checks.guest.build import build
 
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     head, commands = _split(words)
-    parser = argparse.ArgumentParser(prog="python -m testbed.kernel.guest", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m checks.guest", description=__doc__)
     parser.add_argument("action", choices=("build", "run"))
     parser.add_argument("--file", type=Path, help="commands, one a line")
     parser.add_argument("--timeout", type=float, default=BATCH_TIMEOUT_S, help="seconds")

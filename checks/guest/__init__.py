@@ -10,7 +10,7 @@ applied as the backends apply them), not an emulator of its own.
   fetched once; nothing after that needs a network);
 - `boot`: a batch run in one boot (`run`), its results read back;
 - `cpio`: the initramfs format, written from Python;
-- `python -m testbed.kernel.guest run -- CMD ... [-- CMD ...]` runs commands from a shell.
+- `python -m checks.guest run -- CMD ... [-- CMD ...]` runs commands from a shell.
 
 Importing the package loads nothing: callers import the module they need.
 """

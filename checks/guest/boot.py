@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.errors import GuestError
-from testbed.kernel.guest import cpio
-from testbed.kernel.guest.build import HOST_TOOLS, GuestImage, build
+from checks.errors import GuestError
+from checks.guest import cpio
+from checks.guest.build import HOST_TOOLS, GuestImage, build
 from testbed.kernel.processes import kill_group, start_group
 
 log = logging.getLogger(__name__)

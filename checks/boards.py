@@ -1,6 +1,8 @@
-"""SSH "boards" for the tests of the backends that run on boards (ssh, enoslib): each board a
+"""SSH "boards" for what runs the backends that run on boards (ssh, enoslib): each board a
 network namespace on this machine running Debian's sshd on its own address, joined by a bridge
-(in a switch namespace) that the host reaches through a veth of its own.
+(in a switch namespace) that the host reaches through a veth of its own. Their integration
+tests (tests/integration/test_ssh_backend.py, test_enoslib_backend.py) and the benchmarks
+`bench.scale` and `bench.board_channels` build them here.
 
 The boards share this machine's file system, so each gets its own work directory: the code
 and the run's files are really copied there, and workers run from that copy. Keys (host and
@@ -27,13 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
+from checks.errors import LabError
 from testbed.backends.ssh.scripts import LAUNCHER
 from testbed.kernel.addresses import choose_subnet, host_networks
 
 SSHD = "/usr/sbin/sshd"
-RATE_MBIT = 5.0  # the boards' link in the small sweeps
 BOARD_INTERFACE = "lan0"  # no such interface on the host
 SSHD_CONFIG = """\
 ListenAddress {address}
@@ -264,7 +264,7 @@ def tear_down(lab: Lab) -> None:
 def ssh_lab(directory: Path, boards: int) -> Iterator[Lab]:
     """A lab of `boards` SSH boards, removed (sshd, namespaces, veth) whatever happens."""
     if shutil.which(SSHD) is None or shutil.which("ssh-keygen") is None:
-        pytest.fail("needs Debian's openssh-server (apt-get install openssh-server)")
+        raise LabError("SSH boards need Debian's openssh-server (apt-get install openssh-server)")
     lab = Lab(directory, uuid.uuid4().hex[:6])
     try:
         build(lab, boards)
@@ -283,23 +283,3 @@ def board_qdiscs(lab: Lab) -> list[str]:
         sh("ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", BOARD_INTERFACE).stdout
         for name in lab.namespaces[1:]
     ]
-
-
-def small_experiment(lab: Lab | None = None, **changes: Any) -> dict[str, Any]:
-    """A small sweep (vit-tiny, Voltage and Trace-b) as an experiment mapping, `changes`
-    laid over it; with `lab`, on its boards through the ssh backend."""
-    experiment = {
-        "name": "ssh-small",
-        "model": {"name": "vit-tiny"},
-        "devices": {"count": [2], "cpus": 1, "memory_mb": 1024},
-        "link": {"profile": "ideal", "bandwidth_mbit": [RATE_MBIT]},
-        "methods": [{"name": "voltage"}, {"name": "trace-b", "K": 16}],
-        "bundle": {"calibration_inputs": 4},
-        "repeats": 2,
-        "warmup": 1,
-        "timeout_s": 180,
-        **changes,
-    }
-    if lab is not None:
-        experiment.update(backend="ssh", inventory=lab.inventory())
-    return experiment
