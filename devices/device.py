@@ -56,7 +56,7 @@ class Device:
         ranges = partition_ranges(config.tokens, spec.devices, spec.partition)
         self.sizes = [stop - start for start, stop in ranges]
         self.control = None if spec.control_file is None else Control(spec.control_file)
-        self.pace = Pace(spec.speed, self.control, spec.threads)
+        self.pace = Pace(spec.speed, self.control, spec.threads, spec.turn_file)
         self.pace.give(spec.references)
         self.pace.kinds = {run.id: self._kind(run) for run in spec.runs}
         self.progress: Progress | None = None

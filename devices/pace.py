@@ -8,18 +8,23 @@ time is its cost / s, and the core is free for others while the device sleeps, a
 while a slower core worked. A CPU quota gives the same mean but not the same blocks
 (docs/devices.md, Speed).
 
-The cost of a stretch is its *reference*, not the CPU time it happened to take: a stretch's
-CPU time moves with the host (a cold core after a sleep, the neighbours' cache pressure, a
-busy process on the other core), and a device's time must not. `Pace` learns each kind of
-stretch (`key`: its run's kind, `kinds`, and the stretch's name) from the session's
-warm-ups, run back to back at full speed (a warm core), as CPU time per unit of its size
-(`size`: keys attended where the work follows the data, as Trace's unique remote keys do),
-and takes a low percentile of those samples (REFERENCE_PERCENTILE) as the stretch's cost
-from then on: a warm core's, without the slow tail. References can be given (`give`): the
-testbed keeps the first it learns on a host, so that every later run paces to the same
-costs (testbed.sweep.stretch_costs). A stretch the host could not deliver by its target (its
-own CPU time already past cost / s, more than OVERRUN_TOLERANCE) is an *overrun*, counted
-per inference. A stretch with no key, or one not learned yet, costs its own CPU time.
+The cost of a stretch is its *reference*, not the CPU time it happened to take: a stretch's CPU
+time moves with the host (a cold core after a sleep, the neighbours' cache pressure, a busy
+process on the other core), and a device's time must not. `Pace` learns each kind of stretch
+(`key`: its run's kind, `kinds`, and the stretch's name) from the session's warm-ups, run back
+to back at full speed (a warm core), as CPU time per unit of its size (`size`: keys attended
+where the work follows the data, as Trace's unique remote keys do), and takes a low percentile
+of those samples (REFERENCE_PERCENTILE) as the stretch's cost from then on: a warm core's,
+without the slow tail. References can be given (`give`): the testbed keeps the first it learns
+on a host, so that every later run paces to the same costs (testbed.sweep.stretch_costs).
+Devices that share a host warm up at once, so one device's samples would hold what its peers
+left of the cores (two 2-thread devices on two cores: an FFN's sample twice another's of the
+same size): with a turn file (the session's, on one host), a sampled stretch runs only while
+its device holds the file's lock, one device at a time (TURN_WAIT_S at most: past it, the
+stretch runs and is sampled without its turn, so that no wait can hang the warm-ups). A stretch
+the host could not deliver by its target (its own CPU time already past cost / s, more than
+OVERRUN_TOLERANCE) is an *overrun*, counted per inference. A stretch with no key, or one not
+learned yet, costs its own CPU time.
 
 With one compute thread (torch's intra-op threads = 1, a device of one CPU) CPU time is the
 compute thread's own (`time.thread_time`: the senders' and receivers' threads do not count).
@@ -38,6 +43,7 @@ starts in its `progress` file (`Progress`), which the orchestrator reads.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -128,6 +134,7 @@ LEAST_SAMPLES = 4  # after the warm-ups a new stretch is learned from this many;
 OVERRUN_TOLERANCE = 0.05  # of a stretch's target, and at least OVERRUN_MIN_S
 OVERRUN_MIN_S = 0.0003
 OVERSHOOT_WEIGHT = 0.1  # of each sleep's lateness in the running mean
+TURN_WAIT_S = 2.0  # at most, for the turn file's lock before a sampled stretch
 
 
 def low_percentile(samples: list[float], percent: float = REFERENCE_PERCENTILE) -> float:
@@ -139,8 +146,15 @@ def low_percentile(samples: list[float], percent: float = REFERENCE_PERCENTILE) 
 class Pace:
     """Stretches of compute at the device's speed (1.0: as fast as the core)."""
 
-    def __init__(self, speed: float = 1.0, control: Control | None = None, threads: int = 1):
+    def __init__(
+        self,
+        speed: float = 1.0,
+        control: Control | None = None,
+        threads: int = 1,
+        turn: Path | None = None,
+    ):
         self.fixed, self.control = speed, control
+        self.turn = None if turn is None else os.open(turn, os.O_RDONLY)
         clock = time.thread_time if threads == 1 else time.perf_counter
         self.cpu_clock: Callable[[], float] = clock
         self.slept_s = 0.0  # in all, for the session's facts
@@ -194,6 +208,25 @@ class Pace:
             self.reference[key] = low_percentile(self.samples[key])
         return used_s
 
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """The host's cores to this device alone, while its peers wait (the turn file's lock;
+        none without a file, or once TURN_WAIT_S has passed)."""
+        held = False
+        if self.turn is not None:
+            deadline = time.monotonic() + TURN_WAIT_S
+            while not held and time.monotonic() < deadline:
+                try:
+                    fcntl.flock(self.turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = True
+                except BlockingIOError:
+                    time.sleep(HOLD_POLL_S)
+        try:
+            yield
+        finally:
+            if held:
+                fcntl.flock(self.turn, fcntl.LOCK_UN)
+
     def _sample(self, key: str, per_unit_s: float) -> list[float]:
         samples = self.samples.setdefault(key, [])
         samples.append(per_unit_s)
@@ -205,15 +238,20 @@ class Pace:
     ) -> Iterator[None]:
         """A stretch of compute; `key` names its kind (None: paced by its own CPU time) and
         `size()`, read once it is done, its work in the kind's units (1 without)."""
+        kind = None if key is None else self.kind(key)
+        if kind is not None and self.learning and kind not in self.reference:
+            with self._turn():  # a warm core at full speed, its own: a sample
+                cpu = self.cpu_clock()
+                yield
+                used_s = self.cpu_clock() - cpu
+            self._sample(kind, used_s / (1.0 if size is None else max(float(size()), 1e-9)))
+            return
         cpu, wall = self.cpu_clock(), time.perf_counter()
         yield
-        speed = self.speed
-        kind = None if key is None else self.kind(key)
-        units = 1.0 if size is None else max(float(size()), 1e-9)
-        if kind is not None and self.learning:  # a warm core at full speed: samples
-            if kind not in self.reference:
-                self._sample(kind, (self.cpu_clock() - cpu) / units)
+        if kind is not None and self.learning:  # a warm-up, its reference given: unpaced
             return
+        speed = self.speed
+        units = 1.0 if size is None else max(float(size()), 1e-9)
         if speed >= 1.0:
             return
         target_s = self.cost_s(kind, units, self.cpu_clock() - cpu) / speed

@@ -79,6 +79,12 @@ class RunSpec(BaseModel):
         "runs and releases the holds; the worker then reports the round it starts in "
         "out/progress",
     )
+    turn_file: Path | None = Field(
+        None,
+        description="a file that the host's devices lock, one at a time, around every stretch "
+        "their warm-ups sample (devices.pace): the references are a core's alone, not what "
+        "the devices warming up at once left of it",
+    )
     holds: list[int] = Field(
         default_factory=list,
         description="measured rounds before which the device waits for the orchestrator's "

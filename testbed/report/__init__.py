@@ -2,6 +2,7 @@
 
     python -m testbed.report --latency RUN_DIR [--buffers RUN_DIR] [--delay RUN_DIR]
         [--loss RUN_DIR] --out REPORT.md
+    python -m testbed.report --paper-devices RUN_DIR --out TABLE-IV.md   (make sweep-paper)
 
 `paper`: the paper's tables beside ours, with its conventions; `links`: with runs of the delay
 and loss sweeps, a section on each, which the paper does not have.
@@ -15,7 +16,15 @@ from pathlib import Path
 
 from testbed.errors import TestbedError
 from testbed.report.links import delay_section, loss_section
-from testbed.report.paper import conventions, fig_6, fig_7_8, table_ii, table_iv, table_v
+from testbed.report.paper import (
+    conventions,
+    fig_6,
+    fig_7_8,
+    table_ii,
+    table_iv,
+    table_iv_paper_devices,
+    table_v,
+)
 from testbed.results.store import load, write_text
 
 
@@ -42,14 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--latency", type=Path, required=True, help="run of the latency study")
+    runs = parser.add_mutually_exclusive_group(required=True)
+    runs.add_argument("--latency", type=Path, help="run of the latency study")
+    runs.add_argument("--paper-devices", type=Path, help="run of experiments/sweep-paper.yaml")
     parser.add_argument("--buffers", type=Path, help="run of the buffers study (Table V)")
     parser.add_argument("--delay", type=Path, help="run of experiments/sweep-delay.yaml")
     parser.add_argument("--loss", type=Path, help="run of experiments/sweep-loss.yaml")
     parser.add_argument("--out", type=Path, default=Path("results/reproduce/REPORT.md"))
     args = parser.parse_args(argv)
     try:
-        text = build(args.latency, args.buffers, args.delay, args.loss)
+        if args.paper_devices is not None:
+            text = "\n".join(table_iv_paper_devices(load(args.paper_devices))) + "\n"
+        else:
+            text = build(args.latency, args.buffers, args.delay, args.loss)
     except TestbedError as error:
         print(f"testbed.report: {error}", file=sys.stderr)
         return 1

@@ -118,6 +118,9 @@ class SessionLinks(Protocol):
         ...
 
 
+TURN_FILE = "turn"  # in the session's directory: its devices' turns at warm-up (devices.pace)
+
+
 def session_id(trial: Trial) -> str:
     """The session a trial runs in: its device count, rate, impairment and fleet variant."""
     name = f"p{trial.devices}-{trial.bandwidth_mbit:g}mbit"
@@ -174,6 +177,7 @@ def device_spec(
         partition=None if fleet is None else fleet.sizes,
         speed=1.0 if fleet is None else fleet.speeds[device.rank] / d,
         control_file=None if timeline is None else seen(timeline.controls[device.rank]),
+        turn_file=seen(session.directory / TURN_FILE) if type(backend).on_this_host else None,
         holds=[] if timeline is None else timeline.holds(device.rank),
     )
 
@@ -250,6 +254,7 @@ def run_session(
     timeline = None if fleet is None else fleet.timeline
     if timeline is not None:
         timeline.write_controls()
+    (directory / TURN_FILE).touch()
     argvs = []
     for device in devices:
         outs[device.rank].mkdir(parents=True, exist_ok=True)

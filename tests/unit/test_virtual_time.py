@@ -3,10 +3,14 @@ the records brought back by d, and a pace that keeps to its references."""
 
 from __future__ import annotations
 
+import fcntl
+import multiprocessing
 import time
+from pathlib import Path
 
 import pytest
 
+from devices import pace as pace_module
 from devices.pace import Pace, low_percentile
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
 from testbed.errors import ConfigError
@@ -132,6 +136,54 @@ def test_warm_ups_run_at_full_speed_and_give_every_kind_sampled_enough_its_refer
     pace.learned()
     assert set(pace.new_references()) == {"vit|voltage|ffn|"}
     assert pace.new_references()["vit|voltage|ffn|"]["samples"] == 4
+
+
+def _warm_up_in_turns(turn: str, started, out) -> None:
+    """A device's warm-ups (a process of its own): five sampled stretches of 20 ms of spinning,
+    each one's start and end (perf_counter, one clock for both processes) put on `out`."""
+    pace = Pace(turn=Path(turn))
+    started.wait()  # both devices ready: they start at once
+    for _ in range(5):
+        with pace.stretch(("run", "ffn", "")):
+            begin = time.perf_counter()
+            while time.perf_counter() - begin < 0.02:
+                pass
+            out.put((begin, time.perf_counter()))
+
+
+def test_devices_sampling_their_warm_ups_take_turns_on_the_hosts_cores(tmp_path):
+    """Two devices warming up at once: with the session's turn file, no sampled stretch of one
+    overlaps one of the other (each sample a core's alone)."""
+    turn = tmp_path / "turn"
+    turn.touch()
+    context = multiprocessing.get_context("spawn")
+    started, out = context.Barrier(2), context.Queue()
+    devices = [
+        context.Process(target=_warm_up_in_turns, args=(str(turn), started, out)) for _ in range(2)
+    ]
+    for device in devices:
+        device.start()
+    spans = sorted(out.get(timeout=60) for _ in range(10))
+    for device in devices:
+        device.join(timeout=30)
+        assert device.exitcode == 0
+    assert all(end <= begin for (_, end), (begin, _) in zip(spans, spans[1:], strict=False))
+
+
+def test_a_turn_not_had_in_time_still_samples_the_stretch(tmp_path, monkeypatch):
+    """A peer that holds the turn past TURN_WAIT_S does not hang the warm-ups: the stretch runs
+    and is sampled without it."""
+    monkeypatch.setattr(pace_module, "TURN_WAIT_S", 0.05)
+    turn = tmp_path / "turn"
+    turn.touch()
+    with turn.open() as peer:
+        fcntl.flock(peer, fcntl.LOCK_EX)
+        pace = Pace(turn=turn)
+        begin = time.perf_counter()
+        with pace.stretch(("run", "ffn", "")):
+            pass
+        assert 0.05 <= time.perf_counter() - begin < 1.0
+    assert len(pace.samples["run|ffn|"]) == 1
 
 
 def test_after_a_link_event_the_rate_derived_columns_follow_the_rate_in_force():
