@@ -104,6 +104,7 @@ sweep-cell: venv host-setup
 # Table IV on the paper's 2-core devices (faster than this host's cores: virtual time).
 sweep-paper: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-paper.yaml $(RUN_ARGS)
+	$(VENV_PY) -m testbed.report --paper-devices results/sweep-paper --out results/sweep-paper/TABLE-IV.md
 
 sweep-straggler: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-straggler.yaml $(RUN_ARGS)

@@ -2,7 +2,8 @@
 
     python -m testbed.report --latency RUN_DIR [--buffers RUN_DIR] [--delay RUN_DIR]
         [--loss RUN_DIR] --out REPORT.md
-    python -m testbed.report --paper-devices RUN_DIR --out TABLE-IV.md   (make sweep-paper)
+    python -m testbed.report --paper-devices RUN_DIR --out TABLE-IV.md   (make sweep-paper:
+        RUN_DIR results/sweep-paper, its newest run)
 
 `paper`: the paper's tables beside ours, with its conventions; `links`: with runs of the delay
 and loss sweeps, a section on each, which the paper does not have.
@@ -45,6 +46,16 @@ def build(
     return "\n".join(lines) + "\n"
 
 
+def newest_run(path: Path) -> Path:
+    """`path` if it is a run directory, else the newest run directory in it."""
+    if (path / "trials.parquet").is_file() or not path.is_dir():
+        return path
+    runs = sorted(p for p in path.iterdir() if (p / "trials.parquet").is_file())
+    if not runs:
+        raise TestbedError(f"{path} holds no run directory (no */trials.parquet)")
+    return runs[-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m testbed.report",
@@ -53,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs = parser.add_mutually_exclusive_group(required=True)
     runs.add_argument("--latency", type=Path, help="run of the latency study")
-    runs.add_argument("--paper-devices", type=Path, help="run of experiments/sweep-paper.yaml")
+    runs.add_argument(
+        "--paper-devices",
+        type=Path,
+        help="run of experiments/sweep-paper.yaml (or its folder: the newest run in it)",
+    )
     parser.add_argument("--buffers", type=Path, help="run of the buffers study (Table V)")
     parser.add_argument("--delay", type=Path, help="run of experiments/sweep-delay.yaml")
     parser.add_argument("--loss", type=Path, help="run of experiments/sweep-loss.yaml")
@@ -61,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.paper_devices is not None:
-            text = "\n".join(table_iv_paper_devices(load(args.paper_devices))) + "\n"
+            text = "\n".join(table_iv_paper_devices(load(newest_run(args.paper_devices)))) + "\n"
+            print(text)
         else:
             text = build(args.latency, args.buffers, args.delay, args.loss)
     except TestbedError as error:

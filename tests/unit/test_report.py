@@ -1,6 +1,19 @@
+import dataclasses
+from pathlib import Path
+
+import pandas as pd
 import pytest
 
-from testbed.report.paper import fig_7_8, label, paper_bits, table_ii
+from testbed.errors import TestbedError
+from testbed.report.paper import (
+    MEASURED,
+    fig_7_8,
+    label,
+    paper_bits,
+    table_ii,
+    table_iv_paper_devices,
+)
+from testbed.results.store import Results
 
 
 def test_paper_arithmetic_reproduces_its_printed_numbers():
@@ -36,3 +49,60 @@ def test_trace_b_rows_are_labelled_by_their_level():
     assert label("trace-b", "K=1024,level_k=32") == "trace-b K=32"
     assert label("trace-b", "K=1024") == "trace-b K=1024"
     assert label("astra", "K=1024") == "astra"
+
+
+def _paper_device_run(voltage_compute: float) -> Results:
+    """A sweep-paper run's rows: Voltage and Trace-b K=32 at P = 2 and 3, three repetitions."""
+    rows = []
+    for devices, d in ((2, 5.0), (3, 7.5)):
+        for method, params, compute, comm, effective in (
+            ("voltage", "", voltage_compute, 3000.0, voltage_compute + 3000.0),
+            ("trace-b", "K=1024,level_k=32", 240.0 * 2 / devices, 1.5, 250.0 * 2 / devices),
+        ):
+            for repeat in range(3):
+                for rank in range(devices):
+                    rows.append(
+                        {
+                            "status": "ok",
+                            "method": method,
+                            "params": params,
+                            "devices": devices,
+                            "bandwidth_mbit": 10.0,
+                            "repeat": repeat,
+                            "rank": rank,
+                            "dilation": d,
+                            "compute_ms": compute,
+                            "comm_ms": comm,
+                            "effective_ms": effective,
+                            **dict.fromkeys(MEASURED[3:], 1.0),
+                        }
+                    )
+    config = {"devices": {"profile": "paper-device"}, "model": {"name": "vit-b16"}}
+    trials = pd.DataFrame(rows)
+    return Results(Path("run"), trials, pd.DataFrame(), pd.DataFrame(), config, {})
+
+
+def test_table_iv_on_paper_devices_is_calibrated_by_voltage_and_predicts_the_rest():
+    """Voltage's compute at P = 2 sets the factor (92.5 / 250 = 0.37); Trace-b's compute is
+    ours times it, its effective that plus what ours spent beyond its compute, beside Fig. 5's
+    floors."""
+    lines = table_iv_paper_devices(_paper_device_run(250.0))
+    rows = {tuple(line.split(" | ")[:3]): line for line in lines if line.startswith("| ")}
+    assert (
+        "| 2 | 5 | voltage | calibrates | 250.00 | 3,000 | 3,250 | 92.50 |"
+        in rows[("| 2", "5", "voltage")]
+    )
+    assert rows[("| 2", "5", "trace-b K=32")].endswith(
+        "| predicted | 240.00 | 1.50 | 250.00 | 88.80 | 98.80 | 92.00 | 0.58 | 92.00 | 1.07 |"
+    )
+    assert rows[("| 3", "7.5", "trace-b K=32")].endswith(
+        "| predicted | 160.00 | 1.50 | 166.67 | 59.20 | 65.87 | 63.00 | - | 63.00 | 1.05 |"
+    )
+    assert rows[("| 3", "7.5", "voltage")].split(" | ")[3] == "predicted"
+
+
+def test_table_iv_on_paper_devices_without_voltage_at_p2_says_what_it_needs():
+    run = _paper_device_run(250.0)
+    run = dataclasses.replace(run, trials=run.trials[run.trials["method"] != "voltage"])
+    with pytest.raises(TestbedError, match="needs Voltage at P = 2 and 10 Mbit/s"):
+        table_iv_paper_devices(run)
