@@ -254,6 +254,7 @@ def run_session(
     timeline = None if fleet is None else fleet.timeline
     if timeline is not None:
         timeline.write_controls()
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / TURN_FILE).touch()
     argvs = []
     for device in devices:
