@@ -143,6 +143,11 @@ def low_percentile(samples: list[float], percent: float = REFERENCE_PERCENTILE) 
     return ordered[min(len(ordered) - 1, int(len(ordered) * percent / 100))]
 
 
+def _units(size: Callable[[], float] | None) -> float:
+    """A stretch's work in its kind's units (1 without a size)."""
+    return 1.0 if size is None else max(float(size()), 1e-9)
+
+
 class Pace:
     """Stretches of compute at the device's speed (1.0: as fast as the core)."""
 
@@ -244,14 +249,14 @@ class Pace:
                 cpu = self.cpu_clock()
                 yield
                 used_s = self.cpu_clock() - cpu
-            self._sample(kind, used_s / (1.0 if size is None else max(float(size()), 1e-9)))
+            self._sample(kind, used_s / _units(size))
             return
         cpu, wall = self.cpu_clock(), time.perf_counter()
         yield
         if kind is not None and self.learning:  # a warm-up, its reference given: unpaced
             return
         speed = self.speed
-        units = 1.0 if size is None else max(float(size()), 1e-9)
+        units = _units(size)
         if speed >= 1.0:
             return
         target_s = self.cost_s(kind, units, self.cpu_clock() - cpu) / speed
