@@ -304,6 +304,9 @@ def events_in_force(applied: list[AppliedEvent] | None, start_ns: int, end_ns: i
     return "; ".join(a.label for a in applied or [] if a.overlaps(start_ns, end_ns))
 
 
+FLEET_WIDE = ("leave", "pause")  # events felt by every device's span: its peers wait on it
+
+
 def events_felt(
     applied: list[AppliedEvent] | None, records: dict[int, DeviceRecords]
 ) -> dict[int, str]:
@@ -311,8 +314,9 @@ def events_felt(
     in it, from its start to its last message's write (a frozen sender delays its peers
     even after its own record has ended). The devices wait for each other, so every
     device's row of the inference names it, and no row of an inference that ran before it
-    or while the device was between inferences (another method's, interleaved). A leave is
-    felt by the inferences that any device was in when it came."""
+    or while the device was between inferences (another method's, interleaved). A leave or a
+    pause is felt by the inferences that any device was in while it acted: a device frozen
+    between two inferences holds up its peers' next one, which it has not begun."""
     spans: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
     for rank, device in records.items():
         written: dict[int, int] = defaultdict(int)
@@ -327,7 +331,7 @@ def events_felt(
         felt[inference] = "; ".join(
             a.label
             for a in applied or []
-            if a.overlaps(*(whole if a.kind == "leave" else by_rank.get(a.device, whole)))
+            if a.overlaps(*(whole if a.kind in FLEET_WIDE else by_rank.get(a.device, whole)))
         )
     return felt
 
