@@ -143,14 +143,14 @@ def beyond_the_wire(frames: dict[str, pd.DataFrame]) -> str:
     host's own per-message work (system calls, the emulator's frames, wake-ups) is not dilated,
     so where it is constant in host time, residual x d stays put while the residual shrinks."""
     lines = ["comm beyond the wire (ms), per d; x d over d = 1's in brackets (1: the host's time)"]
-    for key in next(iter(frames.values())).index:
+    residuals = {name: frame["comm_ms"] - frame["wire_comm_ms"] for name, frame in frames.items()}
+    base = next(iter(residuals.values()))
+    for key in base.index:
         cells = []
-        for name, frame in frames.items():
+        for name, residual_of in residuals.items():
             d = float(name.removeprefix("d="))
-            residual = frame.loc[key, "comm_ms"] - frame.loc[key, "wire_comm_ms"]
-            first = next(iter(frames.values())).loc[key]
-            base = first["comm_ms"] - first["wire_comm_ms"]
-            cells.append(f"{name} {residual:8.2f} ({residual * d / base:5.2f})")
+            residual = residual_of[key]
+            cells.append(f"{name} {residual:8.2f} ({residual * d / base[key]:5.2f})")
         lines.append(f"{key[0]:>5g} {key[1]:10} " + "  ".join(cells))
     return "\n".join(lines)
 

@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -97,23 +99,13 @@ def test_rate_is_timed_after_the_first_tenth_of_the_bytes():
     """A burst (the first tenth at once, then a pause) stays out of the figure: the clock
     starts at the chunk that completes the first tenth."""
     import struct
-    import threading
-    import time
 
     from devices.probe import receive_all
     from testbed.link.probe import WIRE_PER_PAYLOAD, probe_bytes
 
     sender, receiver = socket.socketpair()
 
-    def send() -> None:
-        sender.sendall(struct.pack("!Q", 1000) + bytes(100))
-        for size in (400, 500):
-            time.sleep(0.3)
-            sender.sendall(bytes(size))
-        sender.close()
-
-    thread = threading.Thread(target=send)
-    thread.start()
+    thread = _sending(sender, struct.pack("!Q", 1000) + bytes(100))
     with receiver:
         result = receive_all(receiver)
     thread.join()
@@ -129,7 +121,6 @@ def test_the_bulk_receiver_times_after_a_tenth_of_what_came_by_the_kernels_stamp
     came; by the kernel's receive timestamps (loopback TCP), the steady part is the 0.6 s
     between the first chunk and the last. Less than the skipped bytes is no steady part, and
     a chunk without its stamp is refused by name."""
-    import threading
     import time
 
     from devices.clock import enable_rx_timestamps
@@ -143,15 +134,7 @@ def test_the_bulk_receiver_times_after_a_tenth_of_what_came_by_the_kernels_stamp
         sender = socket.create_connection(server.getsockname())
         receiver, _ = server.accept()
 
-    def send() -> None:
-        sender.sendall(bytes(100))
-        for size in (400, 500):
-            time.sleep(0.3)
-            sender.sendall(bytes(size))
-        sender.close()
-
-    thread = threading.Thread(target=send)
-    thread.start()
+    thread = _sending(sender, bytes(100))
     with receiver:
         timing = receive_timed(receiver, kernel_stamps=True)
     thread.join()
@@ -188,3 +171,18 @@ def test_probe_listens_on_its_address_only():
         server.kill()
         server.communicate()
     assert status == 1 and "did not accept a connection" in stderr
+
+
+def _sending(sender: socket.socket, first: bytes) -> threading.Thread:
+    """A thread that sends `first`, then 400 and 500 bytes 0.3 s apart, and closes."""
+
+    def send() -> None:
+        sender.sendall(first)
+        for size in (400, 500):
+            time.sleep(0.3)
+            sender.sendall(bytes(size))
+        sender.close()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
