@@ -12,13 +12,16 @@ are faster than the host.
 `experiment.dilation` is a number >= 1 or `auto`: the smallest d (in steps of STEP) that
 leaves the fleet's demand within the host's safe load: every device's CPUs x its fastest
 speed (a fraction of a host core per core; a gflops rate's speed may be above 1), divided by
-d, at most SAFE_LOAD of the host's cores less the emulator's reserve, and each device's own
-threads at most PER_THREAD_LOAD of a core. A fixed d below what the fleet needs is refused,
-naming the d that would do.
+d, at most SAFE_LOAD of the host's cores less the emulator's reserve, and each device's one
+thread at most PER_THREAD_LOAD of a core. In virtual time (d > 1) a device of c cores is one
+host thread at c times its speed per core (testbed.sweep.fleets.folded_threads), so that thread
+carries c x speed / d of a core. A fixed d is refused, naming the d that would do, where a
+device's thread would need more than a whole core: speed > 1 at d = 1, c x speed > d above it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -47,10 +50,11 @@ class Dilation:
     fastest: float  # the fastest device's speed per core (a fraction of a host core)
     budget_cores: float  # what the host gives it safely
     asked: str  # "auto" or the experiment's number
+    heaviest: float = 0.0  # the most a device's one thread carries in virtual time (c x speed)
 
     @property
     def needed(self) -> float:
-        return needed_factor(self.demand_cores, self.fastest, self.budget_cores)
+        return needed_factor(self.demand_cores, self.fastest, self.budget_cores, self.heaviest)
 
     def describe(self) -> str:
         """For the plan: 'd = 2.5 (auto): the fleet asks 2.00 host cores, 1.15 are safe'."""
@@ -63,9 +67,18 @@ class Dilation:
         return f"d = {self.factor:g} ({self.asked}): {why}"
 
 
-def needed_factor(demand_cores: float, fastest: float, budget_cores: float) -> float:
-    """The smallest d in steps of STEP (at least 1) that fits the demand in the budget."""
+def needed_factor(
+    demand_cores: float, fastest: float, budget_cores: float, heaviest: float = 0.0
+) -> float:
+    """The smallest d in steps of STEP (at least 1) that fits the demand in the budget and
+    every device's thread in PER_THREAD_LOAD of a core (above d = 1, its folded thread)."""
     raw = max(1.0, demand_cores / budget_cores, fastest / PER_THREAD_LOAD)
+    if _steps(raw) > 1:
+        raw = max(raw, heaviest / PER_THREAD_LOAD)
+    return _steps(raw)
+
+
+def _steps(raw: float) -> float:
     return math.ceil(raw / STEP - 1e-9) * STEP
 
 
@@ -73,13 +86,20 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def fleet_demand(
-    experiment: Experiment, count: int, host_gflops: float | None
-) -> tuple[float, float, str]:
-    """(host cores the `count` devices ask for at once at their fastest, the fastest speed
-    per core, which device that is): over every fleet variant, each device at the fastest
-    speed its timeline gives."""
-    devices, demand, fastest, which = experiment.devices, 0.0, 0.0, ""
+@dataclass
+class Demand:
+    """What `count` devices ask of the host at their fastest, over every fleet variant."""
+
+    cores: float = 0.0  # host cores, all devices at once
+    fastest: float = 0.0  # the fastest speed per core
+    which: str = ""  # the device that has it, and why
+    heaviest: float = 0.0  # the most one device's folded thread carries: c x speed
+    heaviest_which: str = ""
+
+
+def fleet_demand(experiment: Experiment, count: int, host_gflops: float | None) -> Demand:
+    """What the `count` devices ask for: each device at the fastest speed its timeline gives."""
+    devices, found = experiment.devices, Demand()
     for key in fleet_variant_keys(devices):
         fleet = resolve_fleet(devices, count, key, host_gflops)
         total = 0.0
@@ -87,15 +107,19 @@ def fleet_demand(
             events = [e for e in experiment.timeline if e.device == share.rank and e.speed]
             speed = max([share.speed, *(e.speed or 0 for e in events)])
             total += share.cpus * speed
-            if speed > fastest:
-                fastest, which = speed, f"device {share.rank}"
-                if share.source.startswith(("gflops", "profile")) and host_gflops:
-                    which += (
-                        f" ({share.source}: {speed * share.cpus * host_gflops:.1f} GFLOP/s on "
-                        f"{share.cpus:g} CPUs, where this host gives {host_gflops:.1f} per core)"
-                    )
-        demand = max(demand, total)
-    return demand, fastest, which
+            which = f"device {share.rank}"
+            if share.source.startswith(("gflops", "profile")) and host_gflops:
+                which += (
+                    f" ({share.source}: {speed * share.cpus * host_gflops:.1f} GFLOP/s on "
+                    f"{share.cpus:g} CPUs, where this host gives {host_gflops:.1f} per core)"
+                )
+            if speed > found.fastest:
+                found.fastest, found.which = speed, which
+            thread = max(1, int(share.cpus)) * speed
+            if thread > found.heaviest:
+                found.heaviest, found.heaviest_which = thread, which
+        found.cores = max(found.cores, total)
+    return found
 
 
 def resolve_dilation(
@@ -107,17 +131,22 @@ def resolve_dilation(
 ) -> Dilation:
     """The dilation of `count` devices' sessions. ConfigError names `dilation` where the
     experiment's fixed d is below what the fleet needs."""
-    demand, fastest, which = fleet_demand(experiment, count, host_gflops)
+    demand = fleet_demand(experiment, count, host_gflops)
     budget = SAFE_LOAD * (cores or host_cores()) - EMULATOR_RESERVE_CORES.get(emulator, 0.0)
     asked = experiment.dilation
-    need = needed_factor(demand, fastest, budget)
+    picked = Dilation(1.0, demand.cores, demand.fastest, budget, "auto", demand.heaviest)
     if asked == "auto":
-        return Dilation(need, demand, fastest, budget, "auto")
-    chosen = Dilation(float(asked), demand, fastest, budget, f"{asked:g}")
-    if fastest > asked:  # no pace can make a device faster than the host's core
-        raise ConfigError(
-            f"dilation: {asked:g} is too low for P={count}: {which} computes at "
-            f"{fastest:.2f} of a host core per core, which needs a dilation of at least "
-            f"{fastest:.2f} (dilation: auto picks {need:g})"
-        )
-    return chosen
+        return dataclasses.replace(picked, factor=picked.needed)
+    chosen = dataclasses.replace(picked, factor=float(asked), asked=f"{asked:g}")
+    # no pace can make a device's thread faster than the host's core
+    if demand.fastest > asked:
+        load, which, unit = demand.fastest, demand.which, "of a host core per core"
+    elif asked > 1 and demand.heaviest > asked:
+        load, which, unit = demand.heaviest, demand.heaviest_which, "host cores on one thread"
+    else:
+        return chosen
+    raise ConfigError(
+        f"dilation: {asked:g} is too low for P={count}: {which} computes at {load:.2f} "
+        f"{unit}, which needs a dilation of at least {load:.2f} (dilation: auto picks "
+        f"{picked.needed:g})"
+    )

@@ -101,9 +101,24 @@ def session_fleet(
     fleet = trial_fleet(experiment, trials[0], host_gflops)
     sizes = fleet.sizes(model_config(experiment.model.name).tokens, gflops)
     count = len(fleet.shares)
+    folded = folded_threads(fleet, dilation)
     timeline = None
     if any(event.device < count for event in experiment.timeline):
         timeline = SessionTimeline(
-            experiment.timeline, count, directory, fleet.speeds, live_out.__getitem__, dilation
+            experiment.timeline,
+            count,
+            directory,
+            fleet.speeds,
+            live_out.__getitem__,
+            dilation,
+            folded,
         )
-    return fleet, SessionFleet(sizes, fleet.speeds, timeline, dilation=dilation)
+    return fleet, SessionFleet(sizes, fleet.speeds, timeline, dilation=dilation, folded=folded)
+
+
+def folded_threads(fleet: Fleet, dilation: float) -> list[int]:
+    """By rank, the threads folded into the worker's one: in virtual time (d > 1) a device of
+    c cores computes on one host thread at c times its speed per core, so that P devices are
+    P threads on the host's cores, each with its pace's slack, and not c x P threads that
+    preempt one another inside a GEMM (docs/devices.md, Virtual time). None at d = 1."""
+    return [max(1, int(share.cpus)) for share in fleet.shares] if dilation > 1 else []

@@ -59,7 +59,14 @@ from testbed.sweep.plan import (
 )
 from testbed.sweep.preflight import check_experiment
 from testbed.sweep.progress import TrialProgress
-from testbed.sweep.sessions import WORKER_PORT, Session, SessionOutcome, run_session, session_id
+from testbed.sweep.sessions import (
+    WORKER_PORT,
+    Session,
+    SessionFleet,
+    SessionOutcome,
+    run_session,
+    session_id,
+)
 from testbed.sweep.virtual_time import virtual
 
 PlanRows = dict[tuple[str, int], PlanRow]
@@ -268,10 +275,11 @@ class Runner:
             plan = {**plan, **{(row.trial_id, row.rank): row for row in rows}}
         session = Session(trials, directory, port, link, files, session_fleet, replay)
         result = run_session(backend, self.experiment, session, links)
-        result = virtual(result, dilation)  # the one place its times are divided by d
+        # the one place its times are divided by d
+        result = virtual(result, dilation, session_fleet.folded)
         if replay is not None:
             self._save_replay(replay, name)
-        run = self._run_facts(backend, dilation)
+        run = self._run_facts(backend, session_fleet)
         for trial in trials:
             ranks = {rank: plan[(trial.trial_id, rank)] for rank in range(trial.devices)}
             facts = RowFacts(ranks, run, link, result.facts, self.level_accuracy)
@@ -300,14 +308,18 @@ class Runner:
         combine(self.run_dir)
         return result
 
-    def _run_facts(self, backend: Backend, dilation: float = 1.0) -> RunFacts:
+    def _run_facts(self, backend: Backend, fleet: SessionFleet | None = None) -> RunFacts:
+        """What every row of a session's trials shares (`fleet`: the session's, if it ran)."""
+        threads = {
+            d.rank: d.threads if fleet is None else fleet.threads(d) for d in backend.devices
+        }
         return RunFacts(
-            dilation=dilation,
+            dilation=1.0 if fleet is None else fleet.dilation,
             run_id=self.run_id,
             backend=backend.name,
             emulator=self.emulator.name,
             batch=self.experiment.batch,
-            threads={d.rank: d.threads for d in backend.devices},
+            threads=threads,
             oversubscribed=backend.oversubscribed,
             trace="" if self.trace is None else self.trace.name,
             shared_clock=type(backend).on_this_host,

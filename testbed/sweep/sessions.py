@@ -83,6 +83,20 @@ class SessionFleet:
     timeline: SessionTimeline | None = None
     set_link: Callable[[int, dict[str, object]], str] | None = None  # Links.set_device
     dilation: float = 1.0  # virtual time (testbed.experiment.dilation): the host's x it
+    # by rank, the device's threads folded into its worker's one (virtual time on this host:
+    # a device of c cores is one host thread at c times its speed per core; 1: none folded)
+    folded: list[int] = field(default_factory=list)
+
+    def threads(self, device: Device) -> int:
+        """The worker's torch threads on `device`."""
+        return 1 if self.fold(device.rank) > 1 else device.threads
+
+    def fold(self, rank: int) -> int:
+        return self.folded[rank] if self.folded else 1
+
+    def worker_speed(self, rank: int) -> float:
+        """Device `rank`'s speed at the start as its worker paces to it (the host's clock)."""
+        return self.speeds[rank] * self.fold(rank) / self.dilation
 
 
 @dataclass
@@ -165,7 +179,7 @@ def device_spec(
         runs=runs,
         batch=experiment.batch,
         warmup=experiment.warmup,
-        threads=device.threads,
+        threads=device.threads if fleet is None else fleet.threads(device),
         inputs=seen(files.inputs),
         out=Path(backend.output_path(device, out)),
         connect_timeout_s=CONNECT_TIMEOUT_S * d,
@@ -175,7 +189,7 @@ def device_spec(
         references=stretch_costs.known(experiment.model.name) if type(backend).on_this_host else {},
         secret_file=backend.secret_files.get(device.rank),
         partition=None if fleet is None else fleet.sizes,
-        speed=1.0 if fleet is None else fleet.speeds[device.rank] / d,
+        speed=1.0 if fleet is None else fleet.worker_speed(device.rank),
         control_file=None if timeline is None else seen(timeline.controls[device.rank]),
         turn_file=seen(session.directory / TURN_FILE) if type(backend).on_this_host else None,
         holds=[] if timeline is None else timeline.holds(device.rank),

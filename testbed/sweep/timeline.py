@@ -60,11 +60,14 @@ class SessionTimeline:
         speeds: list[float],
         live_out: Callable[[int], Path | None],
         dilation: float = 1.0,
+        folded: list[int] | None = None,
     ):
         """`speeds`: each device's at the start; `live_out(rank)`: the host path of the
         worker's output folder while it runs (None: the backend cannot show it); `dilation`:
-        the session's (its times x it on the host, the speeds the workers get / it)."""
+        the session's (its times x it on the host, the speeds the workers get / it); `folded`:
+        each device's threads folded into its worker's one (its speed is then times them)."""
         self.dilation = dilation
+        self.folded = folded or [1] * count
         self.events = [(i, e) for i, e in enumerate(events) if e.device < count]
         self.controls = {rank: directory / f"rank{rank}" / CONTROL_FILE for rank in range(count)}
         self.speeds = list(speeds)
@@ -88,7 +91,7 @@ class SessionTimeline:
     def write_controls(self) -> None:
         for rank, path in self.controls.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_control(path, self.speeds[rank] / self.dilation, 0)
+            write_control(path, self.worker_speed(rank), 0)
 
     @property
     def left(self) -> AppliedEvent | None:
@@ -188,7 +191,11 @@ class SessionTimeline:
 
     def _control(self, rank: int) -> None:
         """The device's control file: its speed (on the host's clock) and its releases."""
-        write_control(self.controls[rank], self.speeds[rank] / self.dilation, self.released[rank])
+        write_control(self.controls[rank], self.worker_speed(rank), self.released[rank])
+
+    def worker_speed(self, rank: int) -> float:
+        """Device `rank`'s speed in force as its worker paces to it (on the host's clock)."""
+        return self.speeds[rank] * self.folded[rank] / self.dilation
 
     def _supersede(self, kind: str, rank: int) -> None:
         """An earlier speed or link event of the device ends where this one starts."""

@@ -5,10 +5,11 @@ dilation) record the host's time, in which everything took d times as long. `vir
 maps every mark t of the session (CLOCK_REALTIME ns: the workers' marks and the kernel's
 receive timestamps, the emulator's stalls and impairment events, the timeline's moments) to
 origin + (t - origin) / d, with one origin for all of them (the session's first measured
-inference), divides every duration by d (but the session's own wall time, `session_s`: what it cost
-here) and multiplies the workers' speeds and rate
-estimates by d: the rows, the fidelity report and the figures then read in the experiment's
-own units, and nothing downstream knows of d but the `dilation` column.
+inference), divides every duration by d (but the session's own wall time, `session_s`: what
+it cost here) and multiplies the workers' rate estimates by d, and their speeds by d over the
+threads folded into each worker's one (testbed.sweep.fleets.folded_threads: a speed per core
+again): the rows, the fidelity report and the figures then read in the experiment's own
+units, and nothing downstream knows of d but the `dilation` column.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ _MS = ("compute_ms", "wait_ms", "effective_ms")
 class Dilated:
     """The map from a session's host time to its virtual time."""
 
-    def __init__(self, factor: float, origin_ns: int):
+    def __init__(self, factor: float, origin_ns: int, folded: list[int] | None = None):
         self.factor, self.origin_ns = factor, origin_ns
+        self.folded = folded or []
 
     def ns(self, t: int | None) -> int | None:
         if t is None:
@@ -37,7 +39,7 @@ class Dilated:
     def ms(self, value: float) -> float:
         return round(value / self.factor, 4)
 
-    def inference(self, r: InferenceRecord) -> InferenceRecord:
+    def inference(self, r: InferenceRecord, fold: int = 1) -> InferenceRecord:
         times = {name: self.ms(getattr(r, name)) for name in _MS}
         rate = None if r.est_rate_mbit is None else r.est_rate_mbit * self.factor
         return dataclasses.replace(
@@ -46,7 +48,7 @@ class Dilated:
             start_ns=self.ns(r.start_ns),
             end_ns=self.ns(r.end_ns),
             est_rate_mbit=rate,
-            speed=r.speed * self.factor,
+            speed=r.speed * self.factor / fold,
         )
 
     def block(self, r: BlockRecord) -> BlockRecord:
@@ -69,10 +71,11 @@ class Dilated:
             echo_ps_per_byte=None if echo is None else round(echo / self.factor),
         )
 
-    def records(self, device: DeviceRecords) -> DeviceRecords:
+    def records(self, device: DeviceRecords, rank: int) -> DeviceRecords:
+        fold = self.folded[rank] if self.folded else 1
         return DeviceRecords(
             device.session,
-            [self.inference(r) for r in device.inferences],
+            [self.inference(r, fold) for r in device.inferences],
             [self.block(r) for r in device.blocks],
             [self.arrival(r) for r in device.arrivals],
         )
@@ -121,20 +124,23 @@ class Dilated:
         )
 
 
-def virtual(outcome: SessionOutcome, factor: float) -> SessionOutcome:
+def virtual(
+    outcome: SessionOutcome, factor: float, folded: list[int] | None = None
+) -> SessionOutcome:
     """A session's outcome in virtual time: every record and fact of it (see above), with
-    the session's first measured inference (on any device) as the origin."""
+    the session's first measured inference (on any device) as the origin; `folded`: by rank,
+    the threads folded into each worker's one."""
     if factor == 1:
         return outcome
     starts = [
         r.start_ns for run in outcome.runs.values() for d in run.values() for r in d.inferences
     ]
-    dilated = Dilated(factor, min(starts) if starts else 0)
+    dilated = Dilated(factor, min(starts) if starts else 0, folded)
     return dataclasses.replace(
         outcome,
         facts=dilated.facts(outcome.facts),
         runs={
-            trial: {rank: dilated.records(d) for rank, d in run.items()}
+            trial: {rank: dilated.records(d, rank) for rank, d in run.items()}
             for trial, run in outcome.runs.items()
         },
     )

@@ -11,15 +11,21 @@ from pathlib import Path
 import pytest
 
 from devices import pace as pace_module
-from devices.pace import Pace, low_percentile
+from devices.pace import Control, Pace, low_percentile
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
+from testbed.backends.base import Device
+from testbed.backends.local import LocalBackend
 from testbed.errors import ConfigError
 from testbed.experiment.dilation import needed_factor, resolve_dilation
 from testbed.experiment.profiles import LinkProfile
 from testbed.experiment.schema import parse_experiment
+from testbed.link.links import LinkState
 from testbed.link.paths import PathImpairments
 from testbed.results.facts import AppliedEvent, HostSessionFacts
-from testbed.sweep.sessions import SessionOutcome
+from testbed.sweep.bundles import RunFiles
+from testbed.sweep.fleets import session_fleet
+from testbed.sweep.plan import plan_trials
+from testbed.sweep.sessions import Session, SessionOutcome, device_spec
 from testbed.sweep.virtual_time import virtual
 
 
@@ -224,3 +230,46 @@ def test_the_host_keeps_the_first_well_sampled_cost_of_each_kind(tmp_path):
     assert stretch_costs.keep([tmp_path / "a", tmp_path / "missing"], cache) == 2
     assert stretch_costs.keep([tmp_path / "b"], cache) == 0  # the first learned stays
     assert stretch_costs.known("vit-b16", cache) == {"vit-b16|voltage|ffn|": 1.0}
+
+
+def test_a_dilated_device_of_two_cores_is_one_host_thread_at_twice_its_speed(tmp_path):
+    """In virtual time a device's c cores are folded into its worker's one thread (c x P
+    threads on two cores preempt one another inside a GEMM): the spec, the control file the
+    timeline writes and the speed read back all say so; at d = 1 nothing is folded."""
+    exp = experiment(
+        dilation=4,
+        devices={"count": [2], "cpus": 2, "speed": 1.5, "oversubscribe": True},
+        timeline=[{"at_s": 1, "device": 1, "speed": 1.0}],
+    )
+    trials = plan_trials(exp)
+    backend = LocalBackend("vt", tmp_path / "run")
+    live = {0: None, 1: None}
+    _, fleet = session_fleet(exp, trials, tmp_path / "s", None, {}, live, 4.0)
+    assert fleet.folded == [2, 2] and fleet.worker_speed(1) == 0.75  # 1.5 x 2 / 4
+    device = Device(1, "d1", "127.0.0.1", "lo", cpus=2, threads=2)
+    session = Session(trials, tmp_path / "s", 7000, LinkState(10), RunFiles(), fleet)
+    spec = device_spec(backend, exp, session, device, ["h:1", "h:2"], tmp_path / "out")
+    assert (spec.threads, spec.speed, spec.rate_mbit) == (1, 0.75, 2.5)
+    timeline = fleet.timeline
+    assert timeline is not None
+    timeline.write_controls()
+    assert Control(timeline.controls[1]).speed == 0.75
+    records = _records(1_000_000_000_000)
+    records.inferences[0].speed = 0.75
+    outcome = SessionOutcome(HostSessionFacts("s"), runs={"r": {1: records}})
+    assert virtual(outcome, 4, fleet.folded).runs["r"][1].inferences[0].speed == 1.5
+    _, unfolded = session_fleet(exp, trials, tmp_path / "t", None, {}, live, 1.0)
+    assert unfolded.folded == [] and unfolded.threads(device) == 2
+
+
+def test_a_fixed_dilation_too_low_for_a_folded_device_is_refused():
+    exp = experiment(dilation=2, devices={"cpus": 2, "speed": 1.5, "oversubscribe": True})
+    with pytest.raises(
+        ConfigError, match=r"dilation: 2 is too low for P=2: device 0 computes at 3.00 host cores"
+    ):
+        resolve_dilation(exp, 2, None, "serial", cores=2)
+    auto = resolve_dilation(exp.model_copy(update={"dilation": "auto"}), 2, None, "serial", 2)
+    assert auto.factor == 6.5 and auto.heaviest == 3.0  # the demand, 6 cores / 0.95
+    # a device's thread alone: 1 core on a big host, d = 3.75 for 3 host cores on one thread
+    one = experiment(dilation="auto", devices={"count": [1], "cpus": 2, "speed": 1.5})
+    assert resolve_dilation(one, 1, None, "tbf", cores=64).factor == 3.75
