@@ -3,6 +3,7 @@
 #   make sweep-bandwidth  the main job: every method on ViT-B/16 over 1-20 Mbit/s links
 #   make sweep-delay, sweep-loss  every method at 10 Mbit/s over delayed and lossy links
 #   make sweep-paper  Table IV on the paper's 2-core devices, P = 2 and 3, in virtual time
+#   make sweep-paper-buffers  Table V (ViViT-B, K/V buffers) on paper devices, P = 2 to 10
 #   make sweep-straggler  every method with one slow device, even and by-speed partitions
 #   make sweep-cell   every method on one shared 20 Mbit/s cell against a line per device
 #   make sweep-edge   every method over the shipped Wi-Fi and LTE profiles
@@ -34,7 +35,7 @@ IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
 .PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
-	sweep-delay sweep-loss sweep-edge sweep-straggler sweep-cell sweep-paper \
+	sweep-delay sweep-loss sweep-edge sweep-straggler sweep-cell sweep-paper sweep-paper-buffers \
 	reproduce reproduce-quick bench trace-replay trace-replay-digits
 
 venv: $(VENV_STAMP)
@@ -105,6 +106,10 @@ sweep-cell: venv host-setup
 sweep-paper: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-paper.yaml $(RUN_ARGS)
 	$(VENV_PY) -m testbed.report --paper-devices results/sweep-paper --out results/sweep-paper/TABLE-IV.md
+
+sweep-paper-buffers: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/sweep-paper-buffers.yaml $(RUN_ARGS)
+	$(VENV_PY) -m testbed.report --paper-devices results/sweep-paper-buffers --out results/sweep-paper-buffers/TABLE-V.md
 
 sweep-straggler: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-straggler.yaml $(RUN_ARGS)

@@ -3,7 +3,8 @@
     python -m testbed.report --latency RUN_DIR [--buffers RUN_DIR] [--delay RUN_DIR]
         [--loss RUN_DIR] --out REPORT.md
     python -m testbed.report --paper-devices RUN_DIR --out TABLE-IV.md   (make sweep-paper:
-        RUN_DIR results/sweep-paper, its newest run)
+        RUN_DIR results/sweep-paper, its newest run; a run of make sweep-paper-buffers, whose
+        Trace-b runs with and without buffers, gives Table V instead)
 
 `paper`: the paper's tables beside ours, with its conventions; `links`: with runs of the delay
 and loss sweeps, a section on each, which the paper does not have.
@@ -25,8 +26,9 @@ from testbed.report.paper import (
     table_iv,
     table_iv_paper_devices,
     table_v,
+    table_v_paper_devices,
 )
-from testbed.results.store import load, write_text
+from testbed.results.store import Results, load, write_text
 
 
 def build(
@@ -44,6 +46,13 @@ def build(
     if loss_dir is not None:
         lines += loss_section(load(loss_dir))
     return "\n".join(lines) + "\n"
+
+
+def paper_devices_table(run: Results) -> list[str]:
+    """Table V for a run whose Trace-b runs with and without buffers, else Table IV."""
+    if run.trials["params"].fillna("").str.contains("buffers=off").any():
+        return table_v_paper_devices(run)
+    return table_iv_paper_devices(run)
 
 
 def newest_run(path: Path) -> Path:
@@ -67,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     runs.add_argument(
         "--paper-devices",
         type=Path,
-        help="run of experiments/sweep-paper.yaml (or its folder: the newest run in it)",
+        help="run of experiments/sweep-paper.yaml or sweep-paper-buffers.yaml (or its folder: "
+        "the newest run in it)",
     )
     parser.add_argument("--buffers", type=Path, help="run of the buffers study (Table V)")
     parser.add_argument("--delay", type=Path, help="run of experiments/sweep-delay.yaml")
@@ -76,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.paper_devices is not None:
-            text = "\n".join(table_iv_paper_devices(load(newest_run(args.paper_devices)))) + "\n"
+            run = load(newest_run(args.paper_devices))
+            text = "\n".join(paper_devices_table(run)) + "\n"
             print(text)
         else:
             text = build(args.latency, args.buffers, args.delay, args.loss)

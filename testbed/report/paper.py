@@ -458,6 +458,47 @@ def table_v(results: Results) -> list[str]:
     return lines + ["", *notes, ""]
 
 
+def table_v_paper_devices(results: Results) -> list[str]:
+    """Table V on the paper's devices (make sweep-paper-buffers): per device count, each
+    column as measured, then calibrated, beside the paper's. The compute with buffers at P = 2
+    calibrates the device (the one factor that makes it the paper's 2,329 ms); the other
+    eleven cells are predictions, ours times that factor."""
+    trials = _ok(results)
+    trials["buffers"] = ~trials["params"].fillna("").str.contains("buffers=off")
+    compute = trials.groupby(["devices", "buffers"])["compute_ms"].median().unstack()
+    if 2 not in compute.index or not {True, False} <= set(compute.columns):
+        raise TestbedError(
+            "Table V on paper devices needs Trace-b with and without buffers at P = 2 in the "
+            "run: with buffers at P = 2 calibrates the device"
+        )
+    factor = PAPER_TABLE_V[2][1] / compute.loc[2, True]
+    d = trials.groupby("devices")["dilation"].median()
+    overruns = trials.groupby("devices")["overruns"].mean()
+    lines = [
+        f"## Table V on the paper's devices: compute (ms) without / with K/V buffers "
+        f"({results.config['model']['name']})",
+        "",
+        f"Run: `{_relative(results.run_dir)}`. Ours: the median over repetitions and devices, "
+        "in virtual time. Calibrated: the compute with buffers at P = 2 sets the factor "
+        f"({factor:.3f}: the paper's 2,329 ms over ours); every other cell is a prediction, "
+        "ours times the factor. Overruns: late stretches per device inference.",
+        "",
+    ]
+    rows = []
+    for devices in compute.index:
+        off, on = compute.loc[devices, False], compute.loc[devices, True]
+        p_off, p_on = PAPER_TABLE_V.get(devices, (float("nan"), float("nan")))
+        rows.append(
+            [devices, f"{d[devices]:g}", off, off * factor, p_off, ratio(off * factor, p_off)]
+            + [on, on * factor, p_on, ratio(on * factor, p_on)]
+            + [100 * (off - on) / off, 100 * (p_off - p_on) / p_off, overruns[devices]]
+        )
+    header = ["P", "d", "without: ours", "calibrated", "paper", "/ paper"]
+    header += ["with: ours", "calibrated", "paper", "/ paper", "gain % ours", "gain % paper"]
+    lines += table(header + ["overruns"], rows)
+    return lines + [""]
+
+
 def conventions(latency: Results) -> list[str]:
     env = latency.environment
     emulators = sorted(set(latency.trials["emulator"].dropna()))

@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from testbed.errors import TestbedError
+from testbed.report import paper_devices_table
 from testbed.report.paper import (
     MEASURED,
     fig_7_8,
@@ -12,6 +13,7 @@ from testbed.report.paper import (
     paper_bits,
     table_ii,
     table_iv_paper_devices,
+    table_v_paper_devices,
 )
 from testbed.results.store import Results
 
@@ -106,3 +108,49 @@ def test_table_iv_on_paper_devices_without_voltage_at_p2_says_what_it_needs():
     run = dataclasses.replace(run, trials=run.trials[run.trials["method"] != "voltage"])
     with pytest.raises(TestbedError, match="needs Voltage at P = 2 and 10 Mbit/s"):
         table_iv_paper_devices(run)
+
+
+def _buffers_run() -> Results:
+    """A sweep-paper-buffers run's rows: Trace-b with and without buffers at P = 2 and 10."""
+    rows = []
+    for devices, d, off, on, late in ((2, 4.25, 5000.0, 3000.0, 0), (10, 20.5, 1000.0, 800.0, 2)):
+        for params, compute in (("K=1024", on), ("K=1024,buffers=off,dedup=off", off)):
+            for repeat in range(2):
+                for rank in range(devices):
+                    rows.append(
+                        {
+                            "status": "ok",
+                            "method": "trace-b",
+                            "params": params,
+                            "devices": devices,
+                            "repeat": repeat,
+                            "rank": rank,
+                            "dilation": d,
+                            "overruns": late,
+                            "compute_ms": compute,
+                        }
+                    )
+    config = {"devices": {"profile": "paper-device"}, "model": {"name": "vivit-b"}}
+    return Results(Path("run"), pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame(), config, {})
+
+
+def test_table_v_on_paper_devices_is_calibrated_at_p2_with_buffers_and_predicts_the_rest():
+    """2,329 / 3,000 = 0.776: P = 2 without buffers predicts 3,882 ms (the paper's 3,441),
+    P = 10 with them 621 ms (627); the gains are ours, beside the paper's."""
+    run = _buffers_run()
+    lines = paper_devices_table(run)
+    assert lines[0] == (
+        "## Table V on the paper's devices: compute (ms) without / with K/V buffers (vivit-b)"
+    )
+    rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| ")}
+    assert rows["| 2"] == (
+        "| 2 | 4.25 | 5,000 | 3,882 | 3,441 | 1.13 | 3,000 | 2,329 | 2,329 | 1.00 | 40.00 | "
+        "32.32 | 0.00 |"
+    )
+    assert rows["| 10"] == (
+        "| 10 | 20.5 | 1,000 | 776.33 | 742 | 1.05 | 800.00 | 621.07 | 627 | 0.99 | "
+        "20.00 | 15.50 | 2.00 |"
+    )
+    without_on = dataclasses.replace(run, trials=run.trials[run.trials["params"] != "K=1024"])
+    with pytest.raises(TestbedError, match="needs Trace-b with and without buffers at P = 2"):
+        table_v_paper_devices(without_on)

@@ -238,3 +238,9 @@ def test_a_row_names_the_events_its_inference_ran_under_and_no_other():
         AppliedEvent(2, "leave", 1, "leave", 500 * MS, 500 * MS, began_ns=500 * MS),
     ]
     assert events_felt(timeline, records) == {4: "", 5: "speed; pause", 6: "speed; leave"}
+    # a pause between inferences: felt by the next inference only where it lasts into it (on
+    # any device: a frozen device holds up its peers' next inference), by none if it ends first
+    across = AppliedEvent(1, "pause", 1, "pause", 232 * MS, 232 * MS, 250 * MS, began_ns=232 * MS)
+    within = AppliedEvent(1, "pause", 1, "pause", 232 * MS, 232 * MS, 236 * MS, began_ns=232 * MS)
+    assert events_felt([across], records) == {4: "", 5: "pause", 6: ""}
+    assert events_felt([within], records) == {4: "", 5: "", 6: ""}
