@@ -4,6 +4,7 @@
 #   make sweep-delay, sweep-loss  every method at 10 Mbit/s over delayed and lossy links
 #   make sweep-paper  Table IV on the paper's 2-core devices, P = 2 and 3, in virtual time
 #   make sweep-paper-buffers  Table V (ViViT-B, K/V buffers) on paper devices, P = 2 to 10
+#   make sweep-paper-p10  every method on ten paper devices (and two, to calibrate)
 #   make sweep-straggler  every method with one slow device, even and by-speed partitions
 #   make sweep-cell   every method on one shared 20 Mbit/s cell against a line per device
 #   make sweep-edge   every method over the shipped Wi-Fi and LTE profiles
@@ -35,7 +36,7 @@ IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
 .PHONY: venv dev-venv test lint image docker-up clean distclean host-setup sweep-bandwidth smoke \
-	sweep-delay sweep-loss sweep-edge sweep-straggler sweep-cell sweep-paper sweep-paper-buffers \
+	sweep-delay sweep-loss sweep-edge sweep-straggler sweep-cell sweep-paper sweep-paper-buffers sweep-paper-p10 \
 	reproduce reproduce-quick bench trace-replay trace-replay-digits
 
 venv: $(VENV_STAMP)
@@ -106,6 +107,10 @@ sweep-cell: venv host-setup
 sweep-paper: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-paper.yaml $(RUN_ARGS)
 	$(VENV_PY) -m testbed.report --paper-devices results/sweep-paper --out results/sweep-paper/TABLE-IV.md
+
+sweep-paper-p10: venv host-setup
+	$(VENV_PY) -m testbed.run experiments/sweep-paper-p10.yaml $(RUN_ARGS)
+	$(VENV_PY) -m testbed.report --paper-devices results/sweep-paper-p10 --out results/sweep-paper-p10/TABLE-IV.md
 
 sweep-paper-buffers: venv host-setup
 	$(VENV_PY) -m testbed.run experiments/sweep-paper-buffers.yaml $(RUN_ARGS)

@@ -69,18 +69,23 @@ def describe(spec: DeviceSpec) -> str:
     return ", ".join(f"d{r}: {c:g} CPU {m} MB" for r, (c, m) in enumerate(pairs))
 
 
-def measure_devices(backend: Backend, devices: list[Device], model: str) -> dict[int, float]:
-    """Each device's GEMM rate (GFLOP/s) at full speed, on its own threads; DeviceError names
-    the device whose probe failed."""
+def measure_devices(
+    backend: Backend, devices: list[Device], model: str, dilation: float = 1.0
+) -> dict[int, float]:
+    """Each device's GEMM rate (GFLOP/s) at full speed, on the threads its worker runs (in
+    virtual time one, its rate then times the threads folded into it: folded_threads);
+    DeviceError names the device whose probe failed."""
     rates = {}
     with voice.phase("device rates", f"GEMM probe on {len(devices)} devices") as step:
         for device in devices:
+            folded = fold(device.cpus, dilation)
+            threads = 1 if folded > 1 else device.threads
             argv = [backend.python, "-m", "devices.gemm", "--model", model]
-            argv += ["--threads", str(device.threads), "--seconds", str(PROBE_SECONDS)]
+            argv += ["--threads", str(threads), "--seconds", str(PROBE_SECONDS)]
             result = backend.run(device, argv, PROBE_TIMEOUT_S)
             if not result.ok:
                 raise DeviceError(f"device {device.rank}: the GEMM probe failed: {result.tail(1)}")
-            rates[device.rank] = float(json.loads(result.stdout)["gflops"])
+            rates[device.rank] = float(json.loads(result.stdout)["gflops"]) * folded
         step.outcome = ", ".join(f"{rates[d.rank]:.1f}" for d in devices) + " GFLOP/s"
     return rates
 
@@ -120,5 +125,10 @@ def folded_threads(fleet: Fleet, dilation: float) -> list[int]:
     """By rank, the threads folded into the worker's one: in virtual time (d > 1) a device of
     c cores computes on one host thread at c times its speed per core, so that P devices are
     P threads on the host's cores, each with its pace's slack, and not c x P threads that
-    preempt one another inside a GEMM (docs/devices.md, Virtual time). None at d = 1."""
-    return [max(1, int(share.cpus)) for share in fleet.shares] if dilation > 1 else []
+    preempt one another inside a GEMM (docs/devices.md, Virtual time). 1 each at d = 1."""
+    return [fold(share.cpus, dilation) for share in fleet.shares]
+
+
+def fold(cpus: float, dilation: float) -> int:
+    """The threads a device of `cpus` folds into its worker's one at `dilation`."""
+    return max(1, int(cpus)) if dilation > 1 else 1

@@ -202,10 +202,10 @@ class Runner:
                 backend.start(spec)
             self.start_s[count] = time.monotonic() - began
             model = self.experiment.model.name
-            self.gflops = fleets.measure_devices(backend, backend.devices, model)
+            dilation = self.dilations[count]
+            self.gflops = fleets.measure_devices(backend, backend.devices, model, dilation.factor)
             overrides = rate_overrides(self.experiment.link)
             paths = PathImpairments.of(self.experiment.link)
-            dilation = self.dilations[count]
             voice.say(f"P={count}: virtual time, {dilation.describe()}")
             with Links(
                 backend, self.profile, self.emulator, self.run_id, overrides, paths, dilation.factor

@@ -88,6 +88,22 @@ def test_a_speed_event_doubles_the_devices_compute_from_its_inference_on(tmp_pat
     assert 1.6 <= after / before <= 2.6, device[["repeat", "compute_ms"]]
 
 
+def test_devices_of_two_cores_in_virtual_time_are_one_thread_each_at_their_speed(tmp_path):
+    """Two 2-core devices faster than a host core: auto dilates, each worker runs one torch
+    thread paced at twice the speed per core (folded), and the rows read the speed per core,
+    one thread, and the rate of both cores (the probe's one thread times two)."""
+    devices = {"count": [2], "cpus": 2, "speed": 1.5, "oversubscribe": True}
+    run_dir, trials = fleet_run(tmp_path, devices=devices, repeats=2, dilation="auto")
+    assert set(trials["status"]) == {"ok"} and (trials["dilation"] == 6.5).all()
+    assert (trials["threads"] == 1).all() and (trials["device_speed"] == 1.5).all()
+    (spec,) = (run_dir / "sessions").glob("*/rank1/spec.json")
+    worker = json.loads(spec.read_text())
+    assert (worker["threads"], worker["speed"]) == (1, pytest.approx(1.5 * 2 / 6.5))
+    rates = json.loads((run_dir / "environment.json").read_text())["by_devices"]["2"]["gflops"]
+    gflops = trials.groupby("rank")["device_gflops"].first()
+    assert gflops[1] == pytest.approx(rates["1"] * 1.5, rel=1e-3)
+
+
 def test_a_pause_shows_in_its_peers_waiting_time(tmp_path):
     """Device 1 frozen for 1 s, 0.3 s into the session: applied within 50 ms of its time,
     thawed a second later, and device 0 waits for it about that second in the inferences the

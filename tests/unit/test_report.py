@@ -128,6 +128,7 @@ def _buffers_run() -> Results:
                             "dilation": d,
                             "overruns": late,
                             "compute_ms": compute,
+                            "effective_ms": compute + 10.0,
                         }
                     )
     config = {"devices": {"profile": "paper-device"}, "model": {"name": "vivit-b"}}
@@ -145,11 +146,11 @@ def test_table_v_on_paper_devices_is_calibrated_at_p2_with_buffers_and_predicts_
     rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| ")}
     assert rows["| 2"] == (
         "| 2 | 4.25 | 5,000 | 3,882 | 3,441 | 1.13 | 3,000 | 2,329 | 2,329 | 1.00 | 40.00 | "
-        "32.32 | 0.00 |"
+        "32.32 | 2,339 | 0.00 |"
     )
     assert rows["| 10"] == (
         "| 10 | 20.5 | 1,000 | 776.33 | 742 | 1.05 | 800.00 | 621.07 | 627 | 0.99 | "
-        "20.00 | 15.50 | 2.00 |"
+        "20.00 | 15.50 | 631.07 | 2.00 |"
     )
     without_on = dataclasses.replace(run, trials=run.trials[run.trials["params"] != "K=1024"])
     with pytest.raises(TestbedError, match="needs Trace-b with and without buffers at P = 2"):

@@ -259,7 +259,7 @@ def test_a_dilated_device_of_two_cores_is_one_host_thread_at_twice_its_speed(tmp
     outcome = SessionOutcome(HostSessionFacts("s"), runs={"r": {1: records}})
     assert virtual(outcome, 4, fleet.folded).runs["r"][1].inferences[0].speed == 1.5
     _, unfolded = session_fleet(exp, trials, tmp_path / "t", None, {}, live, 1.0)
-    assert unfolded.folded == [] and unfolded.threads(device) == 2
+    assert unfolded.folded == [1, 1] and unfolded.threads(device) == 2
 
 
 def test_a_fixed_dilation_too_low_for_a_folded_device_is_refused():
