@@ -27,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from testbed.experiment.fleet import worker_threads
 from testbed.experiment.sections import SECTIONS
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ def plan_cpus(count: int, cpus: float | Sequence[float], host_cores: int | None 
     """
     cores = sorted(os.sched_getaffinity(0)) if host_cores is None else list(range(host_cores))
     each = [float(c) for c in cpus] if isinstance(cpus, Sequence) else [float(cpus)] * count
-    threads = [max(1, int(c)) for c in each]
+    threads = [worker_threads(c) for c in each]
     if all(c.is_integer() for c in each) and sum(each) <= len(cores):
         sets, first = [], 0
         for c in each:

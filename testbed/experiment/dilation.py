@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from testbed.errors import ConfigError
-from testbed.experiment.fleet import fleet_variant_keys, resolve_fleet
+from testbed.experiment.fleet import fleet_variant_keys, resolve_fleet, worker_threads
 
 if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment
@@ -115,7 +115,7 @@ def fleet_demand(experiment: Experiment, count: int, host_gflops: float | None) 
                 )
             if speed > found.fastest:
                 found.fastest, found.which = speed, which
-            thread = max(1, int(share.cpus)) * speed
+            thread = worker_threads(share.cpus) * speed
             if thread > found.heaviest:
                 found.heaviest, found.heaviest_which = thread, which
         found.cores = max(found.cores, total)

@@ -67,10 +67,16 @@ class Fleet:
         return [share.speed for share in self.shares]
 
 
+def worker_threads(cpus: float) -> int:
+    """The torch threads of a device of `cpus`: its whole cores, at least one
+    (testbed.backends.base.plan_cpus; in virtual time folded into one, testbed.sweep.fleets)."""
+    return max(1, int(cpus))
+
+
 def quota_share(cpus: float) -> float:
-    """The share of its threads' cores a device of `cpus` gets (its worker runs
-    max(1, int(cpus)) threads: testbed.backends.base.plan_cpus)."""
-    return min(1.0, cpus / max(1, int(cpus)))
+    """The share of its threads' cores a device of `cpus` gets (a quota of a fraction of its
+    worker's threads' cores)."""
+    return min(1.0, cpus / worker_threads(cpus))
 
 
 def fleet_variant_keys(devices: DevicesSection) -> list[str]:

@@ -25,6 +25,7 @@ from testbed.experiment.fleet import (
     needs_host_rate,
     resolve_fleet,
     resources,
+    worker_threads,
 )
 from testbed.experiment.schema import Experiment
 from testbed.sweep.host_rate import host_core_gflops
@@ -131,4 +132,4 @@ def folded_threads(fleet: Fleet, dilation: float) -> list[int]:
 
 def fold(cpus: float, dilation: float) -> int:
     """The threads a device of `cpus` folds into its worker's one at `dilation`."""
-    return max(1, int(cpus)) if dilation > 1 else 1
+    return worker_threads(cpus) if dilation > 1 else 1

@@ -74,6 +74,7 @@ from testbed.backends.ssh.session import (
 )
 from testbed.backends.ssh.shaping import probe_qdiscs, read_link_settings, run_as_root, unshape
 from testbed.errors import ConfigError, DeviceError, ShapingError, TestbedError
+from testbed.experiment.fleet import worker_threads
 from testbed.experiment.inventory import Inventory
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.shaping import (
@@ -200,14 +201,14 @@ class SshBackend(Backend):
     def _device(self, session: BoardSession, spec: DeviceSpec) -> Device:
         board, cores = session.board, session.facts["cores"]
         cpus = board.cpus or spec.cpus_of(session.rank)
-        threads = max(1, int(cpus))
+        threads = worker_threads(cpus)
         if threads > cores:
             log.warning("%s: %d threads on %d cores", board.label, threads, cores)
         self.cpu_plan = CpuPlan(
             [s.board.cpuset for s in self.sessions],
             oversubscribed=bool(self.cpu_plan and self.cpu_plan.oversubscribed) or threads > cores,
             host_cores=min(s.facts["cores"] for s in self.sessions),
-            threads=[max(1, int(s.board.cpus or spec.cpus_of(s.rank))) for s in self.sessions],
+            threads=[worker_threads(s.board.cpus or spec.cpus_of(s.rank)) for s in self.sessions],
         )
         return Device(
             rank=session.rank,
