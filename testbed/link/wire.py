@@ -57,6 +57,16 @@ def queue_frames(rate_bit_s: float, queue_ms: float = QUEUE_MS) -> int:
     return max(frames, MIN_QUEUE_FRAMES)
 
 
+def queue_held_ms(rate_bit_s: float, queue_ms: float = QUEUE_MS) -> float:
+    """How long a port's queue (`queue_frames`) holds at the rate, its two-frame burst aside:
+    `queue_ms`, or longer where the floor of `MIN_QUEUE_FRAMES` holds more (below 7.3 Mbit/s
+    at 50 ms). The bound of the tbf in front of the port (`testbed.link.serial.switch`), so
+    that the two queues hold the same frames and TCP is held back before the port, not dropped
+    in front of it."""
+    floor_ms = (MIN_QUEUE_FRAMES - QUEUE_BURST_FRAMES) * FULL_FRAME_BYTES * 8 / rate_bit_s * 1e3
+    return max(queue_ms, floor_ms)
+
+
 def rcvbuf_request_bytes(frames: int) -> int:
     """The SO_RCVBUFFORCE value for a queue of `frames` (the kernel doubles what it is given)."""
     return math.ceil(frames * TRUESIZE_BYTES / 2)

@@ -18,16 +18,19 @@ from testbed.experiment.impairments import checked
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.names import SERIAL_SUFFIX
 from testbed.kernel.netns import in_netns
+from testbed.kernel.tbf import tbf_params
 from testbed.link.serial.impairments import Impairments
 from testbed.link.serial.port import Port, PortCounters, wait_until
 from testbed.link.serial.program import Switch, parse_args
 from testbed.link.serial.protocol import Command, parse_command, parse_cpu_list, parse_port
 from testbed.link.serial.switch import ProgramOptions, SerialSwitch
 from testbed.link.wire import (
+    FULL_FRAME_BYTES,
     MIN_QUEUE_FRAMES,
     TRUESIZE_BYTES,
     departure_s,
     queue_frames,
+    queue_held_ms,
     rcvbuf_request_bytes,
     tcp_message_wire_s,
     wire_time_s,
@@ -96,6 +99,20 @@ def test_queue_holds_tbf_latency_and_at_least_the_minimum() -> None:
     assert queue_frames(100 * MBIT) == math.ceil(100e6 / 8 * 0.05 / 1514) + 2
     assert queue_frames(100 * MBIT, queue_ms=100) > queue_frames(100 * MBIT)
     assert rcvbuf_request_bytes(10) * 2 == 10 * TRUESIZE_BYTES  # the kernel doubles it
+
+
+@pytest.mark.parametrize("rate_mbit", [0.41, 1.0, 7.0, 10.0, 20.0])
+@pytest.mark.parametrize("queue_ms", [50.0, 1225.0])
+def test_the_backpressure_tbf_queues_the_ports_frames(rate_mbit: float, queue_ms: float) -> None:
+    # the tbf in front of a port holds what the port holds, in full frames (a third of a
+    # frame of rounding), so that a burst is held back in it rather than dropped; at 0.41
+    # Mbit/s and 50 ms it held 3 frames, the port 32
+    port = queue_frames(rate_mbit * MBIT, queue_ms)
+    tbf = tbf_params(rate_mbit, queue_latency_ms=queue_held_ms(rate_mbit * MBIT, queue_ms))
+    assert tbf.limit_bytes / FULL_FRAME_BYTES == pytest.approx(port, abs=1)
+    assert tbf.limit_bytes >= (port - 1) * FULL_FRAME_BYTES
+    assert queue_held_ms(0.41 * MBIT) == pytest.approx(30 * 1514 * 8 / 410, rel=1e-9)  # 886 ms
+    assert queue_held_ms(10 * MBIT) == 50.0
 
 
 def test_kernel_timestamps_of_both_layouts() -> None:

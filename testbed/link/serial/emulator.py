@@ -95,7 +95,10 @@ class SerialEmulator(Emulator):
         core = os.environ.get(CORE_ENV)
         spin = os.environ.get(SPIN_ENV)
         spin_us = None if spin is None else float(spin)
-        program = ProgramOptions(spin_us=spin_us, core=core, cpusets=cpusets)
+        # the link profile's queue bound on the host's clock (a device's own uplink profile
+        # shapes its impairments, not its queue)
+        queue_ms = self.profile.dilated(self.dilation).queue_latency_ms
+        program = ProgramOptions(spin_us=spin_us, queue_ms=queue_ms, core=core, cpusets=cpusets)
         switch = SerialSwitch(run_tag(self.run_id), paths, subnet, rate, program=program)
         self.switch = switch.start()  # a switch that fails to start removes what it made
         return {

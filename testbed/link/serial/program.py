@@ -52,8 +52,9 @@ Decisions:
   between polls and covers frames that found their line free; it is off by default there
   (it raised compute 3-6% when measured on 2026-12-01).
 - Queue: frames wait, with their timestamps, in the packet socket's receive buffer while the
-  port's thread sleeps. Its size (`wire.queue_frames`) is tbf's, 50 ms at the rate
-  plus two frames, but at least `MIN_QUEUE_FRAMES` so that TCP's initial window fits; times
+  port's thread sleeps. Its size (`wire.queue_frames`) is tbf's, `--queue-ms` at the rate
+  (the link profile's `queue_latency_ms` on the host's clock: times the dilation) plus two
+  frames, but at least `MIN_QUEUE_FRAMES` so that TCP's initial window fits; times
   `TRUESIZE_BYTES`, the kernel memory a queued full frame costs (measured: 2280 B for a TCP
   segment), it is set by SO_RCVBUFFORCE and resized with the rate. Frames the kernel drops
   when it is full are the queue's drops (PACKET_STATISTICS); unlike tbf's, TCP sees them as

@@ -27,7 +27,11 @@ lost less but made that wait 0.5 s. With tbf in front, TCP sees a full queue as 
 congestion, as on a device whose own uplink is the slow link: no retransmissions, bulk within
 0.01 %. tbf's bucket lets at most two frames through early, and the emulator still clocks out
 every frame (the frame tbf keeps ahead waits one frame time in the emulator's queue); isolated
-messages take the same time with and without it.
+messages take the same time with and without it. tbf's queue holds what the port's does
+(`testbed.link.wire.queue_held_ms`: the program's `--queue-ms` at the rate, at least
+`MIN_QUEUE_FRAMES`): with 50 ms alone, at 0.41 Mbit/s it held three frames, and ten devices
+each sending to nine peers at once (Voltage at P = 10) lost a third of their frames in it,
+until the kernel's TCP gave up on a connection (`Connection timed out`).
 
 The emulator runs as `nsenter --net=/var/run/netns/tb-<tag>-sl <python> -m
 testbed.link.serial.program serve ...` in a process group of its own; `set_rate` and `stats`
@@ -58,6 +62,7 @@ from testbed.kernel.interfaces import Veth, offload_argv, veth_into
 from testbed.kernel.names import TAG_PATTERN, RunNames
 from testbed.kernel.netns import create_netns, in_netns, iproute, netlink_step, netns_path
 from testbed.kernel.processes import kill_group, run_checked, start_group
+from testbed.link.wire import QUEUE_MS, queue_held_ms
 from testbed.source import python_env
 from testbed.units import BIT_PER_MBIT
 
@@ -234,13 +239,14 @@ class SerialSwitch:
 
         rate_mbit = self.rates_mbit[rank]
         caps = {peer: (self.address(peer), cap) for peer, cap in self.peer_caps(rank).items()}
-        plan = ShapingPlan("serial-backpressure", rate_mbit, tbf_params(rate_mbit))
+        queue_ms = queue_held_ms(rate_mbit * BIT_PER_MBIT, self.program.queue_ms or QUEUE_MS)
+        tbf = tbf_params(rate_mbit, queue_latency_ms=queue_ms)
+        plan = ShapingPlan("serial-backpressure", rate_mbit, tbf)
         if caps:
             from testbed.kernel.htb import htb_params
 
-            plan = ShapingPlan(
-                plan.profile_name, rate_mbit, plan.tbf, htb=htb_params(rate_mbit, caps)
-            )
+            htb = htb_params(rate_mbit, caps, queue_ms)
+            plan = ShapingPlan(plan.profile_name, rate_mbit, tbf, htb=htb)
         layout = tuple(sorted(caps))
         if self._backpressured.get(rank) == layout:
             change(self.device_netns[rank], DEVICE_INTERFACE, plan)
