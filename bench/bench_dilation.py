@@ -8,11 +8,11 @@ same invocation, the variants interleaved round by round:
   and 4: each method's median effective, compute and comm at d over d = 1 (the bar: within
   5%);
 - `robustness`: P = 3, device 2 at half its peers' speed, d = auto, run quiet and beside one
-  spinning process: every device's median block and each method's effective, busy over quiet
-  (the bars: 3% and 5%);
+  spinning process (auto sees it: a larger d): every device's median block, per method, and
+  each method's effective, busy over quiet (the bars: 3% and 5%);
 - `peers`: device 0 at speed 0.4 beside peers at 0.4, 0.2 and 0.8 (a fleet variant each),
-  d = auto, twice: its median block in each, over the first, and its block's p95 / median
-  (the bars: 3% and 1.3);
+  d = auto, twice: its median block per method in each, over the first, and its block's
+  p95 / median (the bars: 3% and 1.3);
 - `loss`: what is not dilated, TCP's timers: Astra and Trace-b over 2% loss, d = 1 and 4,
   their effective's p50 and p99 (not run by default: it is a measurement, not a bar).
 
@@ -156,8 +156,10 @@ def beyond_the_wire(frames: dict[str, pd.DataFrame]) -> str:
 
 
 def blocks(layers: pd.DataFrame) -> pd.Series:
-    """Per device: its blocks' compute (ms)."""
-    return layers[layers["repeat"] >= 0].groupby("rank")["compute_ms"].apply(list)
+    """Per method and device: its measured blocks' compute (ms). A method's blocks differ from
+    another's (Trace-b's attend to buffers, Voltage's to every token), so a median over both
+    falls between them and jumps with how many of each it holds."""
+    return layers[layers["repeat"] >= 0].groupby(["method", "rank"])["compute_ms"].apply(list)
 
 
 def robustness(folder: Path, rounds: int, quick: bool) -> None:
@@ -171,34 +173,39 @@ def robustness(folder: Path, rounds: int, quick: bool) -> None:
             trials.setdefault(name, []).append(t)
             layers.setdefault(name, []).append(lay)
     frames = {name: per_method(pd.concat(parts)) for name, parts in trials.items()}
-    dilation = pd.concat(trials["quiet"])["dilation"].iloc[0]
-    print(f"robustness: P=3, speeds 0.5, 0.5, 0.25, d = auto ({dilation:g}); busy over quiet")
+    picked = {name: pd.concat(parts)["dilation"].iloc[0] for name, parts in trials.items()}
+    print(
+        f"robustness: P=3, speeds 0.5, 0.5, 0.25, d = auto (quiet {picked['quiet']:g}, busy "
+        f"{picked['busy']:g}); busy over quiet"
+    )
     print(ratio_table(frames, "quiet"))
     quiet, busy = (blocks(pd.concat(layers[n])) for n in ("quiet", "busy"))
-    for rank in quiet.index:
-        q, b = statistics.median(quiet[rank]), statistics.median(busy[rank])
-        print(f"  device {rank}: median block {q:.2f} ms quiet, {b:.2f} busy ({b / q:.3f})")
+    for (method, rank), values in quiet.items():
+        q, b = statistics.median(values), statistics.median(busy[(method, rank)])
+        print(
+            f"  {method:9} device {rank}: median block {q:.2f} ms quiet, {b:.2f} busy ({b / q:.3f})"
+        )
 
 
 def peers(folder: Path, rounds: int, quick: bool) -> None:
     methods = QUICK_METHODS if quick else [METHODS[4]]
     speeds = (0.4, 0.2, 0.8)
-    samples: dict[tuple[float, int], list[float]] = {}
+    samples: dict[tuple[str, float, int], list[float]] = {}
     for attempt in range(2 * rounds):
         for peer in speeds:
             fleet = {"count": [3], "speed": {0: 0.4, 1: peer, 2: peer}}
             config = experiment(f"peers-{peer:g}", fleet, [10], methods, "auto")
-            layers = run(config, folder)[1]
-            mine = layers[(layers["rank"] == 0) & (layers["repeat"] >= 0)]["compute_ms"]
-            samples[(peer, attempt)] = list(mine)
-    base = statistics.median(samples[(speeds[0], 0)])
+            for (method, rank), values in blocks(run(config, folder)[1]).items():
+                if rank == 0:
+                    samples[(method, peer, attempt)] = values
     print("peers: device 0 at speed 0.4, P=3, d = auto; its median block, over the first run's")
-    for (peer, attempt), values in samples.items():
+    for (method, peer, attempt), values in sorted(samples.items()):
         median = statistics.median(values)
+        base = statistics.median(samples[(method, speeds[0], 0)])
         p95 = sorted(values)[int(0.95 * (len(values) - 1))]
         print(
-            f"  peers at {peer:g}, run {attempt}: median {median:.2f} ms ({median / base:.3f}), "
-            f"p95/median {p95 / median:.3f}"
+            f"  {method:9} peers at {peer:g}, run {attempt}: median {median:.2f} ms "
+            f"({median / base:.3f}), p95/median {p95 / median:.3f}"
         )
 
 

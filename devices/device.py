@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import logging
 import platform
 import time
@@ -27,7 +26,7 @@ from devices.handshake import HandshakeSide, make_hello, shake
 from devices.inputs import InputSource
 from devices.level import LiveLevel, choose_level
 from devices.mesh import Mesh
-from devices.pace import PROGRESS_FILE, Control, Pace, Progress
+from devices.pace import PROGRESS_FILE, Control, Pace, Progress, run_kind
 from devices.records import REFERENCES_FILE, RecordLog, SessionFacts, write_atomic, write_json
 from devices.session import Session, stamped
 from devices.spec import MethodRun, RunSpec, read_secret
@@ -70,12 +69,9 @@ class Device:
         spec.out.mkdir(parents=True, exist_ok=True)
 
     def _kind(self, run: MethodRun) -> str:
-        """What a run's stretches of compute are, for their references: the same model,
-        method, parameters, tokens, batch and threads do the same work on a host."""
-        params = json.dumps(self.methods[run.id][0].spec.params(), sort_keys=True, default=str)
-        spec = self.spec
+        spec, params = self.spec, self.methods[run.id][0].spec.params()
         tokens = self.sizes[spec.rank]
-        return f"{spec.model}|{run.method}|{params}|{tokens} tokens|b{spec.batch}|t{spec.threads}"
+        return run_kind(spec.model, run.method, params, tokens, spec.batch, spec.threads)
 
     def hello(self) -> dict[str, Any]:
         spec = self.spec

@@ -44,6 +44,7 @@ starts in its `progress` file (`Progress`), which the orchestrator reads.
 from __future__ import annotations
 
 import fcntl
+import json
 import mmap
 import os
 import struct
@@ -130,11 +131,25 @@ class Control:
 
 
 REFERENCE_PERCENTILE = 10  # of a stretch's warm samples: its cost from then on
-LEAST_SAMPLES = 4  # after the warm-ups a new stretch is learned from this many; and kept
+LEAST_SAMPLES = 4  # a stretch's reference is kept from this many samples, at least
 OVERRUN_TOLERANCE = 0.05  # of a stretch's target, and at least OVERRUN_MIN_S
 OVERRUN_MIN_S = 0.0003
 OVERSHOOT_WEIGHT = 0.1  # of each sleep's lateness in the running mean
 TURN_WAIT_S = 2.0  # at most, for the turn file's lock before a sampled stretch
+
+
+def run_kind(model: str, method: str, params: dict, tokens: int, batch: int, threads: int) -> str:
+    """What a run's stretches of compute are, for their references: the same model, method,
+    parameters, tokens, batch and threads do the same work on a host."""
+    written = json.dumps(params, sort_keys=True, default=str)
+    return f"{model}|{method}|{written}|{tokens} tokens|b{batch}|t{threads}"
+
+
+def knows_run(references: dict[str, float], kind: str) -> bool:
+    """Whether `references` hold the stretches a run of `kind` samples once an inference (its
+    embedding, and its first block's, learned with it): a warm-up gives them one sample each,
+    so the testbed gives a run that has none LEAST_SAMPLES warm-ups (testbed.sweep.sessions)."""
+    return f"{kind}|embed|" in references
 
 
 def low_percentile(samples: list[float], percent: float = REFERENCE_PERCENTILE) -> float:

@@ -13,10 +13,14 @@ are faster than the host.
 leaves the fleet's demand within the host's safe load: every device's CPUs x its fastest
 speed (a fraction of a host core per core; a gflops rate's speed may be above 1), divided by
 d, at most SAFE_LOAD of the host's cores less the emulator's reserve, and each device's one
-thread at most PER_THREAD_LOAD of a core. In virtual time (d > 1) a device of c cores is one
-host thread at c times its speed per core (testbed.sweep.fleets.folded_threads), so that thread
-carries c x speed / d of a core. A fixed d is refused, naming the d that would do, where a
-device's thread would need more than a whole core: speed > 1 at d = 1, c x speed > d above it.
+thread at most PER_THREAD_LOAD of a core. `auto` sees a busy host (NEAT's load-aware factor,
+taken once before the run): the cores that others' processes keep busy while it plans
+(host_busy_cores, in steps of STEP) are taken off the host's before SAFE_LOAD is applied, so
+one spinning process on two cores leaves the fleet one core's safe load. In virtual time
+(d > 1) a device of c cores is one host thread at c times its speed per core
+(testbed.sweep.fleets.folded_threads), so that thread carries c x speed / d of a core. A fixed
+d is refused, naming the d that would do, where a device's thread would need more than a
+whole core: speed > 1 at d = 1, c x speed > d above it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testbed.errors import ConfigError
@@ -34,11 +40,14 @@ if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment
 
 # the share of the host's cores the devices' paced compute may take on average: above it,
-# the paced stretches of devices that compute at once start to overrun (bench/bench_dilation.py)
-SAFE_LOAD = 0.6
+# the paced stretches of devices that compute at once start to overrun (bench/bench_dilation.py
+# robustness: at 0.6, P = 3 Astra at d = 1.5 overran 13-17 stretches in 2 quiet runs of 6 and
+# its median block moved 2-5%; docs/devices.md, Virtual time)
+SAFE_LOAD = 0.5
 PER_THREAD_LOAD = 0.8  # one device's thread: the rest of its core is its pace's slack
 EMULATOR_RESERVE_CORES = {"serial": 0.25}  # the userspace link's switch; tbf is the kernel's
 STEP = 0.25
+MIN_BUDGET = 0.1  # host cores: what a host busy to its last core still gives the fleet
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class Dilation:
     budget_cores: float  # what the host gives it safely
     asked: str  # "auto" or the experiment's number
     heaviest: float = 0.0  # the most a device's one thread carries in virtual time (c x speed)
+    busy_cores: float = 0.0  # the host's cores others kept busy when auto planned
 
     @property
     def needed(self) -> float:
@@ -62,6 +72,8 @@ class Dilation:
             f"the fleet asks {self.demand_cores:.2f} host cores (fastest device "
             f"{self.fastest:.2f} of a core per core), {self.budget_cores:.2f} are safe here"
         )
+        if self.busy_cores:
+            why += f" ({self.busy_cores:g} of the host's cores busy with other work)"
         if self.factor < self.needed:
             why += f"; auto would pick {self.needed:g} (below it the devices' compute may overrun)"
         return f"d = {self.factor:g} ({self.asked}): {why}"
@@ -84,6 +96,34 @@ def _steps(raw: float) -> float:
 
 def host_cores() -> int:
     return len(os.sched_getaffinity(0))
+
+
+BUSY_WINDOW_S = 0.25  # /proc/stat counts in 10 ms ticks: 50 a window on two cores
+
+
+def host_busy_cores(window_s: float = BUSY_WINDOW_S) -> float:
+    """The host's cores kept busy by other processes over `window_s` (this process's own CPU
+    time taken off), to the nearest STEP, at most all but one STEP of the host's cores."""
+    tick = os.sysconf("SC_CLK_TCK")
+    busy, own, began = _busy_ticks(), _own_s(), time.monotonic()
+    time.sleep(window_s)
+    elapsed = time.monotonic() - began
+    others = (_busy_ticks() - busy) / tick - (_own_s() - own)
+    cores = round(max(0.0, others / elapsed) / STEP) * STEP
+    return min(cores, host_cores() - STEP)
+
+
+def _busy_ticks() -> int:
+    """Every CPU's time not idle (user, nice, system, irq, softirq, steal), in ticks."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+        int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    return user + nice + system + irq + softirq + steal
+
+
+def _own_s() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 @dataclass
@@ -128,13 +168,18 @@ def resolve_dilation(
     host_gflops: float | None,
     emulator: str,
     cores: int | None = None,
+    busy_cores: float = 0.0,
 ) -> Dilation:
-    """The dilation of `count` devices' sessions. ConfigError names `dilation` where the
-    experiment's fixed d is below what the fleet needs."""
+    """The dilation of `count` devices' sessions, on `cores` (the host's) of which `busy_cores`
+    are others'. ConfigError names `dilation` where the experiment's fixed d is below what the
+    fleet needs."""
     demand = fleet_demand(experiment, count, host_gflops)
-    budget = SAFE_LOAD * (cores or host_cores()) - EMULATOR_RESERVE_CORES.get(emulator, 0.0)
+    free = (cores or host_cores()) - busy_cores
+    budget = max(MIN_BUDGET, SAFE_LOAD * free - EMULATOR_RESERVE_CORES.get(emulator, 0.0))
     asked = experiment.dilation
-    picked = Dilation(1.0, demand.cores, demand.fastest, budget, "auto", demand.heaviest)
+    picked = Dilation(
+        1.0, demand.cores, demand.fastest, budget, "auto", demand.heaviest, busy_cores
+    )
     if asked == "auto":
         return dataclasses.replace(picked, factor=picked.needed)
     chosen = dataclasses.replace(picked, factor=float(asked), asked=f"{asked:g}")

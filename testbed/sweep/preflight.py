@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from testbed.backends.base import Backend
 from testbed.backends.table import backend_class
 from testbed.errors import ConfigError
-from testbed.experiment.dilation import Dilation, resolve_dilation
+from testbed.experiment.dilation import Dilation, host_busy_cores, resolve_dilation
 from testbed.experiment.fleet import resources
 from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.level_accuracy import check_covered, load_level_accuracy
@@ -91,10 +91,12 @@ def check_experiment(experiment: Experiment, backend_name: str, source: str) -> 
 def _dilations(
     experiment: Experiment, host_gflops: float | None, emulator: type[Emulator], source: str
 ) -> dict[int, Dilation]:
-    """Every device count's dilation; ConfigError where a fixed one is too low."""
+    """Every device count's dilation; ConfigError where a fixed one is too low. `auto` looks
+    at the host's load once, for every count."""
+    busy = host_busy_cores() if experiment.dilation == "auto" else 0.0
     try:
         return {
-            count: resolve_dilation(experiment, count, host_gflops, emulator.name)
+            count: resolve_dilation(experiment, count, host_gflops, emulator.name, None, busy)
             for count in experiment.devices.count
         }
     except ConfigError as error:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from devices.pace import LEAST_SAMPLES, knows_run, run_kind
 from devices.records import DeviceRecords, read_records
 from devices.spec import MethodRun, RunSpec
 from testbed.backends.base import Backend, Device, ExecResult, Process
@@ -39,6 +40,7 @@ from testbed.sweep import stretch_costs
 from testbed.sweep.bundles import RunFiles
 from testbed.sweep.plan import Trial, fleet_label, impairment_label
 from testbed.sweep.timeline import Hands, SessionTimeline
+from tracevq.spec import method_spec
 
 log = logging.getLogger(__name__)
 
@@ -148,16 +150,18 @@ def device_spec(
     experiment: Experiment,
     session: Session,
     device: Device,
-    peers: list[str],
+    devices: list[Device],
     out: Path,
 ) -> RunSpec:
-    """What `device` runs: every trial of the session, paths as the device sees them."""
+    """What `device`, one of the session's `devices`, runs: every trial of the session, paths
+    as the device sees it."""
 
     def seen(path: Path | None) -> Path | None:
         return None if path is None else Path(backend.device_path(path))
 
     files, link, fleet = session.files, session.link, session.fleet
     timeline = None if fleet is None else fleet.timeline
+    references = stretch_costs.known(experiment.model.name) if type(backend).on_this_host else {}
     d = 1.0 if fleet is None else fleet.dilation
 
     runs = [
@@ -172,13 +176,13 @@ def device_spec(
     ]
     return RunSpec(
         rank=device.rank,
-        peers=peers,
+        peers=[f"{d.address}:{session.port}" for d in devices],
         model=experiment.model.name,
         checkpoint=seen(files.checkpoint),
         model_seed=experiment.model.seed,
         runs=runs,
         batch=experiment.batch,
-        warmup=experiment.warmup,
+        warmup=session_warmup(experiment, session, devices, references),
         threads=device.threads if fleet is None else fleet.threads(device),
         inputs=seen(files.inputs),
         out=Path(backend.output_path(device, out)),
@@ -186,7 +190,7 @@ def device_spec(
         recv_timeout_s=experiment.timeout_s * d,
         rate_mbit=link.measured_mbit.get(device.rank, link.rate_mbit) / d,
         clock_skew_s=backend.clock_skews_s.get(device.rank, 0.0),
-        references=stretch_costs.known(experiment.model.name) if type(backend).on_this_host else {},
+        references=references,
         secret_file=backend.secret_files.get(device.rank),
         partition=None if fleet is None else fleet.sizes,
         speed=1.0 if fleet is None else fleet.worker_speed(device.rank),
@@ -194,6 +198,31 @@ def device_spec(
         turn_file=seen(session.directory / TURN_FILE) if type(backend).on_this_host else None,
         holds=[] if timeline is None else timeline.holds(device.rank),
     )
+
+
+def session_warmup(
+    experiment: Experiment, session: Session, devices: list[Device], references: dict[str, float]
+) -> int:
+    """The session's warm-ups: the experiment's, or LEAST_SAMPLES where a paced device's run
+    has no references on this host yet. A warm-up samples a run's embedding and its first
+    block's stretches once (devices.pace.knows_run): a reference from one sample is the
+    host's mood at the run's first inference (Astra's first block 6.5 ms in one run, 18.3 ms
+    beside a busy process in the next), and it is never kept."""
+    fleet = session.fleet
+    if fleet is None or experiment.warmup >= LEAST_SAMPLES:
+        return experiment.warmup
+    for device in devices:
+        if fleet.worker_speed(device.rank) >= 1.0:
+            continue  # unpaced: its references are not used
+        for trial in session.trials:
+            params = method_spec(trial.method, **trial.method_params).params()
+            tokens, threads = fleet.sizes[device.rank], fleet.threads(device)
+            kind = run_kind(
+                experiment.model.name, trial.method, params, tokens, experiment.batch, threads
+            )
+            if not knows_run(references, kind):
+                return LEAST_SAMPLES
+    return experiment.warmup
 
 
 def run_workers(
@@ -263,7 +292,6 @@ def run_session(
     trials, directory, files = session.trials, session.directory, session.files
     fleet, replay, gone = session.fleet, session.replay, links.gone
     devices = list(links.devices)
-    peers = [f"{d.address}:{session.port}" for d in devices]
     outs = {d.rank: directory / f"rank{d.rank}" for d in devices}
     timeline = None if fleet is None else fleet.timeline
     if timeline is not None:
@@ -273,7 +301,7 @@ def run_session(
     argvs = []
     for device in devices:
         outs[device.rank].mkdir(parents=True, exist_ok=True)
-        spec = device_spec(backend, experiment, session, device, peers, outs[device.rank])
+        spec = device_spec(backend, experiment, session, device, devices, outs[device.rank])
         path = spec.write(outs[device.rank] / "spec.json")
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
     before = links.counters()

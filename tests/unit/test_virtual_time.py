@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from devices import pace as pace_module
-from devices.pace import Control, Pace, low_percentile
+from devices.pace import LEAST_SAMPLES, Control, Pace, knows_run, low_percentile, run_kind
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
 from testbed.backends.base import Device
 from testbed.backends.local import LocalBackend
 from testbed.errors import ConfigError
-from testbed.experiment.dilation import needed_factor, resolve_dilation
+from testbed.experiment.dilation import host_busy_cores, needed_factor, resolve_dilation
 from testbed.experiment.profiles import LinkProfile
 from testbed.experiment.schema import parse_experiment
 from testbed.link.links import LinkState
@@ -25,8 +25,9 @@ from testbed.results.facts import AppliedEvent, HostSessionFacts
 from testbed.sweep.bundles import RunFiles
 from testbed.sweep.fleets import session_fleet
 from testbed.sweep.plan import plan_trials
-from testbed.sweep.sessions import Session, SessionOutcome, device_spec
+from testbed.sweep.sessions import Session, SessionOutcome, device_spec, session_warmup
 from testbed.sweep.virtual_time import virtual
+from tracevq.spec import method_spec
 
 
 def experiment(**fields):
@@ -34,10 +35,10 @@ def experiment(**fields):
 
 
 def test_auto_picks_the_least_step_that_fits_the_fleet_in_the_safe_load():
-    # 2 cores: 0.6 x 2 - 0.25 (the serial emulator) = 0.95 safe; two full cores ask for 2
+    # 2 cores: 0.5 x 2 - 0.25 (the serial emulator) = 0.75 safe; two full cores ask for 2
     picked = resolve_dilation(experiment(dilation="auto"), 2, None, "serial", cores=2)
-    assert (picked.factor, picked.demand_cores, picked.budget_cores) == (2.25, 2.0, 0.95)
-    assert picked.describe().startswith("d = 2.25 (auto): the fleet asks 2.00 host cores")
+    assert (picked.factor, picked.demand_cores, picked.budget_cores) == (2.75, 2.0, 0.75)
+    assert picked.describe().startswith("d = 2.75 (auto): the fleet asks 2.00 host cores")
     # a timeline that speeds a device up later counts at its fastest
     fast = experiment(
         dilation="auto",
@@ -48,13 +49,44 @@ def test_auto_picks_the_least_step_that_fits_the_fleet_in_the_safe_load():
     assert needed_factor(0.1, 0.1, 0.95) == 1.0
 
 
+def test_auto_leaves_out_the_cores_others_keep_busy():
+    # the robustness fleet (0.5, 0.5, 0.25 of a core) beside one spinning process on 2 cores:
+    # 0.5 x (2 - 1) - 0.25 = 0.25 safe for 1.25 asked, d = 5 (1.75 on a quiet host)
+    fleet = experiment(dilation="auto", devices={"count": [3], "speed": [0.5, 0.5, 0.25]})
+    assert resolve_dilation(fleet, 3, None, "serial", cores=2).factor == 1.75
+    busy = resolve_dilation(fleet, 3, None, "serial", cores=2, busy_cores=1.0)
+    assert (busy.factor, busy.budget_cores) == (5.0, pytest.approx(0.25))
+    assert "(1 of the host's cores busy with other work)" in busy.describe()
+    # a host busy to its last core still gives the fleet MIN_BUDGET: a large d, not a crash
+    assert resolve_dilation(fleet, 3, None, "serial", cores=2, busy_cores=1.75).factor == 12.5
+
+
+def test_the_hosts_busy_cores_count_a_spinning_process_and_not_this_one():
+    quiet = host_busy_cores()
+    spinner = multiprocessing.Process(target=_spin, args=(30.0,))
+    spinner.start()
+    try:
+        time.sleep(0.3)
+        busy = host_busy_cores()
+    finally:
+        spinner.kill()
+        spinner.join()
+    assert busy - quiet == pytest.approx(1.0, abs=0.25), (quiet, busy)
+
+
+def _spin(seconds: float) -> None:
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends:
+        pass
+
+
 def test_a_fixed_dilation_too_low_for_a_fast_device_is_refused_naming_the_one_needed():
     with pytest.raises(
         ConfigError, match=r"dilation: 2 is too low for P=2: device 1 computes at 3.00"
     ):
         resolve_dilation(experiment(dilation=2, devices={"speed": [1, 3]}), 2, None, "serial")
     fits = resolve_dilation(experiment(dilation=3, devices={"speed": [1, 3]}), 2, None, "serial", 2)
-    assert fits.factor == 3 and "auto would pick 4.25" in fits.describe()
+    assert fits.factor == 3 and "auto would pick 5.5" in fits.describe()
 
 
 def test_a_link_on_the_hosts_clock_has_every_time_d_times_and_nothing_else():
@@ -247,9 +279,11 @@ def test_a_dilated_device_of_two_cores_is_one_host_thread_at_twice_its_speed(tmp
     _, fleet = session_fleet(exp, trials, tmp_path / "s", None, {}, live, 4.0)
     assert fleet.folded == [2, 2] and fleet.worker_speed(1) == 0.75  # 1.5 x 2 / 4
     device = Device(1, "d1", "127.0.0.1", "lo", cpus=2, threads=2)
+    devices = [Device(0, "d0", "127.0.0.2", "lo", cpus=2, threads=2), device]
     session = Session(trials, tmp_path / "s", 7000, LinkState(10), RunFiles(), fleet)
-    spec = device_spec(backend, exp, session, device, ["h:1", "h:2"], tmp_path / "out")
+    spec = device_spec(backend, exp, session, device, devices, tmp_path / "out")
     assert (spec.threads, spec.speed, spec.rate_mbit) == (1, 0.75, 2.5)
+    assert spec.peers == ["127.0.0.2:7000", "127.0.0.1:7000"]
     timeline = fleet.timeline
     assert timeline is not None
     timeline.write_controls()
@@ -262,6 +296,26 @@ def test_a_dilated_device_of_two_cores_is_one_host_thread_at_twice_its_speed(tmp
     assert unfolded.folded == [1, 1] and unfolded.threads(device) == 2
 
 
+def test_a_paced_run_without_kept_references_warms_up_enough_to_keep_them(tmp_path):
+    """A warm-up samples a run's embedding and first block once: a paced session whose runs
+    this host has no references for warms up LEAST_SAMPLES times, every device alike, and
+    the experiment's warm-ups once every device's run is known (by the worker's own kind)."""
+    exp = experiment(devices={"count": [2], "speed": 0.5}, warmup=1)
+    trials = plan_trials(exp)
+    _, fleet = session_fleet(exp, trials, tmp_path / "s", None, {}, {0: None, 1: None}, 1.0)
+    session = Session(trials, tmp_path / "s", 7000, LinkState(10), RunFiles(), fleet)
+    devices = [Device(rank, f"d{rank}", "127.0.0.1", "lo", cpus=1, threads=1) for rank in (0, 1)]
+    assert session_warmup(exp, session, devices, {}) == LEAST_SAMPLES
+    params = method_spec("voltage").params()
+    kinds = [run_kind("vit-b16", "voltage", params, tokens, 1, 1) for tokens in fleet.sizes]
+    assert session_warmup(exp, session, devices, {f"{kinds[0]}|embed|": 1e-3}) == LEAST_SAMPLES
+    known = {f"{kind}|embed|": 1e-3 for kind in kinds}
+    assert session_warmup(exp, session, devices, known) == 1
+    assert knows_run(known, kinds[1]) and not knows_run(known, kinds[1].replace("b1", "b2"))
+    unpaced = Session(trials, tmp_path / "s", 7000, LinkState(10), RunFiles(), None)
+    assert session_warmup(exp, unpaced, devices, {}) == 1
+
+
 def test_a_fixed_dilation_too_low_for_a_folded_device_is_refused():
     exp = experiment(dilation=2, devices={"cpus": 2, "speed": 1.5, "oversubscribe": True})
     with pytest.raises(
@@ -269,7 +323,7 @@ def test_a_fixed_dilation_too_low_for_a_folded_device_is_refused():
     ):
         resolve_dilation(exp, 2, None, "serial", cores=2)
     auto = resolve_dilation(exp.model_copy(update={"dilation": "auto"}), 2, None, "serial", 2)
-    assert auto.factor == 6.5 and auto.heaviest == 3.0  # the demand, 6 cores / 0.95
+    assert auto.factor == 8.0 and auto.heaviest == 3.0  # the demand, 6 cores / 0.75
     # a device's thread alone: 1 core on a big host, d = 3.75 for 3 host cores on one thread
     one = experiment(dilation="auto", devices={"count": [1], "cpus": 2, "speed": 1.5})
     assert resolve_dilation(one, 1, None, "tbf", cores=64).factor == 3.75
