@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 # the share of the host's cores the devices' paced compute may take on average: above it,
 # the paced stretches of devices that compute at once start to overrun (bench/bench_dilation.py
-# robustness: at 0.6, P = 3 Astra at d = 1.5 overran 13-17 stretches in 2 quiet runs of 6 and
+# robustness: at 0.6, P = 3 Astra at d = 1.5 overran 13-17 stretches in 2 quiet runs of 4 and
 # its median block moved 2-5%; docs/devices.md, Virtual time)
 SAFE_LOAD = 0.5
 PER_THREAD_LOAD = 0.8  # one device's thread: the rest of its core is its pace's slack
