@@ -176,7 +176,7 @@ def device_spec(
     ]
     return RunSpec(
         rank=device.rank,
-        peers=[f"{d.address}:{session.port}" for d in devices],
+        peers=[f"{peer.address}:{session.port}" for peer in devices],
         model=experiment.model.name,
         checkpoint=seen(files.checkpoint),
         model_seed=experiment.model.seed,
