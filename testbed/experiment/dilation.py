@@ -103,14 +103,13 @@ BUSY_WINDOW_S = 0.25  # /proc/stat counts in 10 ms ticks: 50 a window on two cor
 
 def host_busy_cores(window_s: float = BUSY_WINDOW_S) -> float:
     """The host's cores kept busy by other processes over `window_s` (this process's own CPU
-    time taken off), to the nearest STEP, at most all but one STEP of the host's cores."""
+    time taken off), to the nearest STEP."""
     tick = os.sysconf("SC_CLK_TCK")
     busy, own, began = _busy_ticks(), _own_s(), time.monotonic()
     time.sleep(window_s)
     elapsed = time.monotonic() - began
     others = (_busy_ticks() - busy) / tick - (_own_s() - own)
-    cores = round(max(0.0, others / elapsed) / STEP) * STEP
-    return min(cores, host_cores() - STEP)
+    return round(max(0.0, others / elapsed) / STEP) * STEP
 
 
 def _busy_ticks() -> int:

@@ -40,7 +40,6 @@ from testbed.sweep import stretch_costs
 from testbed.sweep.bundles import RunFiles
 from testbed.sweep.plan import Trial, fleet_label, impairment_label
 from testbed.sweep.timeline import Hands, SessionTimeline
-from tracevq.spec import method_spec
 
 log = logging.getLogger(__name__)
 
@@ -211,11 +210,10 @@ def session_warmup(
     fleet = session.fleet
     if fleet is None or experiment.warmup >= LEAST_SAMPLES:
         return experiment.warmup
-    for device in devices:
-        if fleet.worker_speed(device.rank) >= 1.0:
-            continue  # unpaced: its references are not used
-        for trial in session.trials:
-            params = method_spec(trial.method, **trial.method_params).params()
+    paced = [device for device in devices if fleet.worker_speed(device.rank) < 1.0]
+    for trial in session.trials:
+        params = trial.spec.params()
+        for device in paced:
             tokens, threads = fleet.sizes[device.rank], fleet.threads(device)
             kind = run_kind(
                 experiment.model.name, trial.method, params, tokens, experiment.batch, threads
