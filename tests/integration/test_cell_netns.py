@@ -88,7 +88,9 @@ print(json.dumps(arrivals))
 """
 
 # The datagram's first byte names its sender; its departure is the kernel's transmit
-# timestamp (SO_TIMESTAMPING, software: taken as the veth takes the frame, after the qdisc)
+# timestamp (SO_TIMESTAMPING, software: taken as the veth takes the frame, after the qdisc).
+# A sender sleeps until every frame is due before it exits: two interpreters shutting down on
+# the two cores just as the emulator's threads wake to forward made a frame 0.5 ms late in CI.
 ONE_FRAME_SENDER = """
 import socket, struct, sys, time
 SO_TIMESTAMPING, TX_SOFTWARE, SOFTWARE, TSONLY = 37, 1 << 1, 1 << 4, 1 << 11
@@ -109,7 +111,8 @@ for _ in range(1000):
     for level, kind, data in ancillary:
         if (level, kind) == (socket.SOL_SOCKET, SO_TIMESTAMPING):
             seconds, nanoseconds = struct.unpack("qq", data[:16])
-            print(seconds + nanoseconds / 1e9)
+            print(seconds + nanoseconds / 1e9, flush=True)
+            time.sleep(max(0.0, at + 0.1 - time.time()))  # exit after the frames are due
             sys.exit(0)
 sys.exit("no transmit timestamp")
 """
