@@ -77,7 +77,7 @@ class Job:
 
 def rule_of(settings: Settings, name: str) -> tuple[CodebookRule, int | None]:
     section = settings.finetune.rules[name]
-    return CodebookRule(**section.model_dump(exclude={"code_dim"})), section.code_dim
+    return CodebookRule(**section.model_dump(exclude={"code_dim", "families"})), section.code_dim
 
 
 def fit_of(job: Job, settings: Settings) -> Fit:
@@ -133,6 +133,8 @@ def run_job(
             model, codec, job.spec, splits.train, settings.finetune, settings.base, job.seed
         )
         info["final_loss"] = sum(losses[-10:]) / max(1, len(losses[-10:]))
+        if settings.finetune.refresh:
+            info["refreshed"] = refresh(model, codec, job.spec, splits, settings)
         every = job.variant == default_rule and job.family in settings.finetune.metric_families
         metrics = settings.codebooks.metrics if every else settings.codebooks.metrics[:1]
     info["val_accuracy"] = validation_accuracy(model, job.spec, quantizers, splits, settings)
@@ -165,6 +167,24 @@ def run_job(
         # the placement the method resolved (a default named), not the job's None
         row.update(asdict(job) | {"placement": row["placement"]}, val_accuracy=info["val_accuracy"])
     return rows, info
+
+
+def refresh(
+    model: VisionTransformer,
+    codec: TrainingCodec,
+    method: MethodSpec,
+    splits: Splits,
+    settings: Settings,
+) -> int:
+    """The codebook refresh on the fine-tuned model (finetune.refresh) over the calibration
+    images, in the P-device forward at the first evaluated device count."""
+    calibration = splits.train.take(slice(0, settings.codebooks.calibration_images))
+    devices = settings.evaluation.devices[0]
+
+    def forward(images: torch.Tensor) -> torch.Tensor:
+        return distributed_logits(model, images, devices, method, codec)
+
+    return codec.refresh(forward, calibration, settings.evaluation.batch_size)
 
 
 def run_control(

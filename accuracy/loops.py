@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -101,6 +102,56 @@ def train_base(
     return losses
 
 
+def parameter_groups(
+    model: VisionTransformer, codec: TrainingCodec, section: FinetuneSection
+) -> list[dict[str, object]]:
+    """AdamW's groups for fine-tuning, each with its `base_lr`: under `decay: matrices` no weight
+    decay on norms, biases, the class token, the position embedding and the codec; the codec
+    (gradient codebooks, d_q projections) at `codebook_lr`."""
+    matrices_only = section.decay == "matrices"
+
+    def decays(name: str, parameter: Tensor) -> bool:
+        return not matrices_only or (parameter.ndim >= 2 and name not in NO_DECAY)
+
+    named = list(model.named_parameters())
+    codebook_lr = section.lr if section.codebook_lr is None else section.codebook_lr
+    groups = [
+        (section.lr, section.weight_decay, [p for n, p in named if decays(n, p)]),
+        (section.lr, 0.0, [p for n, p in named if not decays(n, p)]),
+        (codebook_lr, 0.0 if matrices_only else section.weight_decay, list(codec.parameters())),
+    ]
+    return [
+        {"params": params, "lr": lr, "base_lr": lr, "weight_decay": decay}
+        for lr, decay, params in groups
+        if params
+    ]
+
+
+NO_DECAY = ("cls_token", "pos_embed")  # embeddings kept out of weight decay with the norms
+
+
+def task_loss(
+    logits: Tensor,
+    labels: Tensor,
+    taught: Tensor | None,
+    section: FinetuneSection,
+    smoothing: float,
+) -> Tensor:
+    """Cross-entropy against the labels, or with `section.distill` blended with the KL
+    divergence from the teacher's logits `taught` at the distillation's temperature."""
+    hard = F.cross_entropy(logits, labels, label_smoothing=smoothing)
+    if section.distill is None or taught is None:
+        return hard
+    temperature, weight = section.distill.temperature, section.distill.weight
+    soft = F.kl_div(
+        F.log_softmax(logits / temperature, dim=1),
+        F.log_softmax(taught / temperature, dim=1),
+        log_target=True,
+        reduction="batchmean",
+    )
+    return (1 - weight) * hard + weight * temperature**2 * soft
+
+
 def finetune(
     model: VisionTransformer,
     codec: TrainingCodec,
@@ -113,23 +164,33 @@ def finetune(
 ) -> list[float]:
     """Fine-tune model and codebooks in the differentiable P-device forward of `method` (a
     Trace method at its placement, with its remote_ffn); P alternates over `section.devices`
-    step by step. Returns the loss of every step."""
+    step by step. With `section.distill` the teacher is a frozen copy of `model` as it comes
+    in (the base model). Returns the loss of every step."""
     generator = torch.Generator().manual_seed(seed)
-    parameters = [*model.parameters(), *codec.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=section.lr, weight_decay=section.weight_decay)
+    teacher = None
+    if section.distill is not None:
+        teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(parameter_groups(model, codec, section))
+    steps = section.total_steps(len(train))
+    warmup = steps // 10 + 1 if section.warmup_steps is None else section.warmup_steps
     model.train()
     codec.train()
     data = endless_batches(train, section.batch_size, generator)
     losses = []
-    bar = tqdm(range(section.steps), desc=f"fine-tune {method.name}", disable=not progress)
+    bar = tqdm(range(steps), desc=f"fine-tune {method.name}", disable=not progress)
     for step in bar:
         images, labels = next(data)
-        set_lr(optimizer, section.lr * cosine_lr(step, section.steps, section.steps // 10 + 1))
+        factor = cosine_lr(step, steps, warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = group["base_lr"] * factor
         devices = section.devices[step % len(section.devices)]
         images = augmented(images, augment, generator)
         logits = distributed_logits(model, images, devices, method, codec)
-        task = F.cross_entropy(logits, labels, label_smoothing=augment.label_smoothing)
-        loss = task + codec.loss()
+        taught = None
+        if teacher is not None:
+            with torch.no_grad():
+                taught = teacher(images)
+        loss = task_loss(logits, labels, taught, section, augment.label_smoothing) + codec.loss()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

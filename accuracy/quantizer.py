@@ -12,6 +12,10 @@ quantiser; the paper's Table VIII):
 - `gradient`: the codebook is a parameter moved by the optimiser through the codebook loss
   ||sg(z) - e||^2 (VQ-VAE); usage is still tracked by the EMA counts.
 
+With `noise` (Astra's noise-augmented quantisation, its authors' lambda), training adds to
+every codeword a receiver sees Gaussian noise with, per dimension, the batch's residual
+z - e standard deviation times lambda; evaluation sees the codeword alone.
+
 Either way a code is dead when its EMA count falls below `dead_fraction` times the mean
 count; a dead code restarts on a random row of the current batch, with the mean count.
 The commitment loss ||z - sg(e)||^2 pulls the encoder output z towards its codeword. With a
@@ -24,7 +28,7 @@ P-device forward (`tracevq.distributed.distributed_logits`) takes its codewords 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +47,7 @@ class CodebookRule:
     epsilon: float = 1e-5  # Laplace smoothing of the EMA counts
     dead_fraction: float = 0.03  # dead below this fraction of the mean EMA count
     commitment: float = 0.25  # weight of ||z - sg(e)||^2
+    noise: float = 0.0  # Astra's noise-augmented quantisation: lambda (0: off)
 
 
 class TrainableQuantizer(nn.Module):
@@ -76,8 +81,16 @@ class TrainableQuantizer(nn.Module):
             self.loss = self.loss + F.mse_loss(chosen, z.detach())
         self._batch = (z.detach(), indices)
         straight = z + (chosen - z).detach()
+        if self.training and self.rule.noise > 0:
+            straight = straight + self._noise(z.detach() - chosen.detach())
         decoded = straight if self.vq.project_out is None else self.vq.project_out(straight)
         return decoded.reshape(x.shape)
+
+    def _noise(self, residual: Tensor) -> Tensor:
+        """Gaussian noise shaped like the quantisation residual: per dimension the residual's
+        standard deviation over the batch's rows, times the rule's lambda."""
+        scale = self.rule.noise * residual.std(dim=0, keepdim=True)
+        return scale * torch.randn(residual.shape, generator=self.generator)
 
     @torch.no_grad()
     def update(self) -> int:
@@ -154,3 +167,28 @@ class TrainingCodec(nn.Module):
     def sync(self) -> None:
         for q in self.quantizers:
             q.sync()
+
+    @torch.no_grad()
+    def refresh(self, forward: Callable[[Tensor], Tensor], images: Tensor, batch: int) -> int:
+        """One Lloyd step on the final model: every codeword chosen by some row that the
+        exchange points see over `forward(images)` becomes the mean of those rows (the EMA
+        counts follow, at their old total); the others stay. Returns the codewords moved."""
+        sums = [torch.zeros_like(q.codewords()) for q in self.quantizers]
+        counts = [torch.zeros(q.vq.num_codes) for q in self.quantizers]
+        for chunk in images.split(batch):
+            forward(chunk)
+            for q, total, count in zip(self.quantizers, sums, counts, strict=True):
+                assert q._batch is not None, "an exchange point saw no rows"
+                rows, indices = q._batch
+                q._batch = None
+                total.index_add_(0, indices, rows)
+                count += torch.bincount(indices, minlength=len(count)).to(count.dtype)
+        moved = 0
+        for q, total, count in zip(self.quantizers, sums, counts, strict=True):
+            used = count > 0
+            codebook = q.codewords().detach().clone()
+            codebook[used] = total[used] / count[used].unsqueeze(1)
+            q.sync(codebook)
+            q.vq.ema_counts.copy_(count * (q.vq.ema_counts.sum() / count.sum()))
+            moved += int(used.sum())
+        return moved

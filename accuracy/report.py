@@ -67,7 +67,10 @@ def _order(row: pd.Series) -> tuple:
     )
 
 
-def method_table(frame: pd.DataFrame, main_K: int, default_rule: str) -> pd.DataFrame:
+def method_table(frame: pd.DataFrame, main_K: int, rules: list[str]) -> pd.DataFrame:
+    """Table III: the baselines, and each codebook method at main_K, k-means and fine-tuned by
+    the first of `rules` (and by the others: a method's own recipe)."""
+    default_rule = rules[0]
     exact = frame["method"].isin(exact_methods())
     baseline = frame[(frame["variant"] == "base") | (exact & (frame["variant"] == default_rule))]
     vq = frame[
@@ -75,7 +78,7 @@ def method_table(frame: pd.DataFrame, main_K: int, default_rule: str) -> pd.Data
         & (frame["K"] == main_K)
         & (frame["finest"] == True)  # noqa: E712 - pandas element-wise comparison
         & (frame["metric"] == frame["metric"].dropna().iloc[0])
-        & frame["variant"].isin(["kmeans", default_rule])
+        & frame["variant"].isin(["kmeans", *rules])
     ]
     table = pd.concat([baseline, vq])
     order = {label(row): _order(row) for _, row in table.iterrows()}
@@ -100,7 +103,8 @@ def write_report(rows: list[dict[str, object]], settings: Settings, directory: P
     vq = frame[frame["method"].isin(codebook_methods())]
     finest = vq[(vq["finest"] == True) & (vq["metric"] == metric)]  # noqa: E712
     tables: dict[str, pd.DataFrame] = {}
-    tables["table3_methods"] = method_table(frame, main_K, rules[0])
+    own = [name for name, rule in settings.finetune.rules.items() if rule.families is not None]
+    tables["table3_methods"] = method_table(frame, main_K, [rules[0], *own])
     tables["table_codebook_sizes"] = aggregate(
         finest[finest["variant"].isin(["kmeans", rules[0]])], ["method", "variant", "K", "devices"]
     )

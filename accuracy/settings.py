@@ -7,11 +7,19 @@ table's (`tracevq.method_table`): its codebook methods, or its Trace methods.
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tracevq.config import known_model_name, model_config
 from tracevq.errors import ConfigError
@@ -91,7 +99,13 @@ class RuleSection(Strict):
     epsilon: float = Field(1e-5, gt=0)
     dead_fraction: float = Field(0.03, ge=0, lt=1)
     commitment: float = Field(0.25, ge=0)
+    noise: float = Field(0.0, ge=0)  # Astra's noise-augmented quantisation (lambda); 0: off
     code_dim: int | None = Field(None, ge=1)
+    # the families this rule is tried for besides the first rule (None: finetune.rule_families);
+    # a rule that names its families is their own recipe and shows in Table III
+    families: list[str] | None = None
+
+    _families = field_validator("families")(_codebook_methods)
 
 
 class CodebookSection(Strict):
@@ -131,14 +145,32 @@ class CodebookSection(Strict):
         return sizes
 
 
+class DistillSection(Strict):
+    """Distillation from the frozen base model: the loss against the labels weighs 1 - weight,
+    the teacher's softened distribution (temperature T; KL scaled by T^2) weighs `weight`."""
+
+    temperature: float = Field(2.0, gt=0)
+    weight: float = Field(0.5, ge=0, le=1)
+
+
 class FinetuneSection(Strict):
     """VQ fine-tuning in the differentiable P-device forward (a P drawn per step)."""
 
     K: list[int] = Field(default_factory=lambda: [1024])  # sizes fine-tuned (others k-means)
     steps: int = Field(60, ge=0)
+    epochs: float | None = Field(None, gt=0)  # instead of steps: passes over the training split
     batch_size: int = Field(64, ge=1)
     lr: float = Field(5e-4, gt=0)
+    codebook_lr: float | None = Field(None, gt=0)  # gradient codebooks, d_q projections; None: lr
+    warmup_steps: int | None = Field(None, ge=0)  # linear warm-up; None: a tenth of the steps
     weight_decay: float = Field(0.05, ge=0)
+    # "matrices": weight decay on the weight matrices only, none on norms, biases, the class
+    # token, the position embedding and the codebooks; "all": on every parameter
+    decay: Literal["all", "matrices"] = "all"
+    distill: DistillSection | None = None  # None: the labels only
+    # after fine-tuning, each codeword becomes the mean of the final model's calibration rows
+    # that choose it (one Lloyd step from the trained codebook; the trees are built after it)
+    refresh: bool = False
     devices: list[int] = Field(default_factory=lambda: [2, 3])
     rules: dict[str, RuleSection] = Field(default_factory=lambda: {"ema": RuleSection()})
     rule_families: list[str] = Field(
@@ -149,6 +181,22 @@ class FinetuneSection(Strict):
     )  # families whose default-rule codebooks get trees by every metric (Table VII)
 
     _families = field_validator("rule_families", "metric_families")(_codebook_methods)
+
+    @property
+    def tunes(self) -> bool:
+        return self.epochs is not None or self.steps > 0
+
+    def total_steps(self, train_size: int) -> int:
+        """The steps: `steps`, or `epochs` passes over `train_size` images in batches."""
+        if self.epochs is None:
+            return self.steps
+        return max(1, math.ceil(self.epochs * train_size / self.batch_size))
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> FinetuneSection:
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            raise ValueError("give steps or epochs, not both")
+        return self
 
     @field_validator("rules")
     @classmethod

@@ -97,7 +97,7 @@ def base_model(
     model = tracevq.build_model(settings.model.name, seed=settings.base.seed)
     if settings.model.checkpoint is not None:
         given, base = settings.model, settings.base
-        if settings.finetune.steps and "base" not in settings.model_fields_set:
+        if settings.finetune.tunes and "base" not in settings.model_fields_set:
             log.warning(  # base: is not trained from, but it sets the fine-tuning's augmentation
                 "%s: fine-tuning augments with base:'s defaults (shift_px %d, flip %s); "
                 "give base: to choose",
@@ -144,17 +144,22 @@ def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
     device), as a control."""
     rules = list(settings.finetune.rules)
     main_K = max(settings.finetune.K, default=0)
+
+    def rule_families(rule: str) -> list[str]:
+        named = settings.finetune.rules[rule].families
+        return settings.finetune.rule_families if named is None else named
+
     fits: dict[Fit, None] = {}
     jobs = []
     for seed in settings.seeds:
         for K in settings.codebooks.K:
-            tuned = K in settings.finetune.K and settings.finetune.steps > 0
+            tuned = K in settings.finetune.K and settings.finetune.tunes
             for family in settings.codebooks.families:
                 variants = ["kmeans"] if settings.codebooks.evaluate_kmeans or not tuned else []
                 if tuned:
                     variants.append(rules[0])
-                    if K == main_K and family in settings.finetune.rule_families:
-                        variants.extend(rules[1:])
+                    if K == main_K:
+                        variants.extend(r for r in rules[1:] if family in rule_families(r))
                 cases: list[tuple[str | None, bool]] = [
                     (p, ffn)
                     for p in settings.codebooks.placements
@@ -169,7 +174,7 @@ def plan(settings: Settings) -> tuple[list[Fit], list[Job]]:
                 )
     for job in jobs:
         fits[fit_of(job, settings)] = None
-    if main_K and settings.finetune.steps > 0:  # the control: same training, no codebooks
+    if main_K and settings.finetune.tunes:  # the control: same training, no codebooks
         control = next(n for n, e in METHODS.items() if e.exact and not e.exchanges)
         jobs.extend(Job(seed, 0, control, rules[0]) for seed in settings.seeds)
     # longest first (fine-tuning at large K), so that no process idles at the end

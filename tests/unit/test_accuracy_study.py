@@ -38,7 +38,7 @@ def test_every_config_loads_and_plans(path):
     fits, jobs = plan(settings)
     assert jobs and fits
     assert len(settings.seeds) >= 3
-    control = {"single"} if settings.finetune.steps > 0 else set()  # fine-tuning's control
+    control = {"single"} if settings.finetune.tunes else set()  # fine-tuning's control
     assert {j.family for j in jobs} == {*settings.codebooks.families, *control}
 
 
@@ -67,6 +67,12 @@ def test_every_config_loads_and_plans(path):
             {"name": "x", "data": {"task": "glyphs", "glyphs": 4}, "model": {"name": "vit-glyphs"}},
             r"data\.glyphs: 4 glyphs make 16 classes, model 'vit-glyphs' has 64",
         ),
+        (
+            {"name": "x", "finetune": {"steps": 100, "epochs": 1.5}},
+            r"finetune: give steps or epochs, not both",
+        ),
+        ({"name": "x", "finetune": {"distill": {"weight": 2}}}, r"finetune\.distill\.weight: "),
+        ({"name": "x", "finetune": {"decay": "norms"}}, r"finetune\.decay: .*'all' or 'matrices'"),
     ],
 )
 def test_bad_settings_name_the_field_and_source(data, message):
@@ -93,6 +99,31 @@ def test_plan_counts():
     assert len(jobs) == 2 * (3 * 3 + 3 * 2 + 2 + 1)
     assert sum(j.family == "single" for j in jobs) == 2
     assert len(fits) == 2 * 4  # each K, and K=256 with d_q
+
+
+def test_a_rule_that_names_its_families_is_tried_for_them_alone():
+    settings = parse_settings(
+        {
+            "name": "x",
+            "seeds": [0],
+            "codebooks": {"K": [64]},
+            "finetune": {
+                "K": [64],
+                "rules": {
+                    "ema": {},
+                    "grad": {"update": "gradient"},
+                    "own": {"families": ["astra"]},
+                },
+            },
+        }
+    )
+    _, jobs = plan(settings)
+    tuned = {(j.family, j.variant) for j in jobs if j.variant != "kmeans"}
+    assert tuned == {
+        *((f, "ema") for f in ("astra", "trace-b", "trace-nb", "single")),
+        ("trace-b", "grad"),  # finetune.rule_families
+        ("astra", "own"),
+    }
 
 
 def test_plan_runs_each_trace_family_at_each_of_its_placements():

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import tracevq
+from accuracy.loops import parameter_groups, task_loss
 from accuracy.quantizer import CodebookRule, TrainableQuantizer, TrainingCodec
+from accuracy.settings import DistillSection, FinetuneSection
 from tracevq.bundle import Bundle, FitSettings, fit_bundle, model_fingerprint
 from tracevq.checkpoint import load_checkpoint
 from tracevq.distributed import ExactCodec, distributed_logits, remote_kv_error
@@ -296,3 +298,68 @@ def test_flips_mirror_about_half_the_images_and_leave_the_rest_as_shifted():
     kept = [torch.equal(f, p) for f, p in zip(flipped, plain, strict=True)]
     assert all(m or k for m, k in zip(mirrored, kept, strict=True))
     assert 160 <= sum(mirrored) <= 240  # binomial(400, 0.5): 200 +- 40 is beyond 4 sigma
+
+
+def test_epochs_set_the_steps_by_the_training_split():
+    section = FinetuneSection(epochs=1.5, batch_size=64)
+    assert section.tunes and section.total_steps(1000) == 24  # ceil(1.5 * 1000 / 64)
+    assert FinetuneSection(steps=7).total_steps(1000) == 7
+    assert not FinetuneSection(steps=0).tunes
+
+
+def test_distillation_blends_the_labels_with_the_teachers_softened_distribution():
+    generator = torch.Generator().manual_seed(3)
+    logits, taught = torch.randn(5, 4, generator=generator), torch.randn(5, 4, generator=generator)
+    labels = torch.tensor([0, 1, 2, 3, 0])
+    hard = F.cross_entropy(logits, labels, label_smoothing=0.1)
+    assert task_loss(logits, labels, taught, FinetuneSection(), 0.1) == hard  # distill off
+    section = FinetuneSection(distill=DistillSection(temperature=2.0, weight=0.25))
+    teacher = F.softmax(taught / 2, dim=1)
+    soft = (teacher * (teacher.log() - F.log_softmax(logits / 2, dim=1))).sum(1).mean()
+    expected = 0.75 * hard + 0.25 * 4 * soft
+    torch.testing.assert_close(task_loss(logits, labels, taught, section, 0.1), expected)
+    alone = FinetuneSection(distill=DistillSection(weight=1.0))
+    assert float(task_loss(taught, labels, taught, alone, 0.1)) == pytest.approx(0, abs=1e-6)
+
+
+def test_decay_on_matrices_spares_norms_biases_embeddings_and_codebooks(model, bundle):
+    codec = TrainingCodec(bundle.quantizers["astra"], CodebookRule(update="gradient"))
+    section = FinetuneSection(decay="matrices", lr=1e-3, codebook_lr=1e-2, weight_decay=0.05)
+    groups = parameter_groups(model, codec, section)
+    by_id = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert by_id[id(named["blocks.0.attn.qkv.weight"])] == (1e-3, 0.05)
+    for name in ("blocks.0.norm1.weight", "blocks.0.attn.qkv.bias", "cls_token", "pos_embed"):
+        assert by_id[id(named[name])] == (1e-3, 0.0), name
+    assert {by_id[id(p)] for p in codec.parameters()} == {(1e-2, 0.0)}
+    assert len(by_id) == len(named) + len(list(codec.parameters()))  # each parameter once
+    every = parameter_groups(model, codec, FinetuneSection(weight_decay=0.05))
+    assert {g["weight_decay"] for g in every} == {0.05}  # "all": as before the option
+
+
+def test_a_refresh_moves_each_chosen_codeword_to_the_mean_of_its_rows():
+    codebook = torch.tensor([[0.0, 0.0], [10.0, 10.0], [-10.0, 5.0]])
+    vq = _vq_with(codebook)
+    vq.ema_counts.copy_(torch.tensor([6.0, 3.0, 3.0]))
+    codec = TrainingCodec([vq], CodebookRule(dead_fraction=0.0)).eval()
+    rows = torch.tensor([[1.0, 1.0], [2.0, 0.0], [3.0, 2.0], [9.0, 11.0]])
+
+    def forward(chunk):
+        return codec(0, chunk)
+
+    assert codec.refresh(forward, rows, batch=3) == 2  # two codewords chosen, in two chunks
+    torch.testing.assert_close(vq.codebook, torch.tensor([[2.0, 1.0], [9.0, 11.0], [-10.0, 5.0]]))
+    torch.testing.assert_close(vq.ema_counts, torch.tensor([9.0, 3.0, 0.0]))  # total kept
+
+
+def test_noise_augmented_quantisation_follows_the_residual_in_training_only():
+    """Astra's noise: per dimension, the residual's spread times lambda; none in evaluation."""
+    codebook = torch.tensor([[0.0, 0.0]])
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(20000, 2, generator=generator) * torch.tensor([1.0, 3.0])
+    rule = CodebookRule(noise=0.5, dead_fraction=0.0)
+    quantizer = TrainableQuantizer(_vq_with(codebook), rule).train()
+    noise = quantizer(rows) - codebook  # the one codeword is 0: what is left is the noise
+    torch.testing.assert_close(noise.std(0), 0.5 * rows.std(0), rtol=0.03, atol=0)
+    assert noise.mean(0).abs().max() < 0.05
+    torch.testing.assert_close(quantizer.eval()(rows), codebook.expand(len(rows), 2))
