@@ -105,7 +105,10 @@ class RuleSection(Strict):
     # a rule that names its families is their own recipe and shows in Table III
     families: list[str] | None = None
 
-    _families = field_validator("families")(_codebook_methods)
+    @field_validator("families")
+    @classmethod
+    def _families(cls, names: list[str] | None) -> list[str] | None:
+        return None if names is None else _codebook_methods(names)
 
 
 class CodebookSection(Strict):

@@ -2,7 +2,9 @@
 digits model reaching 90% after brief training."""
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,12 +14,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 import tracevq
 from accuracy.__main__ import main
 from accuracy.evaluate import simulated_accuracy
 from accuracy.loops import accuracy, train_base
 from accuracy.report import sampling_half_width, write_report
+from accuracy.search import main as search_main
 from accuracy.settings import BaseSection, load_settings, parse_settings
 from accuracy.study import load_splits, plan, run_study
 from tracevq.bundle import Bundle, model_fingerprint
@@ -391,3 +395,33 @@ def test_a_checkpoint_study_says_when_fine_tuning_augments_by_default(tmp_path, 
             "given: fine-tuning augments with base:'s defaults (shift_px 1, flip false); "
             "give base: to choose"
         ]
+
+
+def test_a_search_scores_one_fine_tuning_on_validation_at_every_p(tmp_path, capsys):
+    study = tmp_path / "tiny.yaml"
+    study.write_text(yaml.safe_dump(tiny_settings(tmp_path).model_dump(mode="json")))
+    changes = ["--set", "finetune.epochs=0.02", "--set", "finetune.distill={weight: 0.5}"]
+    assert search_main([str(study), "--family", "trace-b", *changes]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["validation"]) == {"2", "3"}  # evaluation.devices
+    assert all(0 <= value <= 100 for value in result["validation"].values())
+    logged = (tmp_path / "tiny" / "search" / "search.jsonl").read_text().splitlines()
+    assert [json.loads(line)["set"] for line in logged] == [changes[1::2]]
+    assert search_main([str(study), "--family", "single", "--set", "finetune.steps=1"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["validation"]) == {"1"}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--set", "finetune.epochs"], "--set 'finetune.epochs': give key.path=value"),
+        (["--set", "finetune.steps=-1"], r"finetune\.steps: "),
+        (["--rule", "grad"], "--rule 'grad': the study's rules are ema, gradient"),
+    ],
+)
+def test_a_search_refuses_bad_arguments_in_one_line(tmp_path, capsys, arguments, message):
+    study = tmp_path / "tiny.yaml"
+    study.write_text(yaml.safe_dump(tiny_settings(tmp_path).model_dump(mode="json")))
+    assert search_main([str(study), *arguments]) == 2
+    error = capsys.readouterr().err
+    assert re.search(message, error) and error.count("\n") == 1, error
