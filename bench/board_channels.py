@@ -45,9 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.scale import static_provider
     from testbed.backends.base import DeviceSpec
     from testbed.backends.enoslib.backend import EnoslibBackend
+    from testbed.backends.enoslib.provider_section import Provider
     from testbed.backends.ssh.files import source_archive
     from testbed.experiment.profiles import load_profile
-    from testbed.experiment.provider import Provider
     from testbed.kernel.shaping import change_argv
     from testbed.link.token_bucket import profile_plan
 

@@ -12,11 +12,13 @@ it (tests/unit/test_layers.py reads every import against `LAYERS`):
 - `link/`: the run's links: the emulator table, the serial emulator, rates, the rate probe,
   bandwidth traces and their replay;
 - `backends/`: where devices live: the backend table, Docker containers, network namespaces
-  on this host, boards over SSH;
+  on this host, boards over SSH (with their inventory), boards reserved through EnOSlib (with
+  their provider); each backend with its own section of the experiment;
 - `kernel/`: what the kernel is asked to do: qdisc parameters and the shaping plan, netlink,
   the qdisc probe, network namespaces, interface names, processes;
-- `experiment/`: what the user writes: the experiment schema, link profiles, inventories,
-  the accuracy study's table of top-1 per level that an experiment names;
+- `experiment/`: what the user writes: the experiment schema (a backend's own section
+  registers in it from the backend's folder), link profiles, device profiles, the accuracy
+  study's table of top-1 per level that an experiment names;
 - the ground: `errors`, `voice`, `source` (this checkout's folders), `units`, `atomic` (a file
   written whole).
 """

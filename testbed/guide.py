@@ -23,8 +23,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from testbed.backends.enoslib.provider_section import BoardDefaults, Provider
+from testbed.backends.ssh.inventory import Board, Inventory
 from testbed.backends.table import AUTO, BACKENDS
-from testbed.experiment.inventory import Board, Inventory
 from testbed.experiment.profiles import (
     GeModel,
     LinkProfile,
@@ -32,7 +33,6 @@ from testbed.experiment.profiles import (
     available_profiles,
     load_profile,
 )
-from testbed.experiment.provider import BoardDefaults, Provider
 from testbed.experiment.schema import Experiment, experiment_model
 from testbed.link.emulators import EMULATORS
 from testbed.source import EXPERIMENTS_DIR

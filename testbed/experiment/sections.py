@@ -6,10 +6,12 @@ The schema knows no backend. A section is a strict model that names its top-leve
 the experiment a field for every section registered (`testbed.experiment.schema`), and a
 backend names the one it reads by its key (`testbed.backends.base.Backend.settings`). What a
 backend asks of its section beyond its shape (files that exist, enough boards) is its
-`refusal`, which the preflight asks. The built-in backends' sections are defined with what the
-user writes (`inventory`, `provider`), and importing `testbed.experiment` registers them; a
-plug-in backend's is defined in its own folder and registered when its module is imported (the
-backend table imports every backend).
+`refusal`, which the preflight asks. Every backend's section, built-in or plug-in, is defined
+in the backend's folder (`testbed.backends.ssh.inventory`,
+`testbed.backends.enoslib.provider_section`) and registered when its module is imported: the
+backend table imports every backend, and the commands that read an experiment (`testbed.run`,
+`testbed.reproduce`, `testbed.guide`) import the table first. The schema asks `SECTIONS` each
+time it validates, so a section registered after the schema was imported is known.
 """
 
 from __future__ import annotations

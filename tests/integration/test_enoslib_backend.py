@@ -24,9 +24,9 @@ import yaml
 from checks.boards import BOARD_INTERFACE, Lab, board_qdiscs, netns_pids, ssh_lab
 from testbed.backends.base import DeviceSpec
 from testbed.backends.enoslib.backend import EnoslibBackend
+from testbed.backends.enoslib.provider_section import Provider
 from testbed.errors import DeviceError
 from testbed.experiment.profiles import load_profile
-from testbed.experiment.provider import Provider
 from testbed.link.emulators import EMULATORS
 from testbed.link.links import Links
 from testbed.link.probe import WIRE_PER_PAYLOAD, probe, probe_bytes
@@ -189,7 +189,7 @@ from pathlib import Path
 from testbed.backends.base import DeviceSpec
 from testbed.backends.enoslib.backend import EnoslibBackend
 from testbed.experiment.profiles import load_profile
-from testbed.experiment.provider import Provider
+from testbed.backends.enoslib.provider_section import Provider
 from testbed.link.token_bucket import profile_plan
 from testbed.sweep.lock import RunLock
 

@@ -30,9 +30,9 @@ from checks.boards import (
 )
 from testbed.backends.base import DeviceSpec
 from testbed.backends.ssh.backend import SshBackend
+from testbed.backends.ssh.inventory import Inventory
 from testbed.backends.ssh.scripts import LAUNCHER
 from testbed.errors import DeviceError
-from testbed.experiment.inventory import Inventory
 from tests.integration.board_sweeps import RATE_MBIT, small_experiment
 from tests.integration.unshaped import UnshapedLinks
 
@@ -350,7 +350,7 @@ import json, sys, time
 from pathlib import Path
 from testbed.backends.base import DeviceSpec
 from testbed.backends.ssh.backend import SshBackend
-from testbed.experiment.inventory import Inventory
+from testbed.backends.ssh.inventory import Inventory
 from testbed.link.token_bucket import profile_plan
 from testbed.experiment.profiles import load_profile
 

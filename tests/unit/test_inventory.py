@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from testbed.backends.ssh.inventory import load_inventory, parse_inventory
 from testbed.errors import ConfigError
-from testbed.experiment.inventory import load_inventory, parse_inventory
 from testbed.experiment.schema import parse_experiment
 
 BOARD = {"address": "192.168.1.21", "user": "pi", "key_file": "/keys/id"}

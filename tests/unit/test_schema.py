@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import testbed.backends.table  # noqa: F401 - as testbed.run does: the backends' sections register
 from testbed.errors import ConfigError
 from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.profiles import load_profile, parse_profile

@@ -22,11 +22,11 @@ from testbed.backends.base import DeviceSpec
 from testbed.backends.ssh.backend import SshBackend
 from testbed.backends.ssh.checks import WORKER_MODULES, project_requirements
 from testbed.backends.ssh.files import code_is_current, source_archive, source_files, uploads_needed
+from testbed.backends.ssh.inventory import parse_inventory
 from testbed.backends.ssh.scripts import BATCH, CHECK, LAUNCHER
 from testbed.backends.ssh.session import host_key_advice, shell_line, with_sudo
 from testbed.backends.ssh.shaping import sudo_refused
 from testbed.errors import ConfigError, DeviceError
-from testbed.experiment.inventory import parse_inventory
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel import shaping
 from testbed.link.token_bucket import profile_plan

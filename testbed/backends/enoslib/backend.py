@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from testbed.backends.base import Device, DeviceSpec
 from testbed.backends.enoslib import providers
+from testbed.backends.enoslib.provider_section import Provider
 from testbed.backends.enoslib.refusal import provider_refusal
 from testbed.backends.ssh.backend import SshBackend
 from testbed.errors import ConfigError, DeviceError
-from testbed.experiment.provider import Provider
 
 if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment

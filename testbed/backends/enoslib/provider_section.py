@@ -1,5 +1,7 @@
 """The `provider:` section of an experiment on the `enoslib` backend: which EnOSlib provider
-reserves and describes the boards, and what the boards need that a provider does not say.
+reserves and describes the boards, and what the boards need that a provider does not say
+(their fields, and the host keys' check, are the ssh inventory's own:
+`testbed.backends.ssh.inventory`).
 
 The provider's own configuration (`conf`) is EnOSlib's, as its `Configuration.from_dictionary`
 takes it (https://discovery.gitlabpages.inria.fr/enoslib/, one page per provider); this file
@@ -33,7 +35,15 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from testbed.experiment.inventory import absolute_path
+from testbed.backends.ssh.inventory import (
+    AcceptNewHostKeys,
+    BoardCpus,
+    BoardInterface,
+    ConnectTimeoutS,
+    KeyFile,
+    KnownHostsFile,
+    WorkerPython,
+)
 from testbed.experiment.sections import Section
 from testbed.experiment.strict import Strict
 
@@ -66,28 +76,16 @@ class BoardDefaults(Strict):
     gives each host's address, and for some its user, key and port)."""
 
     user: str | None = Field(None, min_length=1, description="default: the host's, else root")
-    key_file: str | None = Field(None, description="default: the host's, else ssh-agent, ~/.ssh")
-    python: str = Field("python3", min_length=1, description="the interpreter of the worker")
-    interface: str = Field(
-        "auto",
-        min_length=1,
-        max_length=15,
-        description="the interface to the other boards; auto: the one holding its address",
-    )
+    key_file: KeyFile = Field(None, description="default: the host's, else ssh-agent, ~/.ssh")
+    python: WorkerPython = "python3"
+    interface: BoardInterface = "auto"
     workdir: str = Field(
         "~/.cache/trace-testbed/{name}",
         min_length=1,
         description="code and run directories on the board; {name} is the board's name (homes "
         "shared between hosts, as on Grid'5000's NFS, need it)",
     )
-    cpus: float | None = Field(
-        None, gt=0, le=1024, description="its CPUs (default: the experiment's devices.cpus)"
-    )
-
-    @field_validator("key_file")
-    @classmethod
-    def _resolve(cls, path: str | None) -> str | None:
-        return None if path is None else absolute_path(path)
+    cpus: BoardCpus = None
 
 
 class Provider(Section):
@@ -111,13 +109,9 @@ class Provider(Section):
     role: str = Field(
         "devices", min_length=1, description="the role whose hosts are the boards, in order"
     )
-    known_hosts: str = Field(
-        min_length=1, description="the file every board's host key is checked against"
-    )
-    accept_new_host_keys: bool = Field(
-        False, description="first use only: unknown keys are added to known_hosts"
-    )
-    connect_timeout_s: float = Field(10.0, gt=0, le=3600, description="per SSH connection")
+    known_hosts: KnownHostsFile
+    accept_new_host_keys: AcceptNewHostKeys = False
+    connect_timeout_s: ConnectTimeoutS = Field(10.0, description="per SSH connection")
     boards: BoardDefaults = BoardDefaults()
     keep: bool = Field(
         False, description="keep the reservation when the run ends (static: nothing to release)"
@@ -137,11 +131,6 @@ class Provider(Section):
                 "of them reaches the results"
             )
         return data
-
-    @field_validator("known_hosts")
-    @classmethod
-    def _resolve(cls, path: str) -> str:
-        return absolute_path(path)
 
     @field_validator("conf")
     @classmethod

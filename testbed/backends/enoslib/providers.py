@@ -19,9 +19,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from testbed.backends.enoslib.provider_section import Provider
+from testbed.backends.ssh.inventory import Board, Inventory
 from testbed.errors import ConfigError, DeviceError
-from testbed.experiment.inventory import Board, Inventory
-from testbed.experiment.provider import Provider
 
 log = logging.getLogger(__name__)
 

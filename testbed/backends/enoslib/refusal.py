@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testbed.backends.enoslib import providers
+from testbed.backends.enoslib.provider_section import Provider
 from testbed.backends.ssh.refusal import known_hosts_refusal
 from testbed.errors import ConfigError
-from testbed.experiment.provider import Provider
 
 if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment

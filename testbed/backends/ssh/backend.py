@@ -1,9 +1,9 @@
 """Devices on real boards over SSH (paramiko): the backend connects, checks, deploys, runs.
 
-The backend creates no devices: the inventory (`testbed.experiment.inventory`) lists the boards, and
-the first P of them, in order, are ranks 0..P-1. `start()` goes through them phase by phase, so that
-a cheap failure (an unknown host key, a refused key, a board that does not answer) comes before any
-slow work, and every error names its board:
+The backend creates no devices: the inventory (`testbed.backends.ssh.inventory`) lists the
+boards, and the first P of them, in order, are ranks 0..P-1. `start()` goes through them phase by
+phase, so that a cheap failure (an unknown host key, a refused key, a board that does not answer)
+comes before any slow work, and every error names its board:
 
 1. connect: host keys checked against the inventory's known_hosts file, never auto-accepted
    unless `accept_new_host_keys` says so; key authentication only.
@@ -63,6 +63,7 @@ from testbed.backends.base import (
 from testbed.backends.ssh import leftovers
 from testbed.backends.ssh.checks import check_board
 from testbed.backends.ssh.files import code_is_current, source_archive, uploads_needed
+from testbed.backends.ssh.inventory import Inventory
 from testbed.backends.ssh.refusal import inventory_refusal
 from testbed.backends.ssh.scripts import CLOCK, HASHES, INSTALL, LAUNCHER, REMOVE_TREE, VERIFY
 from testbed.backends.ssh.session import (
@@ -75,7 +76,6 @@ from testbed.backends.ssh.session import (
 from testbed.backends.ssh.shaping import probe_qdiscs, read_link_settings, run_as_root, unshape
 from testbed.errors import ConfigError, DeviceError, ShapingError, TestbedError
 from testbed.experiment.fleet import worker_threads
-from testbed.experiment.inventory import Inventory
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.shaping import (
     ShapingPlan,

@@ -1,4 +1,5 @@
-"""The inventory of boards the `ssh` backend runs on: one entry per board, in rank order.
+"""The inventory of boards the `ssh` backend runs on (its section of the experiment,
+`inventory:`): one entry per board, in rank order.
 
 A board knows how to reach it (address, port, user, key file), which Python runs the worker
 there, which interface carries its traffic to the other boards (the one shaped), and its CPUs.
@@ -9,6 +10,10 @@ paths inside a file are taken from the file's directory; inline, from the workin
 Both are stored resolved, so a run's saved config finds them again. Validation is the
 experiment's: unknown keys get a "did you mean", every error names its field path
 (`boards[1].port`), and a password anywhere is refused: boards are reached by key only.
+
+The fields a board shares with the enoslib backend's board defaults, and an inventory's host
+keys with its provider's, are defined once here (`WorkerPython`, `KnownHostsFile`, ...);
+`testbed.backends.enoslib.provider_section` uses them.
 
     known_hosts: ~/.ssh/known_hosts     # filled with `ssh-keyscan -p PORT HOST >> FILE`
     boards:
@@ -21,9 +26,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from testbed.errors import ConfigError
 from testbed.experiment.sections import Section
@@ -51,6 +56,39 @@ def absolute_path(path: str) -> str:
     return str(Path(path).expanduser().absolute())
 
 
+def _absolute_or_none(path: str | None) -> str | None:
+    return None if path is None else absolute_path(path)
+
+
+# A board's fields, wherever a board is described: an inventory's boards and the enoslib
+# provider's defaults for its hosts. Each class gives the default (and where the two differ,
+# the description) itself.
+KeyFile = Annotated[str | None, AfterValidator(_absolute_or_none)]
+WorkerPython = Annotated[str, Field(min_length=1, description="the interpreter of the worker")]
+BoardInterface = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=15,
+        description="the interface to the other boards; auto: the one holding its address",
+    ),
+]
+BoardCpus = Annotated[
+    float | None,
+    Field(gt=0, le=1024, description="its CPUs (default: the experiment's devices.cpus)"),
+]
+# ... and how the boards' host keys are checked, in an inventory and in a provider
+KnownHostsFile = Annotated[
+    str,
+    Field(min_length=1, description="the file every board's host key is checked against"),
+    AfterValidator(absolute_path),
+]
+AcceptNewHostKeys = Annotated[
+    bool, Field(description="first use only: unknown keys are added to known_hosts")
+]
+ConnectTimeoutS = Annotated[float, Field(gt=0, le=3600)]
+
+
 class Board(Strict):
     """One board. `address` is where the controller connects; `data_address` is where the
     other boards reach it (default: `address`) and where its worker listens, so it must be
@@ -63,20 +101,13 @@ class Board(Strict):
     address: str = Field(min_length=1, description="where the controller connects")
     port: int = Field(22, ge=1, le=65535, description="its SSH port")
     user: str = Field(min_length=1, description="the user to log in as (key authentication)")
-    key_file: str | None = Field(None, description="the private key; default: ssh-agent, ~/.ssh")
-    python: str = Field("python3", min_length=1, description="the interpreter of the worker")
-    interface: str = Field(
-        "eth0",
-        min_length=1,
-        max_length=15,
-        description="the interface to the other boards; auto: the one holding its address",
-    )
+    key_file: KeyFile = Field(None, description="the private key; default: ssh-agent, ~/.ssh")
+    python: WorkerPython = "python3"
+    interface: BoardInterface = "eth0"
     data_address: str | None = Field(
         None, description="where the other boards reach it (default: address)"
     )
-    cpus: float | None = Field(
-        None, gt=0, le=1024, description="its CPUs (default: the experiment's devices.cpus)"
-    )
+    cpus: BoardCpus = None
     cpuset: str | None = Field(
         None,
         pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
@@ -87,11 +118,6 @@ class Board(Strict):
     )
 
     _secrets = model_validator(mode="before")(_refuse_secrets)
-
-    @field_validator("key_file")
-    @classmethod
-    def _resolve(cls, path: str | None) -> str | None:
-        return None if path is None else absolute_path(path)
 
     @property
     def peer_address(self) -> str:
@@ -113,13 +139,9 @@ class Inventory(Section):
     )
     needed = "an inventory of boards (a file's path or inline; see experiments/ssh-smoke.yaml)"
 
-    known_hosts: str = Field(
-        min_length=1, description="the file every board's host key is checked against"
-    )
-    accept_new_host_keys: bool = Field(
-        False, description="first use only: unknown keys are added to known_hosts"
-    )
-    connect_timeout_s: float = Field(10.0, gt=0, le=3600, description="per connection")
+    known_hosts: KnownHostsFile
+    accept_new_host_keys: AcceptNewHostKeys = False
+    connect_timeout_s: ConnectTimeoutS = Field(10.0, description="per connection")
     boards: list[Board] = Field(min_length=1, description="one device per board, rank order")
 
     @model_validator(mode="before")
@@ -138,11 +160,6 @@ class Inventory(Section):
     @classmethod
     def given(cls, value: Any) -> Any:
         return inventory_input(value)
-
-    @field_validator("known_hosts")
-    @classmethod
-    def _resolve(cls, path: str) -> str:
-        return absolute_path(path)
 
     @model_validator(mode="after")
     def _distinct(self) -> Inventory:

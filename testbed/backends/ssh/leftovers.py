@@ -20,11 +20,11 @@ from typing import Any
 
 from testbed.atomic import write_atomically
 from testbed.backends.base import Leftovers
+from testbed.backends.ssh.inventory import Board, Inventory
 from testbed.backends.ssh.scripts import REMOVE_TREE
 from testbed.backends.ssh.session import BoardSession, connect
 from testbed.backends.ssh.shaping import unshape
 from testbed.errors import TestbedError
-from testbed.experiment.inventory import Board, Inventory
 from testbed.kernel.names import run_tag
 
 log = logging.getLogger(__name__)

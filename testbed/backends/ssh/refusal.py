@@ -8,13 +8,20 @@ Nothing is connected to: the boards themselves are checked when the backend star
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from testbed.experiment.inventory import Inventory
+from testbed.backends.ssh.inventory import Inventory
 
 if TYPE_CHECKING:
-    from testbed.experiment.provider import Provider
     from testbed.experiment.schema import Experiment
+
+
+class HostKeyCheck(Protocol):
+    """What a section says of its boards' host keys: an `Inventory`, or the enoslib backend's
+    `Provider`."""
+
+    known_hosts: str
+    accept_new_host_keys: bool
 
 
 def inventory_refusal(experiment: Experiment) -> str | None:
@@ -41,7 +48,7 @@ def inventory_refusal(experiment: Experiment) -> str | None:
     return None
 
 
-def known_hosts_refusal(key: str, section: Inventory | Provider, keys: str) -> str | None:
+def known_hosts_refusal(key: str, section: HostKeyCheck, keys: str) -> str | None:
     """Why the section's known_hosts file cannot check `keys` (its boards'), or None."""
     if section.accept_new_host_keys or Path(section.known_hosts).is_file():
         return None

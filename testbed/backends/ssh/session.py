@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from testbed.backends.base import ExecResult, Process
+from testbed.backends.ssh.inventory import Board, Inventory
 from testbed.backends.ssh.scripts import BATCH, KILL_GROUP
 from testbed.errors import DeviceError
-from testbed.experiment.inventory import Board, Inventory
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import uuid
 from typing import Any
 
 from testbed.backends.base import ExecResult
+from testbed.backends.ssh.inventory import Board
 from testbed.backends.ssh.session import BoardSession
 from testbed.errors import ShapingError
-from testbed.experiment.inventory import Board
 from testbed.kernel.shaping import clear_argv
 
 log = logging.getLogger(__name__)
