@@ -19,6 +19,7 @@ section registered (`testbed.experiment.sections`), and `Experiment.section(key)
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -334,7 +335,12 @@ def parse_experiment(data: Any, source: str = "<experiment>") -> Experiment:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"{source}: " + describe(error, model)) from None
+        problems = describe(error, model)
+        if "testbed.backends.table" not in sys.modules and any(
+            e["type"] == "extra_forbidden" and len(e["loc"]) == 1 for e in error.errors()
+        ):  # the backends' own sections (inventory:, provider:) register as they are imported
+            problems += " (a backend's section is known once `import testbed.backends.table` ran)"
+        raise ConfigError(f"{source}: {problems}") from None
 
 
 def load_experiment(path: str | Path) -> Experiment:

@@ -278,3 +278,21 @@ def test_a_pairs_and_a_downlinks_delay_add_to_what_the_receiver_waits_for():
     rows = {r.rank: r for r in plan_rows(experiment, plan_trials(experiment))}
     messages = rows[0].analytic_delay_ms / 5
     assert rows[1].analytic_delay_ms == pytest.approx(messages * 55)
+
+
+def test_a_section_read_before_the_backends_are_imported_says_how_to_register_it():
+    """Without the backend table, `inventory:` is not known yet: the error says what to import."""
+    script = (
+        "from testbed.experiment.schema import parse_experiment\n"
+        "try:\n"
+        "    parse_experiment({'name': 'x', 'methods': [{'name': 'voltage'}], 'inventory': {}})\n"
+        "except Exception as error:\n"
+        "    print(error)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == (
+        "<experiment>: inventory: unknown key "
+        "(a backend's section is known once `import testbed.backends.table` ran)"
+    )
