@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -71,7 +72,10 @@ def test_the_hosts_busy_cores_count_a_spinning_process_and_not_this_one():
     finally:
         spinner.kill()
         spinner.join()
-    assert busy - quiet == pytest.approx(1.0, abs=0.25), (quiet, busy)
+    # a spinner takes an idle core; on a host already saturated (a training beside the tests)
+    # it can only share the busy ones, and the count stays at the host's cores
+    idle = (os.cpu_count() or 1) - quiet
+    assert busy - quiet == pytest.approx(min(1.0, idle), abs=0.25), (quiet, busy)
 
 
 def _spin(seconds: float) -> None:
