@@ -1,12 +1,13 @@
 """`python -m accuracy.search STUDY.yaml --family trace-b --set finetune.epochs=3 ...`: one
-fine-tuning of the study's first fine-tuned K, scored on the validation split only.
+fine-tuning at the study's main K, scored on the validation split only.
 
 The recipe of a study is chosen with this (docs/accuracy.md, Choosing the recipe): the study's
 settings with `--set` overrides (dotted keys, YAML values), the base model the study trains or
-reuses, a k-means fit of `--seed` at the first K of `finetune.K`, one fine-tuning of `--family`
-(`single`: the control, the model alone) by the first rule (or `--rule`), then top-1 on the
-validation split at every P of `evaluation.devices`. The test split is never read. Each result
-is printed and appended, with its settings, to `<run_dir>/search/search.jsonl`.
+reuses, a k-means fit of `--seed` at the largest K of `finetune.K` (the main one), one
+fine-tuning of `--family` (`single`: the control, the model alone) by the first rule (or
+`--rule`), then top-1 on the validation split at every P of `evaluation.devices`. The test
+split is never read. Each result is printed and appended, with its settings, to
+`<run_dir>/search/search.jsonl`.
 
 Exit codes: 0 done, 2 bad configuration or data.
 """
@@ -64,7 +65,7 @@ def search(settings: Settings, family: str, seed: int, rule: str | None) -> dict
     torch.set_num_threads(1)
     splits = load_splits(settings)
     model, _ = base_model(settings, splits, progress=False)
-    K = (settings.finetune.K or settings.codebooks.K)[0]
+    K = max(settings.finetune.K or settings.codebooks.K)
     job = Job(seed, K, family, rule)
     tuned = copy.deepcopy(model)
     codebook_rule, code_dim = rule_of(settings, rule)
