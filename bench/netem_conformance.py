@@ -21,7 +21,7 @@ from bench.netem_switch_delays import switch_delays_ms
 from checks.netem_conformance import chosen_rows, conformance
 from checks.netem_verdicts import Result, Row, Sample, compare, markdown, write_csv
 from testbed.errors import TestbedError
-from testbed.experiment.impairments import ImpairmentError
+from testbed.experiment.netem_parameters import ImpairmentError
 
 NETNS_ROW = "uniform 50 ms ± 20 ms"  # `--netns` measures its delays through the real switch
 NETNS_MESSAGES = 1000

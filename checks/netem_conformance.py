@@ -46,7 +46,7 @@ from checks.guest.build import LINK_INTERFACE, PEER_ADDRESS
 from checks.netem_verdicts import COUNTED, Result, Row, Sample, compare, counted
 from testbed.kernel.netem import netem_argv, netem_for
 from testbed.link.serial import core
-from testbed.link.serial.impairments import Copy, Impairments
+from testbed.link.serial.netem_draws import Copy, Impairments
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from scipy import stats
 
-from testbed.experiment.impairments import checked
+from testbed.experiment.netem_parameters import checked
 from testbed.kernel.netem import netem_options
 
 SIGNIFICANCE = 0.05

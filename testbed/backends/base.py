@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from testbed.experiment.fleet import worker_threads
+from testbed.experiment.resolved_fleet import worker_threads
 from testbed.experiment.sections import SECTIONS
 
 if TYPE_CHECKING:

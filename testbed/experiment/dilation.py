@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testbed.errors import ConfigError
-from testbed.experiment.fleet import fleet_variant_keys, resolve_fleet, worker_threads
+from testbed.experiment.resolved_fleet import fleet_variant_keys, resolve_fleet, worker_threads
 
 if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment

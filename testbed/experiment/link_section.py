@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from testbed.experiment.impairments import ImpairmentError, checked
 from testbed.experiment.names import check_slug
+from testbed.experiment.netem_parameters import ImpairmentError, checked
 from testbed.experiment.strict import Strict, as_list_or_none, distinct
 
 RATE_RANGE_MBIT = (0.01, 10_000.0)

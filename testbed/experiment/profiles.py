@@ -18,8 +18,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from testbed.errors import ConfigError
-from testbed.experiment.impairments import NAMES as IMPAIRMENTS
-from testbed.experiment.impairments import ImpairmentError, checked, dilated, impaired
+from testbed.experiment.netem_parameters import NAMES as IMPAIRMENTS
+from testbed.experiment.netem_parameters import ImpairmentError, checked, dilated, impaired
 from testbed.experiment.strict import Strict, describe
 from testbed.experiment.yamlfile import load_yaml, named_file, names_in
 from testbed.source import PROFILES_DIR
@@ -134,7 +134,7 @@ class LinkProfile(Strict):
         return self
 
     def impairments(self) -> dict[str, Any]:
-        """The profile's netem parameters (testbed.experiment.impairments), as written."""
+        """The profile's netem parameters (testbed.experiment.netem_parameters), as written."""
         return self.model_dump(include=set(IMPAIRMENTS), exclude_none=True)
 
     def with_impairments(self, variant: dict[str, Any]) -> LinkProfile:

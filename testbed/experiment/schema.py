@@ -48,7 +48,7 @@ from testbed.experiment.method_grid import (
 from testbed.experiment.names import check_slug
 from testbed.experiment.sections import SECTIONS, Section
 from testbed.experiment.strict import Strict, describe
-from testbed.experiment.timeline import Event, check_timeline
+from testbed.experiment.timeline_section import Event, check_timeline
 from testbed.experiment.yamlfile import load_yaml
 from tracevq.config import known_model_name, model_config
 

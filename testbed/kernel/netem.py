@@ -1,7 +1,7 @@
 """netem, a link's impairments as the kernel's qdisc (pure, no kernel): delay, jitter and its
 distribution, loss (random, Gilbert-Elliott or 4-state), duplication and reordering, with
 their correlations, as the `tc qdisc add ... netem` command that asks for them
-(tc-netem(8); the parameters are checked by `testbed.experiment.impairments`).
+(tc-netem(8); the parameters are checked by `testbed.experiment.netem_parameters`).
 
 netem sits under the root tbf (class 1:1) for an uplink, as the leaf of an htb class for a
 pair's hop (`testbed.kernel.htb`), and on the ifb for a downlink, under its tbf or as its
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed.experiment.impairments import checked, impaired
+from testbed.experiment.netem_parameters import checked, impaired
 from testbed.kernel.tbf import ETHERNET_FRAME_BYTES, TbfParams
 
 NETEM_DEFAULT_LIMIT_PACKETS = 1000  # the kernel's own default
@@ -33,7 +33,7 @@ NETEM_DEFAULT_LIMIT_PACKETS = 1000  # the kernel's own default
 @dataclass(frozen=True)
 class LinkImpairments:
     """What a link asks netem for, as its caller builds it from the user's profile: netem's
-    parameters (`testbed.experiment.impairments` names them; none: an ideal link), and the
+    parameters (`testbed.experiment.netem_parameters` names them; none: an ideal link), and the
     name that errors and the saved plan give them (the profile's)."""
 
     name: str

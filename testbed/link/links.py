@@ -28,7 +28,7 @@ from typing import Any
 
 from testbed.backends.base import Backend, Device
 from testbed.errors import ShapingError
-from testbed.experiment.impairments import checked, impaired
+from testbed.experiment.netem_parameters import checked, impaired
 from testbed.experiment.profiles import LinkProfile
 from testbed.kernel.netem import netem_options
 from testbed.link.emulator import Emulator, LinkCounters

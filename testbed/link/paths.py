@@ -3,7 +3,7 @@ impairments (`link.downlink_impairments`, `link.pair_impairments`), pure, no ker
 
 A frame from s to d crosses three hops in turn: s's uplink (the trial's link with s's own
 `uplink_impairments` laid over it), the pair s->d's hop, then d's downlink. Each hop draws
-from netem's model on its own (`testbed.link.serial.impairments`, its own seeded generator),
+from netem's model on its own (`testbed.link.serial.netem_draws`, its own seeded generator),
 so delays add and losses compound: a pair with 1% loss behind an uplink with 1% loses
 1 - 0.99^2 of the frames. The rates are different: they are the least of the three on one
 serial line (`testbed.link.rates`). Only the serial emulator draws the two later hops; it
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from testbed.experiment.impairments import dilated
+from testbed.experiment.netem_parameters import dilated
 
 if TYPE_CHECKING:
     from testbed.experiment.link_section import LinkSection

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from testbed.errors import ConfigError
-from testbed.experiment.impairments import ImpairmentError, checked
+from testbed.experiment.netem_parameters import ImpairmentError, checked
 from testbed.source import PROFILES_DIR
 
 MAHIMAHI_PACKET_BYTES = 1500

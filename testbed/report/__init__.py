@@ -6,8 +6,8 @@
         RUN_DIR results/sweep-paper, its newest run; a run of make sweep-paper-buffers, whose
         Trace-b runs with and without buffers, gives Table V instead)
 
-`paper`: the paper's tables beside ours, with its conventions; `links`: with runs of the delay
-and loss sweeps, a section on each, which the paper does not have.
+`paper`: the paper's tables beside ours, with its conventions; `impaired_links`: with runs of
+the delay and loss sweeps, a section on each, which the paper does not have.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from testbed.errors import TestbedError
-from testbed.report.links import delay_section, loss_section
+from testbed.report.impaired_links import delay_section, loss_section
 from testbed.report.paper import (
     conventions,
     fig_6,

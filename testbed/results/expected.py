@@ -2,7 +2,7 @@
 (testbed.results.fidelity): the probability per draw of each count the serial emulator keeps
 (lost, duplicated, reordered), with the design effect of its count where the draws come in
 runs, and the delay a frame meets on a path of hops, drawn from netem's model
-(`testbed.link.serial.impairments`) with a seed of its own.
+(`testbed.link.serial.netem_draws`) with a seed of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.link.serial.impairments import Impairments
+from testbed.link.serial.netem_draws import Impairments
 
 DRAWS = 20_000  # frames of the configured model per path
 

@@ -87,7 +87,7 @@ class HostSessionFacts:
 
 @dataclass
 class AppliedEvent:
-    """An event of the timeline as a session applied it (testbed.sweep.timeline); times are
+    """An event of the timeline as a session applied it (testbed.sweep.session_timeline); times are
     CLOCK_REALTIME ns, the clock of the workers' records on this host."""
 
     index: int  # its place in the experiment's timeline

@@ -7,7 +7,7 @@ to do against what it did (docs/user-guide.md, The fidelity report).
   its link delay being the kernel's receive timestamp of its last byte less its departure less
   its frame's wire time at the path's rate. Its 10th, 50th and 90th percentiles, each with its
   99% distribution-free interval (order statistics), against the same percentiles of the
-  configured delay: netem's model (`testbed.link.serial.impairments`) drawn for every hop of
+  configured delay: netem's model (`testbed.link.serial.netem_draws`) drawn for every hop of
   the path, with a seed of its own. A percentile is flagged when the configured one lies
   outside its interval widened by `DELAY_TOLERANCE_MS` (the path's own cost, about 0.2 ms
   here, and the emulator's wake-ups, up to 0.15 ms). The 90th is judged only on paths that
@@ -44,7 +44,7 @@ import numpy as np
 import pandas as pd
 
 from devices.records import DeviceRecords
-from testbed.experiment.impairments import checked
+from testbed.experiment.netem_parameters import checked
 from testbed.kernel.netem import netem_options
 from testbed.link.links import RATE_TOLERANCE, LinkState
 from testbed.link.probe import WIRE_PER_PAYLOAD

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords
-from testbed.experiment.fleet import quota_share
+from testbed.experiment.resolved_fleet import quota_share
 from testbed.link.links import LinkState
 from testbed.link.wire import tcp_frame_bytes, wire_time_s
 from testbed.results.facts import AppliedEvent, HostSessionFacts, PlanRow, RunFacts
@@ -188,7 +188,7 @@ def _known_columns(facts: RowFacts, rank: int) -> dict[str, Any]:
 
 def _gflops(run: RunFacts, rank: int, speed: float, cpus: float) -> float | None:
     """The device's GEMM rate at `speed`: its rate measured at the start, scaled (and by its
-    quota's share where its CPUs are a fraction: testbed.experiment.fleet.quota_share)."""
+    quota's share where its CPUs are a fraction: testbed.experiment.resolved_fleet.quota_share)."""
     raw = run.gflops.get(rank)
     return None if raw is None else raw * speed * quota_share(cpus)
 

@@ -1,7 +1,8 @@
 """The devices of a run as the experiment's `devices` and `timeline` make them: what each device
 count starts with, how fast each device is, and what a session's devices are told.
 
-- `device_spec`: each device's CPUs and memory for a device count (testbed.experiment.fleet).
+- `device_spec`: each device's CPUs and memory for a device count
+  (testbed.experiment.resolved_fleet).
 - `measure_devices`: the GEMM probe (`python -m devices.gemm`, at full speed) on every device
   once they have started, one after another so that they do not share the host's cores while
   measured: each device's own rate (the rows' `device_gflops` is it times the speed in force,
@@ -19,7 +20,7 @@ from pathlib import Path
 from testbed import voice
 from testbed.backends.base import Backend, Device, DeviceSpec
 from testbed.errors import ConfigError, DeviceError
-from testbed.experiment.fleet import (
+from testbed.experiment.resolved_fleet import (
     Fleet,
     fleet_variant_keys,
     needs_host_rate,
@@ -30,8 +31,8 @@ from testbed.experiment.fleet import (
 from testbed.experiment.schema import Experiment
 from testbed.sweep.host_rate import host_core_gflops
 from testbed.sweep.plan import Trial, trial_fleet
+from testbed.sweep.session_timeline import SessionTimeline
 from testbed.sweep.sessions import SessionFleet
-from testbed.sweep.timeline import SessionTimeline
 from tracevq.config import model_config
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ the profile), then fleet variant (`devices.variants`: speeds and partition), the
 trial is one method at one device count, bandwidth, impairment and fleet variant; the trials
 that share the first four run in one worker session.
 
-A trial's partition follows its fleet (testbed.experiment.fleet); `by_speed` here weighs the
-devices by their speeds alone, and the runner again with the devices' measured rates, whose
-rows then say the partition in force.
+A trial's partition follows its fleet (testbed.experiment.resolved_fleet); `by_speed` here
+weighs the devices by their speeds alone, and the runner again with the devices' measured
+rates, whose rows then say the partition in force.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any
 
 from testbed.errors import ConfigError
 from testbed.experiment.devices_section import FleetVariant
-from testbed.experiment.fleet import Fleet, fleet_variant_keys, resolve_fleet
-from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.level_accuracy import load_level_accuracy, resolve_accuracy_floor
 from testbed.experiment.link_section import DEFAULT_RATE_MBIT, LinkSection
 from testbed.experiment.method_grid import method_params
+from testbed.experiment.netem_parameters import ImpairmentError
 from testbed.experiment.profiles import LinkProfile, load_profile
+from testbed.experiment.resolved_fleet import Fleet, fleet_variant_keys, resolve_fleet
 from testbed.experiment.schema import Experiment
 from testbed.link.paths import PathImpairments
 from testbed.link.traces import RateTrace, load_trace

@@ -20,11 +20,11 @@ from testbed.backends.base import Backend
 from testbed.backends.table import backend_class
 from testbed.errors import ConfigError
 from testbed.experiment.dilation import Dilation, host_busy_cores, resolve_dilation
-from testbed.experiment.fleet import resources
-from testbed.experiment.impairments import ImpairmentError
 from testbed.experiment.level_accuracy import check_covered, load_level_accuracy
 from testbed.experiment.method_grid import FITTED_BRANCHING, variant_spec
+from testbed.experiment.netem_parameters import ImpairmentError
 from testbed.experiment.profiles import LinkProfile, load_profile
+from testbed.experiment.resolved_fleet import resources
 from testbed.experiment.schema import Experiment
 from testbed.link.emulator import Emulator
 from testbed.link.emulators import emulator_class

@@ -1,7 +1,7 @@
 """Executes an experiment: devices started (and their GEMM rates measured) once per device count,
 links reshaped per rate and impairment variant, one worker session per device count, rate,
 impairment variant and fleet variant that runs all of its trials interleaved
-(testbed.sweep.sessions) and plays the timeline (testbed.sweep.timeline); every trial's rows
+(testbed.sweep.sessions) and plays the timeline (testbed.sweep.session_timeline); every trial's rows
 written to disk as soon as its session ends.
 
 A session that fails (a worker crashes, times out or refuses its peer) records its trials

@@ -8,7 +8,7 @@ back what each wrote (`devices.records`). Within the session the workers run one
 each trial in turn, so a slow minute of the shared host falls on every method alike and the
 model is loaded once. A worker that fails fails every trial of its session (their rows say
 why and the workers' logs are kept); the sweep goes on with the next session. A device that
-leaves on the timeline (testbed.sweep.timeline) ends the session too, but the inferences
+leaves on the timeline (testbed.sweep.session_timeline) ends the session too, but the inferences
 every device finished before are kept, and only the rest fail, naming the event.
 
     <run dir>/sessions/<session id>/rank<r>/   spec.json, session.json, records.jsonl, logits/
@@ -39,7 +39,7 @@ from testbed.results.store import write_text
 from testbed.sweep import stretch_costs
 from testbed.sweep.bundles import RunFiles
 from testbed.sweep.plan import Trial, fleet_label, impairment_label
-from testbed.sweep.timeline import Hands, SessionTimeline
+from testbed.sweep.session_timeline import Hands, SessionTimeline
 
 log = logging.getLogger(__name__)
 

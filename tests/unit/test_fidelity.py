@@ -13,10 +13,10 @@ import pytest
 from scipy import stats as scipy_stats
 
 from devices.records import ArrivalRecord, BlockRecord, DeviceRecords, InferenceRecord, SessionFacts
-from testbed.experiment.impairments import checked
+from testbed.experiment.netem_parameters import checked
 from testbed.link.emulator import LinkCounters, PortCounts, port_counts
 from testbed.link.links import LinkState
-from testbed.link.serial.impairments import Impairments
+from testbed.link.serial.netem_draws import Impairments
 from testbed.link.wire import tcp_frame_bytes
 from testbed.results import fidelity
 from testbed.results.columns import FIDELITY_NAMES

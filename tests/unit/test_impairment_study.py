@@ -1,6 +1,6 @@
 """The delay and loss study of a run (testbed.results.impairment_study) and its report section
-(testbed.report.links), on a run made for a known link: every message's communication is wire
-+ path + delay, and a device waits for what exceeds the message's window."""
+(testbed.report.impaired_links), on a run made for a known link: every message's communication
+is wire + path + delay, and a device waits for what exceeds the message's window."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import itertools
 import pandas as pd
 import pytest
 
-from testbed.report.links import delay_section, loss_section
+from testbed.report.impaired_links import delay_section, loss_section
 from testbed.results.impairment_study import delay_table, hidden_delay, late_messages, loss_table
 from testbed.results.store import Results
 

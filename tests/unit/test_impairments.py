@@ -10,8 +10,8 @@ import statistics
 import pytest
 from scipy import stats
 
-from testbed.experiment.impairments import ImpairmentError, checked, impaired
-from testbed.link.serial.impairments import (
+from testbed.experiment.netem_parameters import ImpairmentError, checked, impaired
+from testbed.link.serial.netem_draws import (
     U32,
     Correlated,
     GilbertElliott,

@@ -9,7 +9,7 @@ import pytest
 
 from checks import netem_conformance as conformance
 from checks import netem_verdicts as verdicts
-from testbed.link.serial.impairments import Copy
+from testbed.link.serial.netem_draws import Copy
 
 PING_OUTPUT = """PING 10.9.0.2 (10.9.0.2): 56 data bytes
 64 bytes from 10.9.0.2: seq=0 ttl=64 time=41.000 ms

@@ -7,7 +7,7 @@ import yaml
 
 import testbed.backends.table  # noqa: F401 - as testbed.run does: the backends' sections register
 from testbed.errors import ConfigError
-from testbed.experiment.impairments import ImpairmentError
+from testbed.experiment.netem_parameters import ImpairmentError
 from testbed.experiment.profiles import load_profile, parse_profile
 from testbed.experiment.schema import load_experiment, parse_experiment
 from testbed.sweep.plan import (

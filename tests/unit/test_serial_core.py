@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from testbed.link.serial import core
-from testbed.link.serial.impairments import Impairments
+from testbed.link.serial.netem_draws import Impairments
 
 DRAWN_FRAMES = 20_000
 MODELS = {

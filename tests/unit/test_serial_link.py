@@ -14,12 +14,12 @@ import pytest
 
 from devices.clock import SO_TIMESTAMPNS_NEW, SO_TIMESTAMPNS_OLD, kernel_timestamp_ns
 from testbed.errors import ShapingError
-from testbed.experiment.impairments import checked
+from testbed.experiment.netem_parameters import checked
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.names import SERIAL_SUFFIX
 from testbed.kernel.netns import in_netns
 from testbed.kernel.tbf import tbf_params
-from testbed.link.serial.impairments import Impairments
+from testbed.link.serial.netem_draws import Impairments
 from testbed.link.serial.port import Port, PortCounters, wait_until
 from testbed.link.serial.program import Switch, parse_args
 from testbed.link.serial.protocol import Command, parse_command, parse_cpu_list, parse_port

@@ -75,7 +75,7 @@ from testbed.backends.ssh.session import (
 )
 from testbed.backends.ssh.shaping import probe_qdiscs, read_link_settings, run_as_root, unshape
 from testbed.errors import ConfigError, DeviceError, ShapingError, TestbedError
-from testbed.experiment.fleet import worker_threads
+from testbed.experiment.resolved_fleet import worker_threads
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.shaping import (
     ShapingPlan,

@@ -9,6 +9,6 @@
   the Python loop that serves it;
 - `core`: the per-frame loop in C (`core.c`, netem's draws in `impair.c`), built on first
   use, which the program runs where gcc is there;
-- `impairments`: netem's impairment model drawn per frame for one port;
+- `netem_draws`: netem's impairment model drawn per frame for one port;
 - `emulator`: the serial emulator as the emulator table sees it.
 """

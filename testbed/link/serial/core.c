@@ -11,7 +11,7 @@
  * there (program.py, "Waiting").
  *
  * A port with impairments (its uplink's, or later hops': a receiver's downlink, a pair;
- * impair.c draws them as impairments.py does) serves its frames as port.py's Port.serve
+ * impair.c draws them as netem_draws.py does) serves its frames as port.py's Port.serve
  * does: each copy a frame is sent as gets its time in a heap of pending frames, and the
  * port reads ahead (polls its socket until the head is due) where one frame may overtake
  * another (serial_mode).

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 from testbed.atomic import write_atomically
-from testbed.link.serial.impairments import Copy, Impairments
+from testbed.link.serial.netem_draws import Copy, Impairments
 from testbed.source import CACHE_DIR
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 /* netem's impairment model for the serial link's C core: the draws of
- * testbed/link/serial/impairments.py, number for number.
+ * testbed/link/serial/netem_draws.py, number for number.
  *
  * Each generator is CPython's (MT19937 seeded by init_by_array with the key `random.seed`
  * makes of the seed: its 32-bit words, least significant first), and every draw is taken in

@@ -23,7 +23,7 @@ from testbed.errors import ShapingError
 from testbed.link.serial.core import counters as core_counters
 from testbed.link.serial.core import events as core_events
 from testbed.link.serial.core import impairments as core_impairments
-from testbed.link.serial.impairments import Copy, Impairments
+from testbed.link.serial.netem_draws import Copy, Impairments
 from testbed.link.wire import (
     MIN_QUEUE_FRAMES,
     departure_s,

@@ -7,7 +7,7 @@ A serial line clocks every bit out at the rate, and this kernel has no netem. Th
 per device; `testbed.link.serial.switch` builds the namespace and starts it.
 
 A port knows its rate, when its line is free again, its impairments (netem's: delay, jitter,
-loss, duplication, reordering; `testbed.link.serial.impairments`) and its counters; the
+loss, duplication, reordering; `testbed.link.serial.netem_draws`) and its counters; the
 switch knows which source MAC was seen on which port. No FCS, preamble or inter-frame gap.
 
 Decisions:
@@ -103,7 +103,7 @@ Decisions:
 Protocol: `python -m testbed.link.serial.program serve PORT=RATE_BIT_S ...` prints `ready` once
 every port is open, then answers one line on stdout per command line on stdin: `rate PORT BIT_S` ->
 `ok`; `down PORT BIT_S` (0: unshaped) -> `ok`; `pair SRC DST BIT_S` (0: none) -> `ok`;
-`impair PORT SEED JSON` (netem's parameters, `testbed.experiment.impairments`), `impair-down
+`impair PORT SEED JSON` (netem's parameters, `testbed.experiment.netem_parameters`), `impair-down
 PORT SEED JSON`, `impair-pair SRC DST SEED JSON` -> `ok`;
 `medium shared AIRTIME_US` or `medium dedicated 0` -> `ok`; `stats` -> JSON {port:
 `Port.stats()`}; anything else -> `error <why>`. EOF ends it.
@@ -124,7 +124,7 @@ from typing import Any
 from testbed.errors import ShapingError
 from testbed.link.serial.core import impairments as core_impairments
 from testbed.link.serial.core import load as load_core
-from testbed.link.serial.impairments import Impairments
+from testbed.link.serial.netem_draws import Impairments
 from testbed.link.serial.port import DEFAULT_SPIN_US, Port
 from testbed.link.serial.protocol import parse_command, parse_port, parse_port_cpus
 from testbed.link.wire import QUEUE_MS

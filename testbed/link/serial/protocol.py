@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed.errors import ShapingError
-from testbed.experiment.impairments import checked
+from testbed.experiment.netem_parameters import checked
 from testbed.kernel.names import IFNAME_MAX_CHARS
 
 
@@ -63,7 +63,7 @@ def _rate(text: str, where: str) -> float:
 class Command:
     """One stdin command: `rate` or `down` (a port and a rate), `pair` (two ports and a
     rate; `target` is the receiving port), `impair` or `impair-down` (a port, a seed and the
-    impairments of `testbed.experiment.impairments`), `impair-pair` (two ports, a seed and
+    impairments of `testbed.experiment.netem_parameters`), `impair-pair` (two ports, a seed and
     impairments), or `stats`. A `down` or `pair` rate of None removes
     it."""
 

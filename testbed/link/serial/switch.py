@@ -354,7 +354,7 @@ class SerialSwitch:
         hop: str = "up",
         target: int | None = None,
     ) -> None:
-        """netem's impairments (testbed.experiment.impairments) from now on, drawn from
+        """netem's impairments (testbed.experiment.netem_parameters) from now on, drawn from
         `seed`, on the frames device `rank` sends (`hop` "up"), receives ("down"), or sends
         to `target` ("pair"; testbed.link.paths)."""
         for each in (rank, target):

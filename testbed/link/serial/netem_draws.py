@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.experiment.impairments import ImpairmentError, checked, impaired
+from testbed.experiment.netem_parameters import ImpairmentError, checked, impaired
 
 U32 = 1 << 32
 DIST_SCALE = 8192  # NETEM_DIST_SCALE: a table value t stands for t / 8192 standard deviations
@@ -205,7 +205,7 @@ class Copy:
 
 class Impairments:
     """What frames meet on one port, from a mapping of parameters (as a link profile names
-    them: `testbed.experiment.impairments`, which checks them) and a seed; `frame()` decides
+    them: `testbed.experiment.netem_parameters`, which checks them) and a seed; `frame()` decides
     for the next frame."""
 
     def __init__(self, parameters: Mapping[str, Any], seed: int):

@@ -1,4 +1,4 @@
-"""The experiment's timeline played on one session's devices (testbed.experiment.timeline).
+"""The experiment's timeline played on one session's devices (testbed.experiment.timeline_section).
 
 Each device of the session has a control file (`devices.pace`: its speed, and how many of its
 holds the orchestrator has released), written here before its worker starts, and reports in
@@ -30,7 +30,7 @@ from pathlib import Path
 from devices.pace import PROGRESS_FILE, read_progress, write_control
 from testbed.backends.base import Backend, Device, Process
 from testbed.errors import TestbedError
-from testbed.experiment.timeline import Event
+from testbed.experiment.timeline_section import Event
 from testbed.results.facts import AppliedEvent
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from testbed.experiment.devices_section import MAX_SPEED
-from testbed.experiment.impairments import ImpairmentError, checked
 from testbed.experiment.link_section import RATE_RANGE_MBIT
+from testbed.experiment.netem_parameters import ImpairmentError, checked
 from testbed.experiment.strict import Strict
 
 KINDS = ("speed", "pause_s", "leave", "link")
