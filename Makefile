@@ -13,8 +13,8 @@
 #   make trace-replay-digits  the same with the accuracy study's vit-digits, and the accuracy
 #                     of the levels used (runs the digits study first if its results are missing)
 #   make accuracy     the accuracy study (digits, digit pairs); accuracy-placements: Table VI
-#   make accuracy-fashion  the study on Fashion-MNIST (Debian's package; Tables III, VI, VII,
-#                     VIII and Fig. 9), real images nobody here made
+#   make accuracy-fashion  the study on Fashion-MNIST (Debian's package; Tables III, VI, VII
+#                     and Fig. 9), real images nobody here made
 #   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
@@ -170,9 +170,10 @@ accuracy-placements: dev-venv
 	$(VENV_PY) -m accuracy configs/accuracy-placements.yaml $(ACCURACY_ARGS)
 
 # The study on Fashion-MNIST, read from Debian's dataset-fashion-mnist (installed here, as
-# root): Tables III, VII and VIII at P = 2, 3, then Fig. 9 (P = 2-10 at K = 1024) and Table VI
-# (placements at K = 1024) on the same base model (results/accuracy/fashion/,
-# fashion-devices/ and fashion-placements/).
+# root): Tables III (both Astras) and VII at P = 2, 3, then Fig. 9 (P = 2-10 at K = 1024) and
+# Table VI (placements at K = 1024) on the same base model (results/accuracy/fashion/,
+# fashion-devices/ and fashion-placements/). `python -m accuracy.search` chooses a recipe on
+# the validation split (docs/accuracy.md, Choosing the recipe).
 FASHION_CONFIGS = configs/accuracy-fashion.yaml configs/accuracy-fashion-devices.yaml \
 	configs/accuracy-fashion-placements.yaml
 accuracy-fashion: dev-venv

@@ -102,6 +102,9 @@ def train_base(
     return losses
 
 
+NO_DECAY = ("cls_token", "pos_embed")  # embeddings kept out of weight decay with the norms
+
+
 def parameter_groups(
     model: VisionTransformer, codec: TrainingCodec, section: FinetuneSection
 ) -> list[dict[str, object]]:
@@ -125,9 +128,6 @@ def parameter_groups(
         for lr, decay, params in groups
         if params
     ]
-
-
-NO_DECAY = ("cls_token", "pos_embed")  # embeddings kept out of weight decay with the norms
 
 
 def task_loss(
