@@ -85,15 +85,16 @@ def fit_of(job: Job, settings: Settings) -> Fit:
     return Fit(job.seed, job.K, code_dim)
 
 
-def run_fit(
-    fit: Fit, settings: Settings, model: VisionTransformer, splits: Splits
-) -> dict[str, object]:
-    started = time.perf_counter()
+def calibration(settings: Settings, splits: Splits) -> torch.Tensor:
+    """The training images k-means (and the codebook refresh) read."""
+    return splits.train.take(slice(0, settings.codebooks.calibration_images))
+
+
+def fit_codebooks(
+    fit: Fit, settings: Settings, model: VisionTransformer, splits: Splits, families: tuple
+) -> Bundle:
+    """k-means codebooks of `families` at the fit's K, d_q and seed, as the study sets them."""
     codebooks = settings.codebooks
-    families = tuple(codebooks.families)
-    if fit.code_dim is not None:  # only the families that try every rule use d_q
-        families = tuple(f for f in families if f in settings.finetune.rule_families)
-    calibration = splits.train.take(slice(0, codebooks.calibration_images))
     fitting = FitSettings(
         fit.K,
         families,
@@ -103,7 +104,17 @@ def run_fit(
         seed=fit.seed,
         kmeans_iterations=codebooks.kmeans_iterations,
     )
-    bundle = fit_bundle(model, calibration, fitting)
+    return fit_bundle(model, calibration(settings, splits), fitting)
+
+
+def run_fit(
+    fit: Fit, settings: Settings, model: VisionTransformer, splits: Splits
+) -> dict[str, object]:
+    started = time.perf_counter()
+    families = tuple(settings.codebooks.families)
+    if fit.code_dim is not None:  # only the families that try every rule use d_q
+        families = tuple(f for f in families if f in settings.finetune.rule_families)
+    bundle = fit_codebooks(fit, settings, model, splits, families)
     bundle.meta.update(task=settings.data.task, study=settings.name)
     bundle.save(settings.run_dir / fit.path)
     return {**asdict(fit), "seconds": time.perf_counter() - started}
@@ -178,13 +189,12 @@ def refresh(
 ) -> int:
     """The codebook refresh on the fine-tuned model (finetune.refresh) over the calibration
     images, in the P-device forward at the first evaluated device count."""
-    calibration = splits.train.take(slice(0, settings.codebooks.calibration_images))
     devices = settings.evaluation.devices[0]
 
     def forward(images: torch.Tensor) -> torch.Tensor:
         return distributed_logits(model, images, devices, method, codec)
 
-    return codec.refresh(forward, calibration, settings.evaluation.batch_size)
+    return codec.refresh(forward, calibration(settings, splits), settings.evaluation.batch_size)
 
 
 def run_control(
@@ -226,11 +236,13 @@ def validation_accuracy(
     quantizers: list[VectorQuantizer],
     splits: Splits,
     settings: Settings,
+    devices: int | None = None,
 ) -> float:
-    """Accuracy on the validation split at the first device count, full codebook: the figure
-    for choices (steps, learning rate), so that the test split is never tuned on."""
+    """Accuracy on the validation split at `devices` (default: the first device count), full
+    codebook: the figure for choices (steps, learning rate), so that the test split is never
+    tuned on."""
     codec = ExactCodec(quantizers)
-    devices = settings.evaluation.devices[0]
+    devices = settings.evaluation.devices[0] if devices is None else devices
 
     def predict(images: torch.Tensor) -> torch.Tensor:
         return distributed_logits(model, images, devices, method, codec)

@@ -25,13 +25,11 @@ from typing import Any
 import torch
 import yaml
 
-from accuracy.jobs import Job, refresh, rule_of
+from accuracy.jobs import Fit, Job, fit_codebooks, refresh, rule_of, validation_accuracy
 from accuracy.loops import accuracy, finetune
 from accuracy.quantizer import TrainingCodec
 from accuracy.settings import Settings, parse_settings
 from accuracy.study import base_model, load_splits
-from tracevq.bundle import FitSettings, fit_bundle
-from tracevq.distributed import ExactCodec, distributed_logits
 from tracevq.errors import ConfigError, TraceError
 
 
@@ -74,26 +72,15 @@ def search(settings: Settings, family: str, seed: int, rule: str | None) -> dict
         finetune(tuned, codec, job.spec, splits.train, settings.finetune, settings.base, seed)
         validation = {1: accuracy(tuned, splits.val)}
     else:
-        calibration = splits.train.take(slice(0, settings.codebooks.calibration_images))
-        fitting = FitSettings(
-            K,
-            (family,),
-            code_dim,
-            seed=seed,
-            kmeans_iterations=settings.codebooks.kmeans_iterations,
-        )
-        quantizers = fit_bundle(model, calibration, fitting).quantizers[family]
+        fitted = fit_codebooks(Fit(seed, K, code_dim), settings, model, splits, (family,))
+        quantizers = fitted.quantizers[family]
         codec = TrainingCodec(quantizers, codebook_rule, seed=seed)
         finetune(tuned, codec, job.spec, splits.train, settings.finetune, settings.base, seed)
         if settings.finetune.refresh:
             refresh(tuned, codec, job.spec, splits, settings)
-        exact = ExactCodec(quantizers)
         validation = {
-            devices: accuracy(
-                lambda images, p=devices: distributed_logits(tuned, images, p, job.spec, exact),
-                splits.val,
-            )
-            for devices in settings.evaluation.devices
+            p: validation_accuracy(tuned, job.spec, quantizers, splits, settings, p)
+            for p in settings.evaluation.devices
         }
     return {
         "family": family,
