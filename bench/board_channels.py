@@ -5,8 +5,8 @@ paramiko connections) against EnOSlib's Ansible, on the same SSH boards in netwo
 Per channel, for `--boards` boards (2): setting them up (direct: the backend's whole
 start, i.e. connect, checks, code and run files copied, clock; Ansible: EnOSlib's
 `sync_info`, then copying the project's source archive to each board), and a command on every
-board (a no-op, and the `tc qdisc change` of a rate change; direct: the backend's
-`change_rate` board after board, and on every board at once as the tbf emulator does it),
+board (a no-op, and the `tc qdisc change` of a rate change; direct: the backend's traffic
+control's `change` board after board, and on every board at once as the tbf emulator does it),
 median of ROUNDS. Ansible runs with EnOSlib's defaults (SSH master connections kept 60 s
 and reused; host keys checked here against the lab's known_hosts); the masters it leaves are
 closed at the end, which a run through Ansible would also need.
@@ -60,16 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 rows.append(("set-up", "direct", timed(lambda: backend.start(DeviceSpec(count)))))
                 plan = profile_plan(load_profile("ideal"), 5.0)
+                control = backend.traffic_control
                 for device in backend.devices:
-                    backend.shape(device, plan)
+                    control.apply(device, plan)
                 changed = profile_plan(load_profile("ideal"), 2.0)
 
                 def change_in_turn() -> None:
                     for device in backend.devices:
-                        backend.change_rate(device, changed)
+                        control.change(device, changed)
 
                 def change_at_once() -> None:
-                    backend.for_each(backend.devices, lambda d: backend.change_rate(d, changed))
+                    backend.for_each(backend.devices, lambda d: control.change(d, changed))
 
                 rows.append(
                     ("rate change, board after board", "direct", timed(change_in_turn, ROUNDS))

@@ -1,5 +1,6 @@
-"""What every backend offers: start P devices, run commands on them, shape their links, share
-a run directory with them (or copy to and from it), stop everything.
+"""What every backend offers: start P devices, run commands on them, hand out what shapes
+their links (`traffic_control`, which the run's links use), share a run directory with them
+(or copy to and from it), stop everything.
 
 Devices know their rank, their address on the run's network, the interface that carries
 their traffic, and their CPU allotment. A backend owns everything it creates and removes it
@@ -17,6 +18,7 @@ never logged, never passed on a command line; `stop()` removes the files.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import os
 import secrets
@@ -27,12 +29,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from testbed.backends.traffic_control import TrafficControl
 from testbed.experiment.resolved_fleet import worker_threads
 from testbed.experiment.sections import SECTIONS
 
 if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment
-    from testbed.kernel.shaping import ShapingPlan
 
 from testbed.errors import DeviceError
 
@@ -352,29 +354,12 @@ class Backend(abc.ABC):
         for device in devices:
             action(device)
 
-    def shape(self, device: Device, plan: ShapingPlan) -> None:
-        """Shapes the device's egress as planned (replacing any earlier plan)."""
-        from testbed.kernel import netlink
-
-        netlink.apply(device.netns_path, device.interface, plan, self.qdisc_support())
-
-    def change_rate(self, device: Device, plan: ShapingPlan) -> None:
-        """Changes the rate of the device's shaped egress in place (`netlink.change`)."""
-        from testbed.kernel import netlink
-
-        netlink.change(device.netns_path, device.interface, plan)
-
-    def qdisc_stats(self, device: Device) -> str:
-        """`tc -s qdisc show` of the device's interface, as text."""
-        from testbed.kernel import netlink
-
-        return netlink.qdisc_stats(device.netns_path, device.interface)
-
-    def qdisc_support(self) -> dict[str, bool]:
-        """Which qdiscs the devices' kernel can attach (see `testbed.kernel.support`)."""
-        from testbed.kernel.support import qdisc_support
-
-        return qdisc_support()
+    @functools.cached_property
+    def traffic_control(self) -> TrafficControl:
+        """What shapes the devices' links (`testbed.backends.traffic_control`), one per
+        backend: the run's links shape through it. Here: this host's kernel, in each
+        device's network namespace."""
+        return TrafficControl()
 
     def run(self, device: Device, argv: Sequence[str], timeout_s: float = 60.0) -> ExecResult:
         process = self.spawn(device, argv)

@@ -188,8 +188,9 @@ class Emulator(abc.ABC):
 
     def counters(self) -> dict[int, LinkCounters]:
         """Per rank, what its link carried so far (its egress qdisc's counter)."""
+        control = self.backend.traffic_control
         return {
-            device.rank: LinkCounters(qdisc_sent_bytes(self.backend.qdisc_stats(device)))
+            device.rank: LinkCounters(qdisc_sent_bytes(control.stats(device)))
             for device in self.devices
         }
 

@@ -200,7 +200,7 @@ class Links:
         state.impairment_seeds = dict(self.emulator.seeds)
         state.parameters = self._parameters(len(devices))
         for device in devices:
-            state.qdisc[device.rank] = self.backend.qdisc_stats(device)
+            state.qdisc[device.rank] = self.backend.traffic_control.stats(device)
         state.emulator_stats = self.emulator.stats()
         return state
 

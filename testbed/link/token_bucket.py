@@ -9,9 +9,9 @@ class leaf for the pair's, and on the ifb for the downlink's, where the kernel h
 `sch_netem` (this project's machines have not: those commands are held against Debian's
 kernel in the netem reference guest, `checks.guest`). The rates are shaped and
 probed first, the netems added after the probe; a trace's step changes rates and netem in
-place. The backend applies the plan (netlink into the device's namespace, or tc over ssh on
-a board). A bucket of two frames holds a bulk rate within 0.1 %, but lets a lone small
-message through at line rate.
+place. The backend's traffic control (`Backend.traffic_control`) applies the plan (netlink
+into the device's namespace, or tc over ssh on a board). A bucket of two frames holds a bulk
+rate within 0.1 %, but lets a lone small message through at line rate.
 """
 
 from __future__ import annotations
@@ -127,16 +127,16 @@ class TokenBucket(Emulator):
         statistics (`netem_counters`: its full queue's drops among the losses)."""
         counters = {}
         for device in self.devices:
-            text = self.backend.qdisc_stats(device)
+            text = self.backend.traffic_control.stats(device)
             netem = netem_counters(text)
             port = None if netem is None else {"frames": netem.passed, "lost": netem.dropped}
             counters[device.rank] = LinkCounters(qdisc_sent_bytes(text), port=port)
         return counters
 
     def _apply(self, plans: dict[int, ShapingPlan], in_place: bool, every: bool) -> None:
-        """Each device's plan through the backend: changed in place (a netem in the kernel
-        stays, idle where the plan has none: `keeping_netem`) or applied anew; on `every`
-        device, or on those whose plan differs from what their kernel has."""
+        """Each device's plan through the backend's traffic control: changed in place (a
+        netem in the kernel stays, idle where the plan has none: `keeping_netem`) or applied
+        anew; on `every` device, or on those whose plan differs from what their kernel has."""
         if in_place:
             for rank, applied in self.applied.items():
                 if applied.netem is not None and rank in plans:
@@ -144,8 +144,9 @@ class TokenBucket(Emulator):
         devices = self.devices
         if not every:
             devices = [d for d in devices if plans[d.rank] != self.applied.get(d.rank)]
+        control = self.backend.traffic_control
         apply: Callable[[Device, ShapingPlan], None]
-        apply = self.backend.change_rate if in_place else self.backend.shape
+        apply = control.change if in_place else control.apply
         self.backend.for_each(devices, lambda device: apply(device, plans[device.rank]))
         self.applied.update({device.rank: plans[device.rank] for device in devices})
 

@@ -351,7 +351,8 @@ class Runner:
         path = self.run_dir / "environment.json"
         facts = json.loads(path.read_text()) if path.is_file() else {}
         if not facts:
-            facts = environment.collect(backend, {"qdisc_support": backend.qdisc_support()})
+            support = backend.traffic_control.support()
+            facts = environment.collect(backend, {"qdisc_support": support})
         cpus = backend.cpu_plan
         facts.setdefault("by_devices", {})[str(count)] = {
             "start_s": round(self.start_s.get(count, 0.0), 3),

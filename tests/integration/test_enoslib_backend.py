@@ -198,7 +198,7 @@ provider = Provider.model_validate(json.loads(sys.argv[1]))
 with RunLock(run_id, run_dir), EnoslibBackend(run_id, run_dir, provider) as backend:
     plan = profile_plan(load_profile("ideal"), 5.0)
     for device in backend.start(DeviceSpec(count=2)):
-        backend.shape(device, plan)
+        backend.traffic_control.apply(device, plan)
         backend.spawn(device, ["sleep", "300"])
     print("ready", flush=True)
     time.sleep(300)

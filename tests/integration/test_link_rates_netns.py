@@ -86,7 +86,7 @@ def test_a_downlink_is_shaped_on_an_ifb(backend: LocalBackend, record_property):
         assert wire(state, "0->1") == pytest.approx(3.0, rel=TOLERANCE)  # device 1's downlink
         assert wire(state, "1->0") == pytest.approx(10.0, rel=TOLERANCE)  # unshaped downlink
         receiver = links.devices[1]
-        text = backend.qdisc_stats(receiver)
+        text = backend.traffic_control.stats(receiver)
         assert "qdisc ingress ffff:" in text, text
         sent = re.search(r"Sent (\d+) bytes", text)
         assert sent and int(sent.group(1)) > 0, text
@@ -109,7 +109,7 @@ def test_a_pair_cap_and_a_trace_step_change_in_place(backend: LocalBackend, reco
         record_property("after_step_wire_mbit", [round(capped, 3), round(back, 3)])
         assert capped == pytest.approx(2.0, rel=TOLERANCE)
         assert back == pytest.approx(5.0, rel=TOLERANCE)
-        assert "qdisc htb 1: root" in backend.qdisc_stats(sender)
+        assert "qdisc htb 1: root" in backend.traffic_control.stats(sender)
 
 
 def test_a_serial_downlink_slows_what_its_device_receives(backend: LocalBackend):
@@ -121,4 +121,4 @@ def test_a_serial_downlink_slows_what_its_device_receives(backend: LocalBackend)
         print(f"\nserial down: 0->1 {wire(state, '0->1'):.3f}, 1->0 {wire(state, '1->0'):.3f}")
         assert holds(state, "0->1", 3.0), state.emulator_stats
         assert holds(state, "1->0", 10.0), state.emulator_stats
-        assert "qdisc htb 1: root" in backend.qdisc_stats(links.devices[0])
+        assert "qdisc htb 1: root" in backend.traffic_control.stats(links.devices[0])

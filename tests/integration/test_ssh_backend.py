@@ -140,19 +140,20 @@ def test_shaped_rate_between_boards_is_on_target(lab: Lab, backends):
 
     backend = backends(lab.inventory())
     devices = backend.start(DeviceSpec(count=2, cpus=1))
-    support = backend.qdisc_support()
+    control = backend.traffic_control
+    support = control.support()
     assert support["tbf"] is True
     # an uplink's netem is a board's own to have or not: these kernels have none
     with pytest.raises(ShapingError, match="'wifi' needs netem's impairments"):
-        backend.shape(devices[0], profile_plan(load_profile("wifi"), RATE_MBIT))
+        control.apply(devices[0], profile_plan(load_profile("wifi"), RATE_MBIT))
     with pytest.raises(ShapingError, match="downlinks and pairs are not shaped on boards"):
-        backend.shape(
+        control.apply(
             devices[0], profile_plan(load_profile("ideal"), RATE_MBIT, hops=Hops(downlink_mbit=2))
         )
     plan = profile_plan(load_profile("ideal"), RATE_MBIT, support=support)
     for device in devices:
-        backend.shape(device, plan)
-        text = backend.qdisc_stats(device)
+        control.apply(device, plan)
+        text = control.stats(device)
         assert "qdisc tbf 1: root" in text and "rate 5Mbit" in text, text
     for sender, receiver in ((devices[0], devices[1]), (devices[1], devices[0])):
         wire_mbit = probe(backend, sender, receiver, probe_bytes(RATE_MBIT, 1.0)) * WIRE_PER_PAYLOAD
@@ -358,7 +359,7 @@ inventory = Inventory.model_validate(json.loads(sys.argv[1]))
 with SshBackend("interrupted", Path(sys.argv[2]), inventory) as backend:
     plan = profile_plan(load_profile("ideal"), 5.0)
     for device in backend.start(DeviceSpec(count=2)):
-        backend.shape(device, plan)
+        backend.traffic_control.apply(device, plan)
         backend.spawn(device, ["sleep", "300"])
     print("ready", flush=True)
     time.sleep(300)

@@ -57,6 +57,22 @@ def test_a_downlink_is_probed_from_its_fastest_sender_and_every_pair_on_its_own(
 # Links, with a backend that records instead of shaping ------------------------------------------
 
 
+class RecordingTrafficControl:
+    """Records each plan in `calls` (the backend's, which the probe shares) instead of shaping."""
+
+    def __init__(self, calls: list[tuple[str, int, object]]):
+        self.calls = calls
+
+    def apply(self, device, shaping) -> None:
+        self.calls.append(("shape", device.rank, shaping))
+
+    def change(self, device, shaping) -> None:
+        self.calls.append(("change", device.rank, shaping))
+
+    def stats(self, device) -> str:
+        return "qdisc tbf 1: root\n Sent 0 bytes 0 pkt"
+
+
 class RecordingBackend:
     name, python = "fake", "python"
     on_this_host = False  # no tc of its own to ask about netem's seed
@@ -66,19 +82,11 @@ class RecordingBackend:
 
         self.devices = [Device(r, f"d{r}", f"10.0.0.{r + 1}", "eth0", 1.0, 1) for r in range(count)]
         self.calls: list[tuple[str, int, object]] = []
+        self.traffic_control = RecordingTrafficControl(self.calls)
 
     def for_each(self, devices, action) -> None:
         for device in devices:
             action(device)
-
-    def shape(self, device, shaping) -> None:
-        self.calls.append(("shape", device.rank, shaping))
-
-    def change_rate(self, device, shaping) -> None:
-        self.calls.append(("change", device.rank, shaping))
-
-    def qdisc_stats(self, device) -> str:
-        return "qdisc tbf 1: root\n Sent 0 bytes 0 pkt"
 
 
 def test_links_shape_each_device_probe_each_direction_and_scale_in_place(monkeypatch) -> None:

@@ -25,24 +25,26 @@ Every command that `spawn` starts runs under a small Python launcher on the boar
 its own process group, reports its pid, and kills the group when its SSH channel closes, so a
 lost controller leaves no worker behind; `kill` sends SIGKILL to the group. Workers run in
 the board's run directory: `device_path` gives paths relative to it, and `collect` copies a
-worker's output folder back. Shaping renders `testbed.kernel.shaping`'s plan as `tc` commands (with
-`sudo -n` when not root); `stop` kills what runs, removes the qdiscs, restores the interface's
-offload settings and deletes the run directory, on every board, on success, error and Ctrl-C.
+worker's output folder back. Its traffic control (`traffic_control`) renders
+`testbed.kernel.shaping`'s plan as `tc` commands (with `sudo -n` when not root); `stop` kills
+what runs, removes the qdiscs, restores the interface's offload settings and deletes the run
+directory, on every board, on success, error and Ctrl-C.
 
-The pieces live in sibling modules: `ssh_session` (connecting with host keys checked,
-commands and SFTP on one board), `ssh_checks` (phase 2), `ssh_files` (the source archive and
-which files a board lacks), `ssh_scripts` (the Python programs run on a board) and
-`ssh_shaping` (tc, ip and ethtool as root, and what unshaping restores).
+The pieces live in sibling modules: `session` (connecting with host keys checked, commands
+and SFTP on one board), `checks` (phase 2), `files` (the source archive and which files a
+board lacks), `scripts` (the Python programs run on a board), `shaping` (tc, ip and ethtool as
+root, and what unshaping restores) and `traffic_control` (the plan as tc commands on each
+board, which the run's links use).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import posixpath
 import re
-import shlex
 import threading
 import time
 import uuid
@@ -73,19 +75,10 @@ from testbed.backends.ssh.session import (
     connect,
     shell_line,
 )
-from testbed.backends.ssh.shaping import probe_qdiscs, read_link_settings, run_as_root, unshape
-from testbed.errors import ConfigError, DeviceError, ShapingError, TestbedError
+from testbed.backends.ssh.shaping import unshape
+from testbed.backends.ssh.traffic_control import BoardTrafficControl
+from testbed.errors import ConfigError, DeviceError, TestbedError
 from testbed.experiment.resolved_fleet import worker_threads
-from testbed.kernel.interfaces import offload_argv
-from testbed.kernel.shaping import (
-    ShapingPlan,
-    change_argvs,
-    check_support,
-    clear_argv,
-    gso_argv,
-    tc_argv,
-)
-from testbed.kernel.support import PROBED_QDISCS
 
 if TYPE_CHECKING:
     from testbed.experiment.schema import Experiment
@@ -357,13 +350,13 @@ class SshBackend(Backend):
             self._sync_run_files([path])
         return self.device_path_of(path)
 
-    def _session(self, device: Device) -> BoardSession:
+    def session_of(self, device: Device) -> BoardSession:
         if not 0 <= device.rank < len(self.sessions) or self.sessions[device.rank].client is None:
             raise DeviceError(f"{device.name} is not a connected board of run {self.run_id}")
         return self.sessions[device.rank]
 
     def spawn(self, device: Device, argv: Sequence[str]) -> Process:
-        session = self._session(device)
+        session = self.session_of(device)
         argv = list(argv)
         if argv and argv[0] == self.python:
             argv[0] = session.board.python
@@ -380,7 +373,7 @@ class SshBackend(Backend):
 
     def collect(self, device: Device, host_path: Path) -> None:
         """Copies the board's copy of a run-directory folder back into `host_path`."""
-        session = self._session(device)
+        session = self.session_of(device)
         remote = posixpath.join(session.run_dir, self.device_path_of(host_path))
         try:
             count = session.get_tree(remote, Path(host_path))
@@ -393,58 +386,10 @@ class SshBackend(Backend):
 
     # shaping
 
-    def qdisc_support(self) -> dict[str, bool]:
-        """What every board's kernel can attach (a qdisc counts when all boards have it)."""
-        for session in self.sessions:
-            if session.support is None:
-                session.support = probe_qdiscs(session)
-        kinds = PROBED_QDISCS
-        return {kind: all(s.support and s.support[kind] for s in self.sessions) for kind in kinds}
-
-    def shape(self, device: Device, plan: ShapingPlan) -> None:
-        """The plan as `tc` commands on the board, after gso_max_segs 1 and offloads off."""
-        session = self._session(device)
-        if not plan.uplink_only:
-            raise ShapingError(
-                f"{session.board.label}: downlinks and pairs are not shaped on boards over ssh "
-                "(link.downlink_mbit, link.pair_mbit, link.downlink_impairments, "
-                "link.pair_impairments); only uplinks"
-            )
-        check_support(plan, self.qdisc_support())
-        interface = device.interface
-        if session.link_settings is None:
-            session.link_settings = read_link_settings(session, interface)
-            with self.record_lock:  # boards are shaped at once
-                leftovers.write(self.run_dir, self.inventory, self.sessions)
-        commands = [gso_argv(interface), offload_argv(interface)]
-        commands += [clear_argv(interface), *tc_argv(interface, plan)]
-        results = run_as_root(session, commands)
-        if not results[1].ok:
-            log.warning("%s: offloads left on: %s", session.board.label, results[1].tail(1))
-        must = [0, *range(3, len(commands))]  # [1] offloads may fail; [2] clears, maybe nothing
-        for argv, result in ((commands[i], results[i]) for i in must):
-            if not result.ok:
-                run_as_root(session, [clear_argv(interface)])  # no half-shaped link
-                raise ShapingError(
-                    f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
-                )
-
-    def change_rate(self, device: Device, plan: ShapingPlan) -> None:
-        """The plan's rate and netem changed in place (`change_argvs`)."""
-        session = self._session(device)
-        commands = change_argvs(device.interface, plan)
-        for argv, result in zip(commands, run_as_root(session, commands), strict=True):
-            if not result.ok:
-                raise ShapingError(
-                    f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
-                )
-
-    def qdisc_stats(self, device: Device) -> str:
-        session = self._session(device)
-        result = session.execute(["tc", "-s", "qdisc", "show", "dev", device.interface])
-        if not result.ok:
-            raise ShapingError(f"{session.board.label}: reading qdisc statistics: {result.tail(1)}")
-        return result.stdout
+    @functools.cached_property
+    def traffic_control(self) -> BoardTrafficControl:
+        """`tc` over SSH on each board (`testbed.backends.ssh.traffic_control`)."""
+        return BoardTrafficControl(self)
 
     # teardown
 
