@@ -16,13 +16,15 @@
 #   make accuracy-fashion  the study on Fashion-MNIST (Debian's package; Tables III, VI, VII
 #                     and Fig. 9), real images nobody here made
 #   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
+#                     in two passes (scripts/run-tests): side by side, then what runs alone
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
 #   make docker-up    start the Docker engine if it is not answering (needs root)
 #   make clean        remove the venv and Python caches (keeps .cache/: base rootfs, wheelhouse)
 #   make distclean    clean, and remove .cache/ too
 #
-# Variables: PYTHON (interpreter that creates the venv), PYTEST_ARGS, IMAGE_ARGS
+# Variables: PYTHON (interpreter that creates the venv), PYTEST_ARGS, TEST_JOBS (make test's
+# first pass: processes side by side), IMAGE_ARGS
 # (e.g. IMAGE_ARGS='--mirror http://deb.debian.org/debian' on a host that is not Debian or
 # Ubuntu; '--base IMAGE --pull' to use, and pull, a remote base with python3 3.11+ on glibc).
 
@@ -32,6 +34,7 @@ VENV_PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 PYTEST_ARGS ?=
+TEST_JOBS ?= 2
 IMAGE_ARGS ?=
 
 .DEFAULT_GOAL := test
@@ -61,7 +64,7 @@ $(DEV_STAMP): $(VENV_STAMP)
 
 test: dev-venv
 	scripts/host-setup --for-tests
-	$(VENV_PY) -m pytest $(PYTEST_ARGS)
+	VENV_PY=$(VENV_PY) TEST_JOBS=$(TEST_JOBS) scripts/run-tests $(PYTEST_ARGS)
 
 lint: dev-venv
 	$(VENV)/bin/ruff check .

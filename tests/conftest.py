@@ -161,6 +161,33 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"host: measured again: {line}")
 
 
+# Unit tests that hold a duration to a bound: beside other tests they would measure the host
+# (make test's first pass runs tests side by side). Every integration test runs alone too.
+ALONE = (
+    "tests/integration/",  # real devices, links, boards, guests: they time what they carry
+    "tests/unit/test_virtual_time.py",  # the host's busy cores; warm-ups taking turns
+    "tests/unit/test_probe.py",  # real transfers' rates and receive timestamps
+    "tests/unit/test_codec.py::test_pack_is_fast",
+)
+
+
+def alone(nodeid: str) -> bool:
+    """Whether the test `nodeid` is one ALONE names (a folder, a file, or a test with all its
+    parameters)."""
+    return any(
+        nodeid.startswith(prefix)
+        and (prefix.endswith("/") or nodeid[len(prefix) :][:1] in ("", ":", "["))
+        for prefix in ALONE
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks `alone` (make test's second pass, one at a time) what ALONE names."""
+    for item in items:
+        if alone(item.nodeid):
+            item.add_marker(pytest.mark.alone)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Gates marked tests even when they use none of the fixtures below."""
     if item.get_closest_marker("docker") is not None:
