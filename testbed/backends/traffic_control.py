@@ -12,30 +12,47 @@ SSH: `testbed.backends.ssh.traffic_control`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from testbed.backends.base import Device
     from testbed.kernel.shaping import ShapingPlan
+
+
+class Shaped(Protocol):
+    """What traffic control needs of a device (`testbed.backends.base.Device` has it): its rank
+    and name, the interface that carries its traffic and the host path of its network
+    namespace."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def interface(self) -> str: ...
+
+    @property
+    def netns_path(self) -> str | None: ...
 
 
 class TrafficControl:
     """The qdiscs of devices on this host, through netlink in each device's namespace
     (`testbed.kernel.netlink`)."""
 
-    def apply(self, device: Device, plan: ShapingPlan) -> None:
+    def apply(self, device: Shaped, plan: ShapingPlan) -> None:
         """Shapes the device's egress as planned (replacing any earlier plan)."""
         from testbed.kernel import netlink
 
         netlink.apply(device.netns_path, device.interface, plan, self.support())
 
-    def change(self, device: Device, plan: ShapingPlan) -> None:
+    def change(self, device: Shaped, plan: ShapingPlan) -> None:
         """Changes the rate of the device's shaped egress in place (`netlink.change`)."""
         from testbed.kernel import netlink
 
         netlink.change(device.netns_path, device.interface, plan)
 
-    def stats(self, device: Device) -> str:
+    def stats(self, device: Shaped) -> str:
         """`tc -s qdisc show` of the device's interface, as text."""
         from testbed.kernel import netlink
 

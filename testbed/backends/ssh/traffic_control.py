@@ -11,28 +11,43 @@ from __future__ import annotations
 
 import logging
 import shlex
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from testbed.backends.ssh import leftovers
 from testbed.backends.ssh.shaping import probe_qdiscs, read_link_settings, run_as_root
-from testbed.backends.traffic_control import TrafficControl
+from testbed.backends.traffic_control import Shaped, TrafficControl
 from testbed.errors import ShapingError
 from testbed.kernel.interfaces import offload_argv
 from testbed.kernel.shaping import change_argvs, check_support, clear_argv, gso_argv, tc_argv
 from testbed.kernel.support import PROBED_QDISCS
 
 if TYPE_CHECKING:
-    from testbed.backends.base import Device
-    from testbed.backends.ssh.backend import SshBackend
+    import threading
+    from pathlib import Path
+
+    from testbed.backends.ssh.inventory import Inventory
+    from testbed.backends.ssh.session import BoardSession
     from testbed.kernel.shaping import ShapingPlan
 
 log = logging.getLogger(__name__)
 
 
+class Boards(Protocol):
+    """What traffic control needs of an ssh backend (`SshBackend` has it): its boards'
+    sessions, the run's record of what it changed on them, and that record's lock."""
+
+    sessions: list[BoardSession]
+    run_dir: Path
+    inventory: Inventory
+    record_lock: threading.Lock
+
+    def session_of(self, device: Shaped) -> BoardSession: ...
+
+
 class BoardTrafficControl(TrafficControl):
     """The qdiscs of the boards of one ssh backend, through its SSH sessions."""
 
-    def __init__(self, backend: SshBackend):
+    def __init__(self, backend: Boards):
         self.backend = backend
 
     def support(self) -> dict[str, bool]:
@@ -44,7 +59,7 @@ class BoardTrafficControl(TrafficControl):
         kinds = PROBED_QDISCS
         return {kind: all(s.support and s.support[kind] for s in sessions) for kind in kinds}
 
-    def apply(self, device: Device, plan: ShapingPlan) -> None:
+    def apply(self, device: Shaped, plan: ShapingPlan) -> None:
         """The plan as `tc` commands on the board, after gso_max_segs 1 and offloads off."""
         backend = self.backend
         session = backend.session_of(device)
@@ -73,7 +88,7 @@ class BoardTrafficControl(TrafficControl):
                     f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
                 )
 
-    def change(self, device: Device, plan: ShapingPlan) -> None:
+    def change(self, device: Shaped, plan: ShapingPlan) -> None:
         """The plan's rate and netem changed in place (`change_argvs`)."""
         session = self.backend.session_of(device)
         commands = change_argvs(device.interface, plan)
@@ -83,7 +98,7 @@ class BoardTrafficControl(TrafficControl):
                     f"{session.board.label}: `{shlex.join(argv)}` failed: {result.tail(2)}"
                 )
 
-    def stats(self, device: Device) -> str:
+    def stats(self, device: Shaped) -> str:
         session = self.backend.session_of(device)
         result = session.execute(["tc", "-s", "qdisc", "show", "dev", device.interface])
         if not result.ok:
