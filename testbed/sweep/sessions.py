@@ -35,7 +35,7 @@ from testbed.link.emulator import LinkCounters, PortCounts, port_counts
 from testbed.link.links import LinkState
 from testbed.link.replay import TraceReplay
 from testbed.results.facts import AppliedEvent, HostSessionFacts
-from testbed.results.store import write_text
+from testbed.results.store import write_atomic, write_text
 from testbed.sweep import stretch_costs
 from testbed.sweep.bundles import RunFiles
 from testbed.sweep.plan import Trial, fleet_label, impairment_label
@@ -300,7 +300,7 @@ def run_session(
     for device in devices:
         outs[device.rank].mkdir(parents=True, exist_ok=True)
         spec = device_spec(backend, experiment, session, device, devices, outs[device.rank])
-        path = spec.write(outs[device.rank] / "spec.json")
+        path = write_atomic(outs[device.rank] / "spec.json", spec.write)  # a full disk: named
         argvs.append([backend.python, "-m", "devices.worker", backend.device_path(path)])
     before = links.counters()
     started, started_ns = time.monotonic(), time.time_ns()
