@@ -16,7 +16,7 @@
 #   make accuracy-fashion  the study on Fashion-MNIST (Debian's package; Tables III, VI, VII
 #                     and Fig. 9), real images nobody here made
 #   make test         create .venv with the dev tools (once per pyproject.toml change), run pytest
-#                     in two passes (scripts/run-tests): side by side, then what runs alone
+#                     in two passes (scripts/run-tests): what runs alone, then side by side
 #   make lint         ruff check + ruff format --check
 #   make image        build trace-testbed/worker:latest without any registry
 #   make docker-up    start the Docker engine if it is not answering (needs root)
