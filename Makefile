@@ -24,7 +24,7 @@
 #   make distclean    clean, and remove .cache/ too
 #
 # Variables: PYTHON (interpreter that creates the venv), PYTEST_ARGS, TEST_JOBS (make test's
-# first pass: processes side by side), IMAGE_ARGS
+# second pass: processes side by side), IMAGE_ARGS
 # (e.g. IMAGE_ARGS='--mirror http://deb.debian.org/debian' on a host that is not Debian or
 # Ubuntu; '--base IMAGE --pull' to use, and pull, a remote base with python3 3.11+ on glibc).
 

@@ -162,7 +162,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 # Unit tests that hold a duration to a bound: beside other tests they would measure the host
-# (make test's first pass runs tests side by side). Every integration test runs alone too.
+# (make test's second pass runs tests side by side). Every integration test runs alone too.
 ALONE = (
     "tests/integration/",  # real devices, links, boards, guests: they time what they carry
     "tests/unit/test_virtual_time.py",  # the host's busy cores; warm-ups taking turns
@@ -182,7 +182,7 @@ def alone(nodeid: str) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks `alone` (make test's second pass, one at a time) what ALONE names."""
+    """Marks `alone` (make test's first pass, one at a time) what ALONE names."""
     for item in items:
         if alone(item.nodeid):
             item.add_marker(pytest.mark.alone)
