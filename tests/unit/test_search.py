@@ -74,7 +74,8 @@ def test_rows_between_two_codewords_are_rescored_exactly(monkeypatch):
 
 def test_equidistant_random_codewords_fall_back_to_the_full_search():
     generator = torch.Generator().manual_seed(2)
-    rows, codewords = torch.randn(200, 512, generator=generator), torch.randn(1024, 512)
+    rows = torch.randn(200, 512, generator=generator)
+    codewords = torch.randn(1024, 512, generator=generator)
     search = CodewordSearch(codewords)
     calls = []
     full = CodewordSearch.full
