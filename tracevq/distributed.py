@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from tracevq.bundle import Bundle
 from tracevq.models import VisionTransformer
-from tracevq.partition import partition_ranges
+from tracevq.partition import device_layout, partition_ranges
 from tracevq.spec import MethodSpec, method_spec
 from tracevq.tree import CodebookTree
 from tracevq.vq import VectorQuantizer
@@ -74,11 +74,10 @@ class ExactCodec(nn.Module):
 def distributed_logits(
     model: VisionTransformer,
     images: Tensor,
-    devices: int,
+    devices: int | Sequence[int],
     method: str | MethodSpec,
     codec: nn.Module | None = None,
     probe: list[tuple[Tensor, Tensor]] | None = None,
-    sizes: Sequence[int] | None = None,
     **params: object,
 ) -> Tensor:
     """Device 0's logits (B, classes) when `devices` devices run `method` with `codec`
@@ -86,11 +85,11 @@ def distributed_logits(
     method's default when absent, and trace-nb's remote_ffn).
 
     `probe`, if given, receives per block the pair (exact [K; V], remote view of [K; V]) of
-    every token, each (B, H, N, 2d), for diagnostics. `sizes`: every device's tokens
-    (tracevq.partition; default even)."""
+    every token, each (B, H, N, 2d), for diagnostics. `devices`: how many, split evenly, or
+    every device's tokens (tracevq.partition)."""
     spec = method if isinstance(method, MethodSpec) else method_spec(method, **params)
     view = spec.entry.implementation_class().receiver_view(spec, model, codec)
-    ranges = partition_ranges(model.config.tokens, devices, sizes)
+    ranges = partition_ranges(model.config.tokens, *device_layout(devices))
     x = model.embed(images)  # (B, N, D), token t as computed on its own device
     z: Tensor | None = None  # post-attention residual of the previous block
     previous: Tensor | None = None  # block input of the previous block

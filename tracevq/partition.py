@@ -68,6 +68,14 @@ def ranges_of(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return ranges
 
 
+def device_layout(devices: int | Sequence[int]) -> tuple[int, list[int] | None]:
+    """(how many devices, every device's tokens or None for even) of a count of devices or
+    of a partition given as every device's tokens."""
+    if isinstance(devices, int):
+        return devices, None
+    return len(devices), list(devices)
+
+
 def partition_ranges(
     tokens: int, devices: int, sizes: Sequence[int] | None = None
 ) -> list[tuple[int, int]]:

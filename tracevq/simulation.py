@@ -15,6 +15,7 @@ from tracevq.engine import DeviceRun
 from tracevq.errors import ConfigError
 from tracevq.methods import Method, make_method
 from tracevq.models import VisionTransformer
+from tracevq.partition import device_layout
 
 
 @dataclass
@@ -34,10 +35,9 @@ def simulate(
     model: VisionTransformer,
     inputs: Tensor,
     method: str | Method = "voltage",
-    devices: int = 2,
+    devices: int | Sequence[int] = 2,
     bundle: Bundle | None = None,
     levels: Sequence[int] | None = None,
-    sizes: Sequence[int] | None = None,
     **method_params: object,
 ) -> SimulationResult:
     """Run `method` on `devices` simulated devices; the messages are the real wire bytes.
@@ -45,8 +45,9 @@ def simulate(
     One device runs the same engine with no peers: nothing is sent. `single` is refused at
     more than one device (tracevq.engine.DeviceRun). `levels`: per device, the tree level a
     Trace method encodes its messages at (devices of a session that chose differently; each
-    receiver decodes at the level in the message's header); `sizes`: every device's tokens
-    (tracevq.partition; default even)."""
+    receiver decodes at the level in the message's header). `devices`: how many, split
+    evenly, or every device's tokens (tracevq.partition)."""
+    devices, sizes = device_layout(devices)
     if not isinstance(method, Method):
         method = make_method(method, model, bundle, **method_params)
     if levels is not None and (len(levels) != devices or not method.spec.is_trace):

@@ -336,7 +336,7 @@ def test_voltage_with_an_unequal_partition_is_the_single_device_model(sizes):
     x = torch.randn(model.config.input_shape(1), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         single = model(x)
-        result = tracevq.simulate(model, x, "voltage", len(sizes), sizes=sizes)
+        result = tracevq.simulate(model, x, "voltage", sizes)
     torch.testing.assert_close(result.logits, single, atol=1e-5, rtol=1e-5)
 
 
@@ -346,7 +346,7 @@ def test_payload_bits_per_device_follow_an_unequal_partition(
     model, bundle, inputs, method, params, sizes
 ):
     devices, depth = len(sizes), model.config.depth
-    result = tracevq.simulate(model, inputs, method, devices, bundle=bundle, sizes=sizes, **params)
+    result = tracevq.simulate(model, inputs, method, sizes, bundle=bundle, **params)
     analytic = tracevq.payload_bits("vit-tiny", method, devices, batch=3, sizes=sizes, **params)
     spec = tracevq.spec.method_spec(method, **params)
     if method == "voltage":  # every token's activations, fp32, batch of 3
@@ -359,10 +359,8 @@ def test_payload_bits_per_device_follow_an_unequal_partition(
 
 @pytest.mark.parametrize("sizes", UNEQUAL[2:])
 def test_trace_b_buffers_are_exact_at_an_unequal_partition(model, bundle, inputs, sizes):
-    on = tracevq.simulate(model, inputs, "trace-b", 3, bundle=bundle, K=K, sizes=sizes)
-    off = tracevq.simulate(
-        model, inputs, "trace-b", 3, bundle=bundle, K=K, sizes=sizes, buffers=False
-    )
+    on = tracevq.simulate(model, inputs, "trace-b", sizes, bundle=bundle, K=K)
+    off = tracevq.simulate(model, inputs, "trace-b", sizes, bundle=bundle, K=K, buffers=False)
     torch.testing.assert_close(on.logits, off.logits, atol=1e-5, rtol=1e-5)
 
 

@@ -552,7 +552,7 @@ def test_an_unequal_partition_at_half_speed_matches_the_simulation(tmp_path, mod
     for case in cases:
         method, params = METHODS[case]
         torch.set_num_threads(1)
-        reference = tracevq.simulate(model, inputs, method, 3, bundle=bundle, sizes=sizes, **params)
+        reference = tracevq.simulate(model, inputs, method, sizes, bundle=bundle, **params)
         logits = np.load(tmp_path / "device0" / "logits" / f"{case}.npy")
         np.testing.assert_allclose(logits[0], reference.logits, atol=1e-5, rtol=0, err_msg=case)
         for rank, device in enumerate(records):
