@@ -162,23 +162,42 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 # Unit tests that hold a duration to a bound: beside other tests they would measure the host
-# (make test's second pass runs tests side by side). Every integration test runs alone too.
+# (make test's second pass runs tests side by side). Every integration test runs alone too,
+# but for those TOGETHER names.
 ALONE = (
     "tests/integration/",  # real devices, links, boards, guests: they time what they carry
     "tests/unit/test_virtual_time.py",  # the host's busy cores; warm-ups taking turns
     "tests/unit/test_probe.py",  # real transfers' rates and receive timestamps
     "tests/unit/test_codec.py::test_pack_is_fast",
 )
+# Integration tests that time nothing but how soon a failure ends a run (tens of seconds
+# against a receive timeout of minutes): lifecycles, faults, refusals, images. They run side
+# by side; separate runs are isolated by their run ids (test_faults' two runs at once say so).
+# test_clean_netns stays alone: its `clean()` without a run id would see the others' runs.
+TOGETHER = (
+    "tests/integration/test_faults.py",
+    "tests/integration/test_run.py::test_a_failing_trial_is_recorded_and_resume_reruns_only_it",
+    "tests/integration/test_run.py::test_interrupt_removes_devices_and_keeps_finished_trials",
+    "tests/integration/test_run_secret.py",
+    "tests/integration/test_local_backend.py",
+    "tests/integration/test_image.py",
+    "tests/integration/test_compose.py",
+)
 
 
-def alone(nodeid: str) -> bool:
-    """Whether the test `nodeid` is one ALONE names (a folder, a file, or a test with all its
+def named(nodeid: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether `nodeid` is one of `prefixes` (a folder, a file, or a test with all its
     parameters)."""
     return any(
         nodeid.startswith(prefix)
         and (prefix.endswith("/") or nodeid[len(prefix) :][:1] in ("", ":", "["))
-        for prefix in ALONE
+        for prefix in prefixes
     )
+
+
+def alone(nodeid: str) -> bool:
+    """Whether the test `nodeid` runs in make test's first pass, one at a time."""
+    return named(nodeid, ALONE) and not named(nodeid, TOGETHER)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
