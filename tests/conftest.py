@@ -201,7 +201,8 @@ def alone(nodeid: str) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks `alone` (make test's first pass, one at a time) what ALONE names."""
+    """Marks `alone` (make test's first pass, one at a time) what ALONE names and TOGETHER
+    does not."""
     for item in items:
         if alone(item.nodeid):
             item.add_marker(pytest.mark.alone)
